@@ -1,0 +1,1 @@
+"""The chunked PyTorch tier: any device, autograd through PyTorch."""

@@ -1,0 +1,1 @@
+"""Shared machinery: validation, varlen layout, gate math, references, dispatch."""

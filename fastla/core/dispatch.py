@@ -1,0 +1,99 @@
+"""The one place that picks the tier serving a call.
+
+Tiers, fastest first: ``gluon`` (Hopper sm_90 kernels), ``triton`` (portable CUDA
+kernels), ``torch`` (the chunked PyTorch tier, any device). Each tier registers, per
+public op, a ``supports(problem) -> str | None`` check (``None`` means it can serve; a
+string says why not) and an implementation. ``FASTLA_BACKEND=torch|triton|gluon`` (or
+:func:`use_tier`) makes a tier the first one tried; a tier that cannot serve a call
+logs its reason once and the next tier serves it. ``torch`` serves every call.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+logger = logging.getLogger("fastla")
+
+TIERS = ("gluon", "triton", "torch")
+
+
+@dataclass(frozen=True)
+class TierImpl:
+    supports: Callable[[object], str | None]
+    run: Callable[..., object]
+
+
+_REGISTRY: dict[tuple[str, str], TierImpl] = {}
+_LOGGED: set[tuple[str, str, str]] = set()
+_forced: list[str] = []
+
+
+def register(op: str, tier: str, supports: Callable[[object], str | None]):
+    """Decorator: register ``fn`` as tier ``tier``'s implementation of ``op``."""
+    if tier not in TIERS:
+        raise ValueError(f"unknown tier {tier!r}; expected one of {TIERS}")
+
+    def wrap(fn):
+        _REGISTRY[(op, tier)] = TierImpl(supports, fn)
+        return fn
+
+    return wrap
+
+
+def requested_tier() -> str | None:
+    """The tier forced by :func:`use_tier` or ``FASTLA_BACKEND`` (None: automatic)."""
+    if _forced:
+        return _forced[-1]
+    env = os.environ.get("FASTLA_BACKEND", "").strip().lower()
+    if env and env not in TIERS:
+        raise ValueError(f"FASTLA_BACKEND must be one of {TIERS}, got {env!r}")
+    return env or None
+
+
+@contextlib.contextmanager
+def use_tier(tier: str):
+    """Within the block, try ``tier`` first (as ``FASTLA_BACKEND`` does)."""
+    if tier not in TIERS:
+        raise ValueError(f"tier must be one of {TIERS}, got {tier!r}")
+    _forced.append(tier)
+    try:
+        yield
+    finally:
+        _forced.pop()
+
+
+def candidate_order() -> tuple[str, ...]:
+    first = requested_tier()
+    if first is None:
+        return TIERS
+    return TIERS[TIERS.index(first):]
+
+
+def explain(op: str, problem) -> list[tuple[str, str | None]]:
+    """For each tier in the order tried: ``(tier, reason it cannot serve or None)``."""
+    out = []
+    for tier in candidate_order():
+        impl = _REGISTRY.get((op, tier))
+        reason = "not implemented in this tier yet" if impl is None else impl.supports(problem)
+        out.append((tier, reason))
+    return out
+
+
+def select(op: str, problem) -> tuple[str, TierImpl]:
+    """The first tier able to serve ``problem``; logs each skipped tier's reason once."""
+    for tier, reason in explain(op, problem):
+        if reason is None:
+            return tier, _REGISTRY[(op, tier)]
+        key = (op, tier, reason)
+        if key not in _LOGGED:
+            _LOGGED.add(key)
+            logger.info("fastla: %s tier cannot serve %s (%s); trying the next tier", tier, op, reason)
+    raise RuntimeError(f"no fastla tier can serve {op}")  # unreachable: torch serves every call
+
+
+def run(op: str, problem):
+    tier, impl = select(op, problem)
+    return impl.run(problem)

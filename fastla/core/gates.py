@@ -1,0 +1,74 @@
+"""Gate, beta and normalisation math, in one place for every tier and reference.
+
+All functions are plain differentiable PyTorch and compute in float32 unless the
+input is float64 (the references run them in float64).
+
+Log-decay conventions (natural log, ``g <= 0``):
+
+- GDN, computed in the op: ``g = -exp(A_log[h]) * softplus(g_raw + dt_bias[h])``,
+  ``A_log, dt_bias: [HV]``.
+- KDA, computed in the op: ``g = -exp(A_log[h]) * softplus(g_raw + dt_bias[h, :])``,
+  ``A_log: [HV]``, ``dt_bias: [HV * K]`` viewed as ``[HV, K]``.
+- KDA with ``lower_bound``: ``g = lower_bound * sigmoid(exp(A_log[h]) * (g_raw + dt_bias))``
+  (``A_log`` optional: without it ``lower_bound * sigmoid(g_raw + dt_bias)``), so that
+  ``g`` stays in ``[lower_bound, 0)``.
+- Lightning attention: the constant per-head decay
+  ``g_gamma[h] = -(8 / H) * (1 - layer_idx / num_layers) * h``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+L2NORM_EPS = 1e-6
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """float64 stays float64 (references); everything else computes in float32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def l2norm(x: torch.Tensor) -> torch.Tensor:
+    """``x / sqrt(sum(x^2) + 1e-6)`` over the last dim, as FLA's in-kernel l2norm."""
+    x = x.to(compute_dtype(x))
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
+
+
+def beta_activation(beta: torch.Tensor, allow_neg_eigval: bool) -> torch.Tensor:
+    """``sigmoid(beta)``, times 2 when negative eigenvalues are allowed."""
+    b = torch.sigmoid(beta.to(compute_dtype(beta)))
+    return b * 2.0 if allow_neg_eigval else b
+
+
+def gdn_gate(g_raw: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None) -> torch.Tensor:
+    """GDN scalar gate. ``g_raw: [..., HV]`` -> log decay ``[..., HV]``."""
+    dt = compute_dtype(g_raw)
+    x = g_raw.to(dt)
+    if dt_bias is not None:
+        x = x + dt_bias.to(dt)
+    return -torch.exp(A_log.to(dt)) * F.softplus(x)
+
+
+def kda_gate(
+    g_raw: torch.Tensor,
+    A_log: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    lower_bound: float | None,
+) -> torch.Tensor:
+    """KDA per-channel gate. ``g_raw: [..., HV, K]`` -> log decay ``[..., HV, K]``."""
+    HV, K = g_raw.shape[-2:]
+    dt = compute_dtype(g_raw)
+    x = g_raw.to(dt)
+    if dt_bias is not None:
+        x = x + dt_bias.to(dt).view(HV, K)
+    if lower_bound is None:
+        return -torch.exp(A_log.to(dt)).view(HV, 1) * F.softplus(x)
+    if A_log is not None:
+        x = torch.exp(A_log.to(dt)).view(HV, 1) * x
+    return lower_bound * torch.sigmoid(x)
+
+
+def lightning_g_gamma(num_heads: int, layer_idx: int, num_layers: int, device) -> torch.Tensor:
+    """Lightning attention's constant per-head log decay ``[H]`` (float32)."""
+    slope = 8.0 / num_heads * (1.0 - layer_idx / num_layers)
+    return -slope * torch.arange(num_heads, dtype=torch.float32, device=device)

@@ -1,0 +1,38 @@
+"""``fused_recurrent_simple_gla``: Simple GLA decode (FLA 0.6.0's API, plus the serving pool keywords)."""
+from __future__ import annotations
+
+import torch
+
+from fastla.core import dispatch
+from fastla.core.validation import build_problem, resolve_state_layout
+
+
+def fused_recurrent_simple_gla(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor | None = None,
+    g_gamma: torch.Tensor | None = None,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    reverse: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+    *,
+    cu_seqlens_cpu: torch.LongTensor | None = None,
+    ssm_state_indices: torch.Tensor | None = None,
+    num_accepted_tokens: torch.Tensor | None = None,
+    disable_state_update: bool = False,
+    transpose_state_layout: bool | None = None,
+):
+    r"""Token-by-token Simple GLA. Arguments as ``chunk_simple_gla`` and ``fused_recurrent_gla``."""
+    state_v_first = resolve_state_layout(state_v_first, transpose_state_layout)
+    problem = build_problem(
+        "fused_recurrent_simple_gla", q=q, k=k, v=v, g=g, g_gamma=g_gamma, delta=False, gva=False, scale=scale,
+        initial_state=initial_state, output_final_state=output_final_state, state_v_first=state_v_first,
+        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, reverse=reverse,
+        ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
+        disable_state_update=disable_state_update,
+    )
+    return dispatch.run("fused_recurrent_simple_gla", problem)
