@@ -1,0 +1,43 @@
+"""The dispatcher: FASTLA_BACKEND forces the first tier tried; a tier that cannot serve a
+call logs its reason once and the next tier serves it."""
+import logging
+
+import pytest
+import torch
+
+from fastla.core import dispatch
+from fastla.ops.simple_gla import chunk_simple_gla
+
+
+def _call():
+    return chunk_simple_gla(torch.randn(1, 8, 1, 4), torch.randn(1, 8, 1, 4), torch.randn(1, 8, 1, 4))
+
+
+def test_torch_serves_on_cpu(monkeypatch):
+    monkeypatch.delenv("FASTLA_BACKEND", raising=False)
+    tiers = dict(dispatch.explain("chunk_simple_gla", None))
+    assert tiers["torch"] is None
+
+
+def test_forced_tier_falls_through_with_one_log_line(monkeypatch, caplog):
+    monkeypatch.setenv("FASTLA_BACKEND", "triton")
+    dispatch._LOGGED.clear()
+    with caplog.at_level(logging.INFO, logger="fastla"):
+        _call()
+        _call()
+    lines = [r.getMessage() for r in caplog.records if "triton tier cannot serve chunk_simple_gla" in r.getMessage()]
+    assert len(lines) == 1, lines
+
+
+def test_bad_backend_name(monkeypatch):
+    monkeypatch.setenv("FASTLA_BACKEND", "cuda")
+    with pytest.raises(ValueError, match="FASTLA_BACKEND"):
+        _call()
+
+
+def test_use_tier_context():
+    with dispatch.use_tier("torch"):
+        assert dispatch.candidate_order() == ("torch",)
+    with pytest.raises(ValueError):
+        with dispatch.use_tier("cutlass"):
+            pass

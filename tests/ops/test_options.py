@@ -1,0 +1,158 @@
+"""Options computed inside the ops (gates, l2norm, beta sigmoid), the intermediate states,
+and the chunk sizes, each against the fp64 reference."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastla.ops.gated_delta_rule import chunk_gated_delta_rule, naive_recurrent_gated_delta_rule
+from fastla.ops.kda import chunk_kda, naive_recurrent_kda
+from fastla.ops.simple_gla import chunk_simple_gla, naive_recurrent_simple_gla
+from tests.helpers import OPS, as_leaves, assert_close, call_chunk, call_reference, make_inputs
+from tests.ops.test_chunk_vs_reference import check_against_reference
+
+
+def _raw_inputs(B, T, H, HV, K, V, channel: bool):
+    t = {
+        "q": torch.randn(B, T, H, K) * 3,
+        "k": torch.randn(B, T, H, K) * 3,
+        "v": torch.randn(B, T, HV, V),
+        "g": torch.randn(B, T, HV, K) if channel else torch.randn(B, T, HV),
+        "beta": torch.randn(B, T, HV),
+        "initial_state": torch.randn(B, HV, K, V),
+    }
+    params = {"A_log": torch.randn(HV) * 0.5, "dt_bias": torch.randn(HV * K if channel else HV)}
+    return t, params
+
+
+def _check_with_params(fast, ref, t, params, **opts):
+    """Like check_against_reference, also checking dA_log and ddt_bias."""
+    leaves = as_leaves({**t, **params})
+    o, ht = fast(**leaves, output_final_state=True, **opts)[:2]
+    do, dht = torch.randn_like(o), torch.randn_like(ht)
+    ((o * do).sum() + (ht * dht).sum()).backward()
+    rleaves = as_leaves({**t, **params}, torch.float64)
+    q, k, v = rleaves.pop("q"), rleaves.pop("k"), rleaves.pop("v")
+    ro, rht = ref(q, k, v, **rleaves, output_final_state=True, **opts)
+    ((ro * do.double()).sum() + (rht * dht.double()).sum()).backward()
+    rleaves.update(q=q, k=k, v=v)
+    assert_close("o", o, ro, 2e-5)
+    assert_close("final_state", ht, rht, 2e-5)
+    for name, x in leaves.items():
+        assert_close(f"d{name}", x.grad, rleaves[name].grad, 2e-4)
+
+
+@pytest.mark.parametrize("neg", [False, True])
+@pytest.mark.parametrize("HV", [2, 6])
+def test_gdn_everything_in_op(neg, HV):
+    t, params = _raw_inputs(1, 90, 2, HV, 32, 32, channel=False)
+    _check_with_params(chunk_gated_delta_rule, naive_recurrent_gated_delta_rule, t, params,
+                       use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True,
+                       use_beta_sigmoid_in_kernel=True, allow_neg_eigval=neg)
+
+
+@pytest.mark.parametrize("lower_bound,with_A", [(None, True), (-5.0, True), (-5.0, False), (-1.0, True)])
+def test_kda_gate_in_op(lower_bound, with_A):
+    t, params = _raw_inputs(1, 90, 2, 4, 32, 32, channel=True)
+    if not with_A:
+        params.pop("A_log")
+    _check_with_params(chunk_kda, naive_recurrent_kda, t, params, use_gate_in_kernel=True,
+                       use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                       safe_gate=lower_bound is not None, lower_bound=lower_bound)
+
+
+def test_kda_lower_bound_keeps_gate_in_range():
+    from fastla.core.gates import kda_gate
+    g = kda_gate(torch.randn(4, 3, 8) * 50, torch.randn(3), torch.randn(24), -5.0)
+    assert g.min() >= -5.0 and g.max() <= 0.0
+
+
+@pytest.mark.parametrize("op", ["gdn", "kda"])
+@pytest.mark.parametrize("varlen", [False, True])
+def test_intermediate_states(op, varlen):
+    """h[:, c] is the state before chunk c: the reference's final state on the prefix."""
+    spec = OPS[op]
+    lengths = [70, 1, 130] if varlen else [150, 150]
+    C = 64
+    if varlen:
+        t = make_inputs(spec, B=1, T=sum(lengths), H=2, HV=4, K=32, V=16, N=len(lengths))
+        cu = torch.tensor([0, 70, 71, 201])
+        opts = {"cu_seqlens": cu}
+    else:
+        t = make_inputs(spec, B=2, T=150, H=2, HV=4, K=32, V=16)
+        opts = {}
+    with torch.inference_mode():
+        o, ht, h = call_chunk(spec, t, output_final_state=True, return_intermediate_states=True, **opts)
+    counts = [-(-n // C) for n in lengths]
+    assert h.shape == ((1, sum(counts)) if varlen else (2, counts[0])) + (4, 32, 16)
+    assert h.dtype == t["k"].dtype
+    starts = [0, 70, 71] if varlen else [0, 0]
+    row = 0
+    for n, (n_len, n_chunks) in enumerate(zip(lengths, counts)):
+        for c in range(n_chunks):
+            got = h[0, row] if varlen else h[n, c]
+            row += 1
+            if c == 0:
+                expect = t["initial_state"][n]
+            else:
+                b = 0 if varlen else n
+                s0 = starts[n] if varlen else 0
+                sub = {name: x[b:b + 1, s0:s0 + c * C] for name, x in t.items() if name != "initial_state"}
+                sub["initial_state"] = t["initial_state"][n:n + 1]
+                expect = call_reference(spec, sub, output_final_state=True)[1][0]
+            assert_close(f"h[{n},{c}]", got, expect, 2e-5)
+
+
+@pytest.mark.parametrize("chunk_size", [16, 32, 64])
+def test_gdn_chunk_sizes(chunk_size):
+    check_against_reference(OPS["gdn"], make_inputs(OPS["gdn"], B=1, T=100),
+                            fast_only={"chunk_size": chunk_size})
+
+
+@pytest.mark.parametrize("chunk_size", [32, 64])
+def test_kda_chunk_sizes(chunk_size):
+    check_against_reference(OPS["kda"], make_inputs(OPS["kda"], B=1, T=100),
+                            fast_only={"chunk_size": chunk_size})
+
+
+def test_simple_gla_g_and_g_gamma():
+    t = make_inputs(OPS["simple_gla"], B=2, T=80, H=3)
+    gamma = -torch.rand(3)
+    o, ht = chunk_simple_gla(**t, g_gamma=gamma, output_final_state=True)
+    q, k, v = t.pop("q"), t.pop("k"), t.pop("v")
+    ro, rht = naive_recurrent_simple_gla(q, k, v, **t, g_gamma=gamma, output_final_state=True)
+    assert_close("o", o, ro, 2e-5)
+    assert_close("ht", ht, rht, 2e-5)
+
+
+def test_simple_gla_no_decay_is_linear_attention():
+    B, T, H, K, V = 1, 50, 1, 8, 8
+    q, k, v = torch.randn(B, T, H, K), torch.randn(B, T, H, K), torch.randn(B, T, H, V)
+    o, _ = chunk_simple_gla(q, k, v, scale=1.0)
+    scores = torch.einsum("bihk,bjhk->bhij", q, k).tril()
+    expect = torch.einsum("bhij,bjhv->bihv", scores, v)
+    assert_close("o", o, expect, 1e-5)
+
+
+def test_transpose_state_layout_alias_warns():
+    spec = OPS["gla"]
+    t = make_inputs(spec, B=1, T=20, H=1, K=8, V=8, v_first=True)
+    with pytest.warns(DeprecationWarning):
+        o1, h1 = call_chunk(spec, t, output_final_state=True, transpose_state_layout=True)
+    o2, h2 = call_chunk(spec, t, output_final_state=True, state_v_first=True)
+    assert torch.equal(o1, o2) and torch.equal(h1, h2)
+
+
+def test_l2norm_matches_fla_formula():
+    from fastla.core.gates import l2norm
+    x = torch.randn(5, 7)
+    assert_close("l2norm", l2norm(x), x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6), 1e-7)
+
+
+def test_logsigmoid_gate_strength_independent_of_chunking():
+    """The same sequence split into varlen pieces of one sequence gives the same output."""
+    spec = OPS["gdn"]
+    t = make_inputs(spec, B=1, T=128, H=1, h0=False)
+    t["g"] = F.logsigmoid(torch.randn(1, 128, 1))
+    o1, _ = call_chunk(spec, t)
+    o2, _ = call_chunk(spec, t, cu_seqlens=torch.tensor([0, 128]))
+    assert_close("o", o1, o2, 1e-6)

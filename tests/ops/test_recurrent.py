@@ -1,0 +1,168 @@
+"""The recurrent (decode) ops: against the reference, token-by-token decode equals the
+chunked op, and the serving pool (in place, negative indices, per-token checkpoints,
+num_accepted_tokens, disable_state_update)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule, naive_recurrent_gated_delta_rule
+from fastla.ops.gla import fused_recurrent_gla, naive_recurrent_gla
+from tests.helpers import (
+    DEVICES, OPS, as_leaves, assert_close, call_chunk, call_recurrent, call_reference, make_inputs,
+)
+
+
+@pytest.mark.parametrize("op", list(OPS))
+@pytest.mark.parametrize("v_first", [False, True])
+@pytest.mark.parametrize("device", DEVICES)
+def test_recurrent_matches_reference(op, v_first, device):
+    spec = OPS[op]
+    t = make_inputs(spec, B=2, T=40, H=2, HV=4 if spec.gva else None, K=32, V=16, v_first=v_first, device=device)
+    o, ht = call_recurrent(spec, t, output_final_state=True, state_v_first=v_first)
+    ro, rht = call_reference(spec, t, output_final_state=True, state_v_first=v_first)
+    assert_close("o", o, ro, 2e-5)
+    assert_close("ht", ht, rht, 2e-5)
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_decode_token_by_token_equals_chunk(op):
+    spec = OPS[op]
+    T = 70
+    t = make_inputs(spec, B=2, T=T, H=2, HV=4 if spec.gva else None, K=32, V=32)
+    o_chunk, ht_chunk = call_chunk(spec, t, output_final_state=True)
+    state = t["initial_state"]
+    outs = []
+    for i in range(T):
+        step = {n: (x[:, i:i + 1] if n != "initial_state" else state) for n, x in t.items()}
+        o, state = call_recurrent(spec, step, output_final_state=True)
+        outs.append(o)
+    assert_close("o", torch.cat(outs, 1), o_chunk, 2e-5)
+    assert_close("ht", state, ht_chunk, 2e-5)
+
+
+@pytest.mark.parametrize("op", ["gla", "simple_gla", "lightning"])
+def test_reverse(op):
+    spec = OPS[op]
+    cu = torch.tensor([0, 5, 40, 41])
+    t = make_inputs(spec, B=1, T=41, H=2, K=16, V=16, N=3)
+    o, ht = call_recurrent(spec, t, output_final_state=True, reverse=True, cu_seqlens=cu)
+    ro, rht = call_reference(spec, t, output_final_state=True, reverse=True, cu_seqlens=cu)
+    assert_close("o", o, ro, 2e-5)
+    assert_close("ht", ht, rht, 2e-5)
+    # reverse equals the forward op on time-flipped sequences
+    flip = {n: (x.flip(1) if n != "initial_state" else x) for n, x in make_inputs(spec, B=1, T=9, seed=3).items()}
+    unflipped = {n: (x.flip(1) if n != "initial_state" else x) for n, x in flip.items()}
+    o_rev, _ = call_recurrent(spec, unflipped, reverse=True)
+    o_fwd, _ = call_recurrent(spec, flip)
+    assert_close("reverse vs flip", o_rev.flip(1), o_fwd, 1e-5)
+
+
+def test_gla_value_gate_and_gradients():
+    B, T, H, K, V = 2, 30, 2, 16, 8
+    t = {"q": torch.randn(B, T, H, K), "k": torch.randn(B, T, H, K), "v": torch.randn(B, T, H, V),
+         "gk": F.logsigmoid(torch.randn(B, T, H, K)), "gv": F.logsigmoid(torch.randn(B, T, H, V)),
+         "initial_state": torch.randn(B, H, K, V)}
+    leaves = as_leaves(t)
+    o, ht = fused_recurrent_gla(**leaves, output_final_state=True)
+    do, dht = torch.randn_like(o), torch.randn_like(ht)
+    ((o * do).sum() + (ht * dht).sum()).backward()
+    r = as_leaves(t, torch.float64)
+    ro, rht = naive_recurrent_gla(r["q"], r["k"], r["v"], g=r["gk"], gv=r["gv"], initial_state=r["initial_state"],
+                                  output_final_state=True)
+    ((ro * do.double()).sum() + (rht * dht.double()).sum()).backward()
+    assert_close("o", o, ro, 2e-5)
+    assert_close("ht", ht, rht, 2e-5)
+    for n in t:
+        assert_close(f"d{n}", leaves[n].grad, r[n].grad, 2e-4)
+
+
+def test_gdn_recurrent_with_key_and_value_gates():
+    B, T, H, HV, K, V = 1, 25, 1, 2, 16, 8
+    t = {"q": torch.randn(B, T, H, K), "k": F.normalize(torch.randn(B, T, H, K), dim=-1), "v": torch.randn(B, T, HV, V),
+         "g": F.logsigmoid(torch.randn(B, T, HV)), "gk": F.logsigmoid(torch.randn(B, T, HV, K)),
+         "gv": F.logsigmoid(torch.randn(B, T, HV, V)), "beta": torch.rand(B, T, HV),
+         "initial_state": torch.randn(B, HV, K, V)}
+    o, ht = fused_recurrent_gated_delta_rule(**t, output_final_state=True)
+    q, k, v = t.pop("q"), t.pop("k"), t.pop("v")
+    ro, rht = naive_recurrent_gated_delta_rule(q, k, v, **t, output_final_state=True)
+    assert_close("o", o, ro, 2e-5)
+    assert_close("ht", ht, rht, 2e-5)
+
+
+def test_gdn_recurrent_beta_defaults_to_one():
+    spec = OPS["gdn"]
+    t = make_inputs(spec, B=1, T=10, H=1)
+    t_none = {n: x for n, x in t.items() if n != "beta"}
+    o1, _ = call_recurrent(spec, t_none)
+    t["beta"] = torch.ones_like(t["beta"])
+    o2, _ = call_recurrent(spec, t)
+    assert torch.equal(o1, o2)
+
+
+# ----------------------------------------------------------------------------- state pool
+
+def _pool_case(spec, N=4, slots=7, T=1, state_dtype=torch.float32, v_first=False):
+    HV = 4 if spec.gva else 2
+    t = make_inputs(spec, B=1, T=N * T, H=2, HV=HV, K=16, V=8, h0=False)
+    pool = torch.randn(slots, HV, 8, 16) if v_first else torch.randn(slots, HV, 16, 8)
+    cu = torch.arange(0, N * T + 1, T)
+    return t, pool.to(state_dtype), cu
+
+
+@pytest.mark.parametrize("op", list(OPS))
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("v_first", [False, True])
+def test_pool_in_place_with_negative_indices(op, state_dtype, v_first):
+    spec = OPS[op]
+    t, pool, cu = _pool_case(spec, T=3, state_dtype=state_dtype, v_first=v_first)
+    idx = torch.tensor([5, -1, 0, 2], dtype=torch.int32)
+    before = pool.clone()
+    o, returned = call_recurrent(spec, {**t, "initial_state": pool}, cu_seqlens=cu, ssm_state_indices=idx,
+                                 state_v_first=v_first)
+    assert returned is pool
+    for slot in (1, 3, 4, 6):                        # untouched slots bit-identical
+        assert torch.equal(pool[slot], before[slot])
+    assert torch.equal(o[0, 3:6], torch.zeros_like(o[0, 3:6]))    # skipped row: zero output
+    for n, slot in [(0, 5), (2, 0), (3, 2)]:
+        seq = {name: x[:, 3 * n:3 * n + 3] for name, x in t.items()}
+        ro, rht = call_reference(spec, {**seq, "initial_state": before[slot:slot + 1].float()},
+                                 output_final_state=True, state_v_first=v_first)
+        assert_close(f"o[{n}]", o[:, 3 * n:3 * n + 3], ro, 5e-3 if state_dtype == torch.bfloat16 else 2e-5)
+        assert_close(f"pool[{slot}]", pool[slot], rht[0], 5e-3 if state_dtype == torch.bfloat16 else 2e-5)
+
+
+@pytest.mark.parametrize("op", ["gdn", "kda"])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_pool_per_token_checkpoints_and_accepted_tokens(op, index_dtype):
+    spec = OPS[op]
+    N, T = 3, 4
+    t, pool, cu = _pool_case(spec, N=N, slots=16, T=T)
+    idx = torch.arange(N * T, dtype=index_dtype).reshape(N, T)
+    idx[1, 3] = -1                                   # this token's checkpoint is not kept
+    accepted = torch.tensor([1, 3, 2], dtype=index_dtype)
+    before = pool.clone()
+    o, _ = call_recurrent(spec, {**t, "initial_state": pool}, cu_seqlens=cu, ssm_state_indices=idx,
+                          num_accepted_tokens=accepted)
+    for n in range(N):
+        start = before[idx[n, accepted[n] - 1]]
+        for j in range(T):
+            seq = {name: x[:, T * n:T * n + j + 1] for name, x in t.items()}
+            ro, rht = call_reference(spec, {**seq, "initial_state": start[None]}, output_final_state=True)
+            slot = int(idx[n, j])
+            if slot >= 0:
+                assert_close(f"pool[{slot}]", pool[slot], rht[0], 2e-5)
+        assert_close(f"o[{n}]", o[:, T * n:T * n + T], ro, 2e-5)
+    assert torch.equal(pool[12:], before[12:])
+
+
+@pytest.mark.parametrize("op", ["gdn", "simple_gla"])
+def test_pool_disable_state_update(op):
+    spec = OPS[op]
+    t, pool, cu = _pool_case(spec, T=2)
+    before = pool.clone()
+    idx = torch.tensor([0, 1, 2, 3])
+    o, _ = call_recurrent(spec, {**t, "initial_state": pool}, cu_seqlens=cu, ssm_state_indices=idx,
+                          disable_state_update=True)
+    assert torch.equal(pool, before)
+    o2, _ = call_recurrent(spec, {**t, "initial_state": pool.clone()}, cu_seqlens=cu, ssm_state_indices=idx)
+    assert torch.equal(o, o2)
