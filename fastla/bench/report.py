@@ -115,9 +115,10 @@ def _notes(records: Sequence[Record]) -> list[str]:
     refused = [r for r in records if r.get("ratio") is None and r.get("ratio_note")]
     for r in refused:
         lines.append(f"- `{r.get('config')}` {r.get('mode')}: speedup refused ({r['ratio_note']}).")
-    errors = [r for r in records if r.get("fastla_error")]
-    for r in errors:
-        lines.append(f"- `{r.get('config')}` {r.get('mode')}: fastla failed ({r['fastla_error']}).")
+    for r in records:
+        problem = r.get("error") or r.get("fastla_error")
+        if problem:
+            lines.append(f"- `{r.get('config')}` {r.get('mode')}: fastla failed ({problem}).")
     return [""] + lines if lines else []
 
 

@@ -30,7 +30,10 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
+# Sub-chunk rows of the per-channel score factorisation (see _channel_scores_block).
+_SUB = 16
 # Per-channel decayed scores materialise [.., C, C, K]; bound that buffer per step.
 _PER_CHANNEL_SCORE_BYTES = 256 * 1024 * 1024
 
@@ -50,6 +53,31 @@ def _causal_mask(C: int, strict: bool, device) -> torch.Tensor:
     return (i[None, :] < i[:, None]) if strict else (i[None, :] <= i[:, None])
 
 
+def _channel_scores_block(a: torch.Tensor, b: torch.Tensor, G: torch.Tensor, strict: bool) -> torch.Tensor:
+    """Per-channel decayed scores of whole chunks, exact for any decay strength.
+
+    The chunk splits into sub-chunks of ``_SUB`` rows. Row block ``p`` against every
+    earlier column goes through one matmul, factored around ``r``, the first row of ``p``:
+    ``exp(G_i - G_j) = exp(G_i - G_r) * exp(G_r - G_j)`` with ``i >= r > j``, both factors
+    <= 1. The diagonal blocks (``i, j`` in the same sub-chunk) are formed element-wise.
+    a, b, G: [M, C, K] -> [M, C, C].
+    """
+    M, C, K = a.shape
+    S = _SUB if C % _SUB == 0 else C
+    ns = C // S
+    Gs = G.view(M, ns, S, K)
+    ref = Gs[:, :, :1, :]                                                   # [M, ns, 1, K]
+    a_rows = a.view(M, ns, S, K) * (Gs - ref).exp()                         # [M, ns, S, K]
+    before = torch.arange(C, device=a.device)[None, :] < (torch.arange(ns, device=a.device) * S)[:, None]
+    col_decay = (ref - G[:, None, :, :]).masked_fill(~before[None, :, :, None], float("-inf")).exp()
+    off = a_rows @ (b[:, None, :, :] * col_decay).transpose(-1, -2)         # [M, ns, S, C]
+    inner = Gs[:, :, :, None, :] - Gs[:, :, None, :, :]                     # [M, ns, S, S, K]
+    inner = inner.masked_fill(~_causal_mask(S, strict, a.device)[..., None], float("-inf")).exp()
+    diag = (a.view(M, ns, S, 1, K) * b.view(M, ns, 1, S, K) * inner).sum(-1)  # [M, ns, S, S]
+    eye = torch.eye(ns, dtype=a.dtype, device=a.device).view(ns, 1, ns, 1)
+    return off.reshape(M, C, C) + (diag[:, :, :, None, :] * eye).reshape(M, C, C)
+
+
 def _decayed_scores(a: torch.Tensor, b: torch.Tensor, G: torch.Tensor, strict: bool) -> torch.Tensor:
     """``S_ij = sum_c a_ic b_jc exp(G_ic - G_jc)`` on the causal (or strict) lower triangle.
 
@@ -57,22 +85,26 @@ def _decayed_scores(a: torch.Tensor, b: torch.Tensor, G: torch.Tensor, strict: b
     Returns [N, H, NT, C, C].
     """
     C = a.shape[-2]
-    mask = _causal_mask(C, strict, a.device)
     if G.shape[-1] == 1:
+        mask = _causal_mask(C, strict, a.device)
         diff = G - G.transpose(-1, -2)                                      # [.., C, C]
         decay = diff.masked_fill(~mask, float("-inf")).exp()
         return (a @ b.transpose(-1, -2)) * decay
-    # per channel: [.., C, C, K] in slices of chunks to bound memory
-    N, H, NT, _, K = a.shape
-    per_chunk = N * H * C * C * K * a.element_size() * 3
-    step = max(1, _PER_CHANNEL_SCORE_BYTES // max(per_chunk, 1))
+    # per channel: in slices of chunks to bound the element-wise buffers; under autograd
+    # each slice is recomputed in the backward instead of kept
+    lead, K = a.shape[:-2], a.shape[-1]
+    a, b, G = (x.reshape(-1, C, K) for x in (a, b, G))
+    per_chunk = (C * _SUB + 2 * C) * K * a.element_size() * 4
+    step = max(1, _PER_CHANNEL_SCORE_BYTES // per_chunk)
+    grad = torch.is_grad_enabled() and (a.requires_grad or b.requires_grad or G.requires_grad)
     out = []
-    for s in range(0, NT, step):
-        sl = slice(s, s + step)
-        diff = G[:, :, sl, :, None, :] - G[:, :, sl, None, :, :]            # [.., C, C, K]
-        decay = diff.masked_fill(~mask[..., None], float("-inf")).exp()
-        out.append((a[:, :, sl, :, None, :] * b[:, :, sl, None, :, :] * decay).sum(-1))
-    return torch.cat(out, dim=2) if len(out) > 1 else out[0]
+    for s in range(0, a.shape[0], step):
+        args = (a[s:s + step], b[s:s + step], G[s:s + step], strict)
+        if grad:
+            out.append(checkpoint(_channel_scores_block, *args, use_reentrant=False))
+        else:
+            out.append(_channel_scores_block(*args))
+    return torch.cat(out).reshape(*lead, C, C)
 
 
 def chunked_scan(
