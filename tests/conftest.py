@@ -1,11 +1,15 @@
-"""pytest configuration: one intra-op thread (the test tensors are tiny; spinning thread pools
+"""pytest configuration: the Triton interpreter where there is no GPU, one intra-op thread (the test tensors are tiny; spinning thread pools
 only contend on a busy 2-core machine), and per-test seeds derived from the test id."""
+import os
 import zlib
 
 import pytest
 import torch
 
 torch.set_num_threads(1)
+if not torch.cuda.is_available():
+    # Triton kernels run on the CPU through the interpreter (must be set before triton kernels are defined)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -28,7 +28,7 @@ class TierImpl:
 
 _REGISTRY: dict[tuple[str, str], TierImpl] = {}
 _LOGGED: set[tuple[str, str, str]] = set()
-_forced: list[str] = []
+_forced: list[tuple[str, bool]] = []
 
 
 def register(op: str, tier: str, supports: Callable[[object], str | None]):
@@ -46,7 +46,7 @@ def register(op: str, tier: str, supports: Callable[[object], str | None]):
 def requested_tier() -> str | None:
     """The tier forced by :func:`use_tier` or ``FASTLA_BACKEND`` (None: automatic)."""
     if _forced:
-        return _forced[-1]
+        return _forced[-1][0]
     env = os.environ.get("FASTLA_BACKEND", "").strip().lower()
     if env and env not in TIERS:
         raise ValueError(f"FASTLA_BACKEND must be one of {TIERS}, got {env!r}")
@@ -54,11 +54,12 @@ def requested_tier() -> str | None:
 
 
 @contextlib.contextmanager
-def use_tier(tier: str):
-    """Within the block, try ``tier`` first (as ``FASTLA_BACKEND`` does)."""
+def use_tier(tier: str, strict: bool = False):
+    """Within the block, try ``tier`` first (as ``FASTLA_BACKEND`` does). With ``strict``, a
+    call that ``tier`` cannot serve raises instead of falling through (tests use this)."""
     if tier not in TIERS:
         raise ValueError(f"tier must be one of {TIERS}, got {tier!r}")
-    _forced.append(tier)
+    _forced.append((tier, strict))
     try:
         yield
     finally:
@@ -84,7 +85,10 @@ def explain(op: str, problem) -> list[tuple[str, str | None]]:
 
 def select(op: str, problem) -> tuple[str, TierImpl]:
     """The first tier able to serve ``problem``; logs each skipped tier's reason once."""
+    strict = bool(_forced) and _forced[-1][1]
     for tier, reason in explain(op, problem):
+        if strict and reason is not None:
+            raise RuntimeError(f"{tier} tier cannot serve {op}: {reason}")
         if reason is None:
             return tier, _REGISTRY[(op, tier)]
         key = (op, tier, reason)

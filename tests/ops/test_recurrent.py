@@ -1,9 +1,13 @@
 """The recurrent (decode) ops: against the reference, token-by-token decode equals the
 chunked op, and the serving pool (in place, negative indices, per-token checkpoints,
 num_accepted_tokens, disable_state_update)."""
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
+
+from fastla.core.dispatch import use_tier
 
 from fastla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule, naive_recurrent_gated_delta_rule
 from fastla.ops.gla import fused_recurrent_gla, naive_recurrent_gla
@@ -12,29 +16,44 @@ from tests.helpers import (
 )
 
 
+TIERS = ["torch", "triton"]
+
+
+def on_tier(tier):
+    """Serve the calls in the block on ``tier`` and nothing else (no silent fall-through)."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(use_tier(tier, strict=True))
+    stack.enter_context(torch.no_grad())
+    return stack
+
+
 @pytest.mark.parametrize("op", list(OPS))
 @pytest.mark.parametrize("v_first", [False, True])
 @pytest.mark.parametrize("device", DEVICES)
-def test_recurrent_matches_reference(op, v_first, device):
+@pytest.mark.parametrize("tier", TIERS)
+def test_recurrent_matches_reference(op, v_first, device, tier):
     spec = OPS[op]
     t = make_inputs(spec, B=2, T=40, H=2, HV=4 if spec.gva else None, K=32, V=16, v_first=v_first, device=device)
-    o, ht = call_recurrent(spec, t, output_final_state=True, state_v_first=v_first)
+    with on_tier(tier):
+        o, ht = call_recurrent(spec, t, output_final_state=True, state_v_first=v_first)
     ro, rht = call_reference(spec, t, output_final_state=True, state_v_first=v_first)
     assert_close("o", o, ro, 2e-5)
     assert_close("ht", ht, rht, 2e-5)
 
 
 @pytest.mark.parametrize("op", list(OPS))
-def test_decode_token_by_token_equals_chunk(op):
+@pytest.mark.parametrize("tier", TIERS)
+def test_decode_token_by_token_equals_chunk(op, tier):
     spec = OPS[op]
-    T = 70
+    T = 70 if tier == "torch" else 20      # the Triton interpreter is slow on the CPU
     t = make_inputs(spec, B=2, T=T, H=2, HV=4 if spec.gva else None, K=32, V=32)
     o_chunk, ht_chunk = call_chunk(spec, t, output_final_state=True)
     state = t["initial_state"]
     outs = []
     for i in range(T):
         step = {n: (x[:, i:i + 1] if n != "initial_state" else state) for n, x in t.items()}
-        o, state = call_recurrent(spec, step, output_final_state=True)
+        with on_tier(tier):
+            o, state = call_recurrent(spec, step, output_final_state=True)
         outs.append(o)
     assert_close("o", torch.cat(outs, 1), o_chunk, 2e-5)
     assert_close("ht", state, ht_chunk, 2e-5)
@@ -89,14 +108,56 @@ def test_gdn_recurrent_with_key_and_value_gates():
     assert_close("ht", ht, rht, 2e-5)
 
 
-def test_gdn_recurrent_beta_defaults_to_one():
+@pytest.mark.parametrize("tier", TIERS)
+def test_gdn_recurrent_with_scalar_and_key_gates(tier):
+    B, T, H, HV, K, V = 1, 12, 1, 2, 16, 8
+    t = {"q": torch.randn(B, T, H, K), "k": F.normalize(torch.randn(B, T, H, K), dim=-1), "v": torch.randn(B, T, HV, V),
+         "g": F.logsigmoid(torch.randn(B, T, HV)), "gk": F.logsigmoid(torch.randn(B, T, HV, K)),
+         "beta": torch.rand(B, T, HV), "initial_state": torch.randn(B, HV, K, V)}
+    with on_tier(tier):
+        o, ht = fused_recurrent_gated_delta_rule(**t, output_final_state=True)
+    q, k, v = t.pop("q"), t.pop("k"), t.pop("v")
+    ro, rht = naive_recurrent_gated_delta_rule(q, k, v, **t, output_final_state=True)
+    assert_close("o", o, ro, 2e-5)
+    assert_close("ht", ht, rht, 2e-5)
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_gdn_recurrent_beta_defaults_to_one(tier):
     spec = OPS["gdn"]
     t = make_inputs(spec, B=1, T=10, H=1)
     t_none = {n: x for n, x in t.items() if n != "beta"}
-    o1, _ = call_recurrent(spec, t_none)
-    t["beta"] = torch.ones_like(t["beta"])
-    o2, _ = call_recurrent(spec, t)
+    with on_tier(tier):
+        o1, _ = call_recurrent(spec, t_none)
+        t["beta"] = torch.ones_like(t["beta"])
+        o2, _ = call_recurrent(spec, t)
     assert torch.equal(o1, o2)
+
+
+@pytest.mark.parametrize("op", ["gdn", "kda"])
+@pytest.mark.parametrize("tier", TIERS)
+def test_recurrent_gates_in_op(op, tier):
+    """Gate (A_log, dt_bias, lower_bound), beta sigmoid and l2norm fused, GVA 3, varlen."""
+    from fastla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as gdn_rec
+    from fastla.ops.kda import fused_recurrent_kda, naive_recurrent_kda
+    H, HV, K, V = 1, 3, 16, 8
+    cu = torch.tensor([0, 1, 4, 9])
+    channel = op == "kda"
+    t = {"q": torch.randn(1, 9, H, K) * 2, "k": torch.randn(1, 9, H, K) * 2, "v": torch.randn(1, 9, HV, V),
+         "g": torch.randn(1, 9, HV, K) if channel else torch.randn(1, 9, HV), "beta": torch.randn(1, 9, HV),
+         "initial_state": torch.randn(3, HV, K, V), "A_log": torch.randn(HV) * 0.5,
+         "dt_bias": torch.randn(HV * K if channel else HV)}
+    opts = dict(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                allow_neg_eigval=True, output_final_state=True, cu_seqlens=cu)
+    cases = [dict()] if not channel else [dict(), dict(lower_bound=-5.0), dict(lower_bound=-2.0, A_log=None)]
+    for extra in cases:
+        args = {**t, **extra}
+        with on_tier(tier):
+            o, ht = (fused_recurrent_kda if channel else gdn_rec)(**args, **opts)
+        q, k, v = args.pop("q"), args.pop("k"), args.pop("v")
+        ro, rht = (naive_recurrent_kda if channel else naive_recurrent_gated_delta_rule)(q, k, v, **args, **opts)
+        assert_close(f"o {extra}", o, ro, 2e-5)
+        assert_close(f"ht {extra}", ht, rht, 2e-5)
 
 
 # ----------------------------------------------------------------------------- state pool
@@ -112,13 +173,15 @@ def _pool_case(spec, N=4, slots=7, T=1, state_dtype=torch.float32, v_first=False
 @pytest.mark.parametrize("op", list(OPS))
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("v_first", [False, True])
-def test_pool_in_place_with_negative_indices(op, state_dtype, v_first):
+@pytest.mark.parametrize("tier", TIERS)
+def test_pool_in_place_with_negative_indices(op, state_dtype, v_first, tier):
     spec = OPS[op]
     t, pool, cu = _pool_case(spec, T=3, state_dtype=state_dtype, v_first=v_first)
     idx = torch.tensor([5, -1, 0, 2], dtype=torch.int32)
     before = pool.clone()
-    o, returned = call_recurrent(spec, {**t, "initial_state": pool}, cu_seqlens=cu, ssm_state_indices=idx,
-                                 state_v_first=v_first)
+    with on_tier(tier):
+        o, returned = call_recurrent(spec, {**t, "initial_state": pool}, cu_seqlens=cu, ssm_state_indices=idx,
+                                     state_v_first=v_first)
     assert returned is pool
     for slot in (1, 3, 4, 6):                        # untouched slots bit-identical
         assert torch.equal(pool[slot], before[slot])
@@ -133,7 +196,8 @@ def test_pool_in_place_with_negative_indices(op, state_dtype, v_first):
 
 @pytest.mark.parametrize("op", ["gdn", "kda"])
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
-def test_pool_per_token_checkpoints_and_accepted_tokens(op, index_dtype):
+@pytest.mark.parametrize("tier", TIERS)
+def test_pool_per_token_checkpoints_and_accepted_tokens(op, index_dtype, tier):
     spec = OPS[op]
     N, T = 3, 4
     t, pool, cu = _pool_case(spec, N=N, slots=16, T=T)
@@ -141,8 +205,9 @@ def test_pool_per_token_checkpoints_and_accepted_tokens(op, index_dtype):
     idx[1, 3] = -1                                   # this token's checkpoint is not kept
     accepted = torch.tensor([1, 3, 2], dtype=index_dtype)
     before = pool.clone()
-    o, _ = call_recurrent(spec, {**t, "initial_state": pool}, cu_seqlens=cu, ssm_state_indices=idx,
-                          num_accepted_tokens=accepted)
+    with on_tier(tier):
+        o, _ = call_recurrent(spec, {**t, "initial_state": pool}, cu_seqlens=cu, ssm_state_indices=idx,
+                              num_accepted_tokens=accepted)
     for n in range(N):
         start = before[idx[n, accepted[n] - 1]]
         for j in range(T):
@@ -156,13 +221,15 @@ def test_pool_per_token_checkpoints_and_accepted_tokens(op, index_dtype):
 
 
 @pytest.mark.parametrize("op", ["gdn", "simple_gla"])
-def test_pool_disable_state_update(op):
+@pytest.mark.parametrize("tier", TIERS)
+def test_pool_disable_state_update(op, tier):
     spec = OPS[op]
     t, pool, cu = _pool_case(spec, T=2)
     before = pool.clone()
     idx = torch.tensor([0, 1, 2, 3])
-    o, _ = call_recurrent(spec, {**t, "initial_state": pool}, cu_seqlens=cu, ssm_state_indices=idx,
-                          disable_state_update=True)
-    assert torch.equal(pool, before)
-    o2, _ = call_recurrent(spec, {**t, "initial_state": pool.clone()}, cu_seqlens=cu, ssm_state_indices=idx)
+    with on_tier(tier):
+        o, _ = call_recurrent(spec, {**t, "initial_state": pool}, cu_seqlens=cu, ssm_state_indices=idx,
+                              disable_state_update=True)
+        assert torch.equal(pool, before)
+        o2, _ = call_recurrent(spec, {**t, "initial_state": pool.clone()}, cu_seqlens=cu, ssm_state_indices=idx)
     assert torch.equal(o, o2)

@@ -1,0 +1,279 @@
+"""Triton decode kernel: one token-by-token recurrence for every variant, on the state in place.
+
+Serves ``fused_recurrent_{gated_delta_rule,kda,gla,simple_gla,lightning_attn}`` forward
+calls (no autograd: a call that needs gradients goes to the torch tier).
+
+Shapes (any batch/time/head strides; the last dim must be contiguous, else the torch tier serves):
+    q, k      [B, T, H, K]          v, o   [B, T, HV, V]        (o in v's dtype)
+    g         [B, T, HV]            scalar log decay, or the raw GDN gate input
+    gk        [B, T, HV, K]         per-key log decay, or the raw KDA gate input
+    beta      [B, T, HV]            (logits with the beta sigmoid in the op)
+    state     [slots or N, HV, K, V] (V-first: [.., HV, V, K]), fp32 or bf16 storage, fp32 math
+
+Grid: ``(cdiv(V, BV), N * HV)``. One program owns the ``[K, BV]`` slab of one value head's
+state for one sequence: it loads it once (from ``initial_state`` or pool slot
+``ssm_state_indices``), runs the sequence's tokens (gate, l2norm, beta, delta rule, output),
+and stores it once (per token for 2-D indices). Budget per program: ``BK * BV`` fp32 state
+registers (K = 128, BV = 32: 32 per thread at 4 warps). Traffic per decode step and head:
+the state read and written once (2 x K x V x 4 B in fp32), q/k/v/o, gates.
+
+Small batches: ``BV`` shrinks (32 -> 16 -> 8) until the grid has a few programs per SM, so
+one sequence's state is spread over more CTAs.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fastla.core.problem import Problem
+
+# Gate computed in the op.
+GATE_NONE, GATE_GDN, GATE_KDA, GATE_KDA_BOUNDED = 0, 1, 2, 3
+# Beta handling.
+BETA_ONE, BETA_GIVEN, BETA_SIGMOID, BETA_SIGMOID2 = 0, 1, 2, 3
+# Pool addressing.
+POOL_NONE, POOL_PER_SEQ, POOL_PER_TOKEN = 0, 1, 2
+
+
+@triton.jit
+def _softplus(x):
+    return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
+
+
+@triton.jit
+def _recurrent_fwd_kernel(
+    q, k, v, g, gk, beta, A_log, dt_bias, g_gamma,
+    o, h0, ht,
+    cu_seqlens, slots, accepted,
+    scale, lower_bound,
+    T, stride_slots,
+    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,      # element strides (batch, time, head)
+    sg_b, sg_t, sg_h, sgk_b, sgk_t, sgk_h, sb_b, sb_t, sb_h,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr,
+    SK: tl.constexpr, SV: tl.constexpr,                    # state strides inside one head
+    DELTA: tl.constexpr, HAS_G: tl.constexpr, HAS_GK: tl.constexpr, HAS_GAMMA: tl.constexpr,
+    GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr,
+    L2NORM: tl.constexpr, BETA: tl.constexpr,
+    VARLEN: tl.constexpr, POOL: tl.constexpr, ACCEPTED: tl.constexpr,
+    HAS_H0: tl.constexpr, WRITE: tl.constexpr,
+):
+    i_v = tl.program_id(0)
+    i_nh = tl.program_id(1).to(tl.int64)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // H)
+    if VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+        row = 0                                                          # packed: batch row 0
+    else:
+        bos = i_n * T
+        eos = bos + T
+        row = i_n
+    # the sequence's first token in each input, then one time stride per token
+    first_t = bos - row * T
+    p_q = q + row * sq_b + first_t * sq_t + i_h * sq_h
+    p_k = k + row * sk_b + first_t * sk_t + i_h * sk_h
+    p_v = v + row * sv_b + first_t * sv_t + i_hv * sv_h
+    p_g = g + row * sg_b + first_t * sg_t + i_hv * sg_h
+    p_gk = gk + row * sgk_b + first_t * sgk_t + i_hv * sgk_h
+    p_beta = beta + row * sb_b + first_t * sb_t + i_hv * sb_h
+
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_h = m_k[:, None] & m_v[None, :]
+    head = i_hv * K * V
+    p_tile = o_k[:, None] * SK + o_v[None, :] * SV                      # [BK, BV] offsets in a head
+
+    # start state: the pool slot (negative: the row is skipped) or the sequence's initial state
+    live = True
+    if POOL == 1:
+        slot = tl.load(slots + i_n * stride_slots).to(tl.int64)
+        live = slot >= 0
+        src = h0 + tl.maximum(slot, 0) * (HV * K * V)
+    elif POOL == 2:
+        col = 0
+        if ACCEPTED:
+            col = tl.load(accepted + i_n).to(tl.int64) - 1
+        slot = tl.load(slots + i_n * stride_slots + col).to(tl.int64)
+        live = slot >= 0
+        src = h0 + tl.maximum(slot, 0) * (HV * K * V)
+    else:
+        src = h0 + i_n * (HV * K * V)
+    b_h = tl.zeros([BK, BV], dtype=tl.float32)                           # [BK, BV]
+    if HAS_H0:
+        b_h = tl.load(src + head + p_tile, mask=m_h & live, other=0.0).to(tl.float32)
+
+    if HAS_A:
+        b_A = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+    else:
+        b_A = 1.0
+    if HAS_GAMMA:
+        b_gamma = tl.load(g_gamma + i_hv).to(tl.float32)
+    if HAS_BIAS:
+        if GATE == 1:
+            b_bias = tl.load(dt_bias + i_hv).to(tl.float32)
+        else:
+            b_bias_k = tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.0).to(tl.float32)   # [BK]
+
+    for i_rel in range(0, eos - bos):
+        i_t = bos + i_rel
+        b_q = tl.load(p_q + i_rel * sq_t + o_k, mask=m_k, other=0.0).to(tl.float32)        # [BK]
+        b_k = tl.load(p_k + i_rel * sk_t + o_k, mask=m_k, other=0.0).to(tl.float32)        # [BK]
+        b_v = tl.load(p_v + i_rel * sv_t + o_v, mask=m_v, other=0.0).to(tl.float32)        # [BV]
+        if L2NORM:
+            b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6)
+            b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
+        if HAS_G:
+            b_g = tl.load(p_g + i_rel * sg_t).to(tl.float32)
+            if GATE == 1:
+                if HAS_BIAS:
+                    b_g = b_g + b_bias
+                b_g = -b_A * _softplus(b_g)
+            if HAS_GAMMA:
+                b_g = b_g + b_gamma
+            b_h = b_h * tl.exp(b_g)
+        elif HAS_GAMMA:
+            b_h = b_h * tl.exp(b_gamma)
+        if HAS_GK:
+            b_gk = tl.load(p_gk + i_rel * sgk_t + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
+            if GATE >= 2:
+                if HAS_BIAS:
+                    b_gk = b_gk + b_bias_k
+                if GATE == 2:
+                    b_gk = -b_A * _softplus(b_gk)
+                else:
+                    b_gk = lower_bound * tl.sigmoid(b_A * b_gk)
+            b_h = b_h * tl.exp(b_gk)[:, None]
+        if DELTA:
+            if BETA == 0:
+                b_beta = 1.0
+            else:
+                b_beta = tl.load(p_beta + i_rel * sb_t).to(tl.float32)
+                if BETA >= 2:
+                    b_beta = tl.sigmoid(b_beta)
+                if BETA == 3:
+                    b_beta = 2.0 * b_beta
+            b_u = b_beta * (b_v - tl.sum(b_h * b_k[:, None], 0))                # [BV]
+            b_h = b_h + b_k[:, None] * b_u[None, :]
+        else:
+            b_h = b_h + b_k[:, None] * b_v[None, :]
+        b_o = tl.sum(b_h * b_q[:, None], 0) * scale                          # [BV]
+        if POOL != 0:
+            b_o = tl.where(live, b_o, 0.0)
+        tl.store(o + (i_t * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+        if POOL == 2:
+            if WRITE:
+                slot_t = tl.load(slots + i_n * stride_slots + i_rel).to(tl.int64)
+                dst = ht + tl.maximum(slot_t, 0) * (HV * K * V)
+                tl.store(dst + head + p_tile, b_h.to(ht.dtype.element_ty), mask=m_h & live & (slot_t >= 0))
+
+    if WRITE:
+        if POOL == 1:
+            dst = ht + tl.maximum(slot, 0) * (HV * K * V)
+            tl.store(dst + head + p_tile, b_h.to(ht.dtype.element_ty), mask=m_h & live)
+        elif POOL == 0:
+            tl.store(ht + i_n * (HV * K * V) + head + p_tile, b_h.to(ht.dtype.element_ty), mask=m_h)
+
+
+def _block_v(p: Problem) -> int:
+    """V-tile width: 32, halved (down to 8) while the grid has fewer than 4 programs per SM."""
+    sms = torch.cuda.get_device_properties(p.device).multi_processor_count if p.device.type == "cuda" else 132
+    bv = min(32, triton.next_power_of_2(p.V))
+    while bv > 8 and p.N * p.HV * triton.cdiv(p.V, bv) < 4 * sms:
+        bv //= 2
+    return bv
+
+
+def _tensors(p: Problem):
+    return [x for x in (p.q, p.k, p.v, p.g, p.gk, p.beta, p.initial_state) if x is not None]
+
+
+def supports(p: Problem) -> str | None:
+    from fastla.backends.triton import available
+
+    reason = available(p.device)
+    if reason:
+        return reason
+    if p.gv is not None:
+        return "a per-value gate (gv) is served by the torch tier"
+    if p.reverse:
+        return "reverse=True is served by the torch tier"
+    if torch.is_grad_enabled() and any(x.requires_grad for x in _tensors(p) + [p.A_log, p.dt_bias] if x is not None):
+        return "inputs require grad: the Triton recurrent kernel has no backward (the torch tier has autograd)"
+    if any(x.dim() == 4 and x.stride(-1) != 1 for x in (p.q, p.k, p.v, p.gk) if x is not None):
+        return "an input's last dim is strided (the kernel needs unit stride along the head dim)"
+    if p.initial_state is not None and not p.initial_state.is_contiguous():
+        return "initial_state is not contiguous"
+    return None
+
+
+def _strides(x: torch.Tensor | None) -> tuple[int, int, int]:
+    """(batch, time, head) element strides, zeros for an absent input."""
+    return (x.stride(0), x.stride(1), x.stride(2)) if x is not None else (0, 0, 0)
+
+
+def run(p: Problem):
+    N, HV, K, V = p.N, p.HV, p.K, p.V
+    o = torch.empty_like(p.v)
+    pool = p.pool
+    if pool is not None:
+        ht = p.initial_state
+        write = not pool.disable_state_update
+        mode = POOL_PER_SEQ if pool.indices.dim() == 1 else POOL_PER_TOKEN
+    else:
+        ht = None
+        if p.output_final_state:
+            shape = (N, HV, V, K) if p.state_v_first else (N, HV, K, V)
+            ht = p.q.new_empty(shape, dtype=torch.float32)
+        write = ht is not None
+        mode = POOL_NONE
+    if p.gate_in_op == "gdn":
+        gate = GATE_GDN
+    elif p.gate_in_op == "kda":
+        gate = GATE_KDA if p.lower_bound is None else GATE_KDA_BOUNDED
+    else:
+        gate = GATE_NONE
+    if not p.delta or p.beta is None:
+        beta_mode = BETA_ONE
+    elif p.beta_sigmoid:
+        beta_mode = BETA_SIGMOID2 if p.allow_neg_eigval else BETA_SIGMOID
+    else:
+        beta_mode = BETA_GIVEN
+    BV = _block_v(p)
+    BK = triton.next_power_of_2(K)
+    dummy = o
+    slots = pool.indices if pool is not None else None
+    cu = p.cu_seqlens
+    if cu is None and p.cu_seqlens_host is not None:
+        cu = torch.tensor(p.cu_seqlens_host, dtype=torch.int64, device=p.device)
+    grid = (triton.cdiv(V, BV), N * HV)
+    _recurrent_fwd_kernel[grid](
+        p.q, p.k, p.v, p.g if p.g is not None else dummy, p.gk if p.gk is not None else dummy,
+        p.beta if p.beta is not None else dummy,
+        p.A_log if p.A_log is not None else dummy, p.dt_bias if p.dt_bias is not None else dummy,
+        p.g_gamma if p.g_gamma is not None else dummy,
+        o, p.initial_state if p.initial_state is not None else dummy, ht if ht is not None else dummy,
+        cu if cu is not None else dummy,
+        slots if slots is not None else dummy,
+        pool.num_accepted_tokens if pool is not None and pool.num_accepted_tokens is not None else dummy,
+        p.scale, float(p.lower_bound) if p.lower_bound is not None else 0.0,
+        p.T, slots.stride(0) if slots is not None else 0,
+        *_strides(p.q), *_strides(p.k), *_strides(p.v),
+        *_strides(p.g), *_strides(p.gk), *_strides(p.beta),
+        H=p.H, HV=HV, K=K, V=V, BK=BK, BV=BV,
+        SK=1 if p.state_v_first else V, SV=K if p.state_v_first else 1,
+        DELTA=p.delta, HAS_G=p.g is not None, HAS_GK=p.gk is not None, HAS_GAMMA=p.g_gamma is not None,
+        GATE=gate, HAS_A=p.A_log is not None, HAS_BIAS=p.dt_bias is not None,
+        L2NORM=p.use_qk_l2norm, BETA=beta_mode,
+        VARLEN=cu is not None, POOL=mode,
+        ACCEPTED=pool is not None and pool.num_accepted_tokens is not None,
+        HAS_H0=p.initial_state is not None, WRITE=write,
+        num_warps=max(1, min(8, BK * BV // 1024)),
+    )
+    if pool is not None:
+        return o, p.initial_state
+    return o, ht

@@ -1,0 +1,11 @@
+"""Registers the Triton kernels with the dispatcher."""
+from fastla.backends.triton import recurrent
+from fastla.core import dispatch
+
+RECURRENT_OPS = (
+    "fused_recurrent_gated_delta_rule", "fused_recurrent_kda", "fused_recurrent_gla",
+    "fused_recurrent_simple_gla", "fused_recurrent_lightning_attn",
+)
+
+for _op in RECURRENT_OPS:
+    dispatch.register(_op, "triton", recurrent.supports)(recurrent.run)
