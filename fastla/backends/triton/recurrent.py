@@ -22,6 +22,8 @@ one sequence's state is spread over more CTAs.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -82,8 +84,15 @@ def _recurrent_fwd_kernel(
 
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
-    m_k = o_k < K
-    m_v = o_v < V
+    # masks only where the tile overhangs (a constant mask keeps the state loads vectorised)
+    if K == BK:
+        m_k = tl.full([BK], 1, tl.int1)
+    else:
+        m_k = o_k < K
+    if V % BV == 0:
+        m_v = tl.full([BV], 1, tl.int1)
+    else:
+        m_v = o_v < V
     m_h = m_k[:, None] & m_v[None, :]
     head = i_hv * K * V
     p_tile = o_k[:, None] * SK + o_v[None, :] * SV                      # [BK, BV] offsets in a head
@@ -179,13 +188,22 @@ def _recurrent_fwd_kernel(
             tl.store(ht + i_n * (HV * K * V) + head + p_tile, b_h.to(ht.dtype.element_ty), mask=m_h)
 
 
-def _block_v(p: Problem) -> int:
-    """V-tile width: 32, halved (down to 8) while the grid has fewer than 4 programs per SM."""
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Tile width along V and warps per program."""
+
+    block_v: int
+    num_warps: int
+
+
+def default_config(p: Problem) -> DecodeConfig:
+    """V-tile width 32, halved (down to 8) while the grid has fewer than 4 programs per SM;
+    one warp per 1024 state elements of the tile."""
     sms = torch.cuda.get_device_properties(p.device).multi_processor_count if p.device.type == "cuda" else 132
     bv = min(32, triton.next_power_of_2(p.V))
     while bv > 8 and p.N * p.HV * triton.cdiv(p.V, bv) < 4 * sms:
         bv //= 2
-    return bv
+    return DecodeConfig(bv, max(1, min(8, triton.next_power_of_2(p.K) * bv // 1024)))
 
 
 def _tensors(p: Problem):
@@ -216,7 +234,8 @@ def _strides(x: torch.Tensor | None) -> tuple[int, int, int]:
     return (x.stride(0), x.stride(1), x.stride(2)) if x is not None else (0, 0, 0)
 
 
-def run(p: Problem):
+def run(p: Problem, config: DecodeConfig | None = None):
+    config = config or default_config(p)
     N, HV, K, V = p.N, p.HV, p.K, p.V
     o = torch.empty_like(p.v)
     pool = p.pool
@@ -243,7 +262,7 @@ def run(p: Problem):
         beta_mode = BETA_SIGMOID2 if p.allow_neg_eigval else BETA_SIGMOID
     else:
         beta_mode = BETA_GIVEN
-    BV = _block_v(p)
+    BV = config.block_v
     BK = triton.next_power_of_2(K)
     dummy = o
     slots = pool.indices if pool is not None else None
@@ -272,7 +291,7 @@ def run(p: Problem):
         VARLEN=cu is not None, POOL=mode,
         ACCEPTED=pool is not None and pool.num_accepted_tokens is not None,
         HAS_H0=p.initial_state is not None, WRITE=write,
-        num_warps=max(1, min(8, BK * BV // 1024)),
+        num_warps=config.num_warps,
     )
     if pool is not None:
         return o, p.initial_state

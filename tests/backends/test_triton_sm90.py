@@ -1,0 +1,93 @@
+"""The Triton kernels compile for sm_90 on this (GPU-less) machine, with no local-memory spills,
+vectorised state loads, and a bounded register count.
+
+The compile runs in a child process: the test session itself uses the Triton interpreter
+(``TRITON_INTERPRET=1``), under which kernels are not compilable objects.
+"""
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+POINTERS = {
+    "q": "*bf16", "k": "*bf16", "v": "*bf16", "g": "*fp32", "gk": "*fp32", "beta": "*bf16", "A_log": "*fp32",
+    "dt_bias": "*fp32", "g_gamma": "*fp32", "o": "*bf16", "h0": "*fp32", "ht": "*fp32", "cu_seqlens": "*i64",
+    "slots": "*i32", "accepted": "*i32",
+}
+BASE = dict(H=16, HV=32, K=128, V=128, BK=128, BV=32, SK=128, SV=1, DELTA=True, HAS_G=True, HAS_GK=False,
+            HAS_GAMMA=False, GATE=1, HAS_A=True, HAS_BIAS=True, L2NORM=True, BETA=2, VARLEN=False, POOL=1,
+            ACCEPTED=False, HAS_H0=True, WRITE=True)
+VARIANTS = {
+    "gdn-pool-bv32": ({}, 4),
+    "gdn-pool-bv8": ({"BV": 8}, 1),
+    "kda-bounded-varlen": ({"HAS_G": False, "HAS_GK": True, "GATE": 3, "VARLEN": True}, 4),
+    "gdn-per-token-bf16-state": ({"POOL": 2, "ACCEPTED": True}, 4),
+    "gla-plain": ({"DELTA": False, "GATE": 0, "HAS_G": False, "HAS_GK": True, "HAS_A": False, "HAS_BIAS": False,
+                   "L2NORM": False, "BETA": 0, "POOL": 0}, 4),
+}
+
+
+def _compile(constexprs: dict, num_warps: int, state="*fp32"):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from fastla.backends.triton.recurrent import _recurrent_fwd_kernel
+
+    names = _recurrent_fwd_kernel.arg_names
+    pointers = dict(POINTERS, h0=state, ht=state)
+    sig = {}
+    for n in names:
+        if n in pointers:
+            sig[n] = pointers[n]
+        elif n in constexprs:
+            sig[n] = "constexpr"
+        elif n in ("scale", "lower_bound"):
+            sig[n] = "fp32"
+        else:
+            sig[n] = "i64"
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in pointers}
+    src = ASTSource(_recurrent_fwd_kernel, sig, {(names.index(n),): v for n, v in constexprs.items()}, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+
+
+def _resources(cubin: bytes, folder: str) -> dict:
+    import triton
+
+    tool = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    path = pathlib.Path(folder) / "k.cubin"
+    path.write_bytes(cubin)
+    out = subprocess.run([str(tool), "-res-usage", str(path)], capture_output=True, text=True, check=True).stdout
+    line = next(line for line in out.splitlines() if "REG:" in line)
+    return {k: int(v) for k, v in re.findall(r"(\w+):(\d+)", line)}
+
+
+def _child(name: str, folder: str) -> None:
+    """Runs in the child: compile one variant, print its resources and PTX facts as JSON."""
+    over, warps = VARIANTS[name]
+    state = "*bf16" if "bf16-state" in name else "*fp32"
+    kernel = _compile({**BASE, **over}, warps, state)
+    res = _resources(kernel.asm["cubin"], folder)
+    ptx = kernel.asm["ptx"]
+    res["vector_loads"] = ptx.count("ld.global.v4") + ptx.count("ld.global.v2")
+    print(json.dumps(res))
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_decode_kernel_compiles_for_sm90(name, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = str(pathlib.Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    code = f"from tests.backends.test_triton_sm90 import _child; _child({name!r}, {str(tmp_path)!r})"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert res["LOCAL"] == 0 and res["STACK"] == 0, f"spills: {res}"
+    assert res["REG"] <= 128, f"register use grew: {res}"
+    assert res["vector_loads"] > 0, f"state loads are not vectorised: {res}"
