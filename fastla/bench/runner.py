@@ -90,6 +90,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="shorter warm-up, repetitions and budget")
     p.add_argument("--budget-s", type=float, help="wall-time budget of one config in seconds")
     p.add_argument("--max-rel-err", type=float, default=REL_ERR_LIMIT, help="refuse speedups above this error")
+    p.add_argument("--time-limit-s", type=float, help="start no new config (nor cold starts) after this many seconds")
     p.add_argument("--seed", type=int, default=0, help="input seed")
     p.add_argument("--list", action="store_true", help="list the selected configs and exit")
     return p.parse_args(argv)
@@ -306,10 +307,11 @@ def grad_errors(res: Result, ref: Result) -> dict[str, float | None]:
 
 
 def grad_reference_affordable(cfg: BenchConfig) -> bool:
-    """The float64 backward of the torch tier materialises per-channel decays per chunk
-    (``C x C x K``), so it runs only for scalar-gate ops up to a padded size."""
+    """The float64 backward of the torch tier keeps per-channel decays of every chunk
+    (``C x C x K``) for autograd, so it runs only without a per-channel gate and up to a
+    padded size."""
     padded = cfg.N * cfg.max_len * cfg.HV
-    return cfg.spec.gate not in ("channel",) and padded <= GRAD_REF_MAX_TOKEN_HEADS
+    return cfg.spec.gate != "channel" and padded <= GRAD_REF_MAX_TOKEN_HEADS
 
 
 def reference(cfg: BenchConfig, inputs: BenchInputs, grads: bool) -> Result:
@@ -342,14 +344,29 @@ def time_graph(fn: Callable[[], Any], timing: Timing) -> tuple[float | None, str
 
 
 class Budget:
-    """Wall-clock budget of one config; stages past it are skipped and listed."""
+    """Wall-clock budget of one config's measurements; stages past it are skipped and
+    listed. Time inside :meth:`excluded` (first calls: compilation and autotuning,
+    which every config pays once) does not count."""
 
     def __init__(self, seconds: float):
-        self.deadline = time.monotonic() + seconds
+        self.seconds = seconds
+        self.start = time.monotonic()
+        self.not_counted = 0.0
         self.skipped: list[str] = []
 
+    @contextlib.contextmanager
+    def excluded(self) -> Iterator[None]:
+        began = time.monotonic()
+        try:
+            yield
+        finally:
+            self.not_counted += time.monotonic() - began
+
+    def spent(self) -> float:
+        return time.monotonic() - self.start - self.not_counted
+
     def allows(self, stage: str) -> bool:
-        if time.monotonic() < self.deadline:
+        if self.spent() < self.seconds:
             return True
         self.skipped.append(stage)
         return False
@@ -359,12 +376,15 @@ class Budget:
 
 @dataclass
 class RunContext:
+    """Settings shared by every record of a run."""
+
     timing: Timing
     meta: dict[str, Any]
     fla_ok: bool
     fla_reason: str | None
     graph: bool
     max_rel_err: float
+    device: str = "cuda"
 
 
 class ReferenceCache:
@@ -408,7 +428,7 @@ def check_fastla(rec: Record, cfg: BenchConfig, inputs: BenchInputs, mode: str, 
         op = load_op("fastla", cfg)
         with observe_tiers() as seen:
             res = run_once(op, inputs, grads)
-        torch.cuda.synchronize()
+        synchronize()
     except Exception as exc:  # recorded; FLA still runs
         rec["fastla_error"] = _short(exc)
         free_memory()
@@ -439,7 +459,7 @@ def check_fla(rec: Record, cfg: BenchConfig, inputs: BenchInputs, mode: str,
             bypass = True
             with fla_bwd_guard_bypassed():
                 res = run_once(op, inputs, grads)
-        torch.cuda.synchronize()
+        synchronize()
     except Exception as exc:  # recorded; fastla's numbers stand alone
         rec["fla_error"] = _short(exc)
         free_memory()
@@ -538,10 +558,11 @@ def bench_mode(ctx: RunContext, inputs: BenchInputs, mode: str, refs: ReferenceC
     rec["ref_note"] = refs.note
     if mode == "fwdbwd" and not refs.grads:
         rec["grad_ref_note"] = "float64 backward reference skipped (too large for the torch tier)"
-    ours = check_fastla(rec, cfg, inputs, mode, ref) if budget.allows("fastla check") else None
-    theirs, bypass = None, False
-    if ctx.fla_ok and budget.allows("fla check"):
-        theirs, bypass = check_fla(rec, cfg, inputs, mode, ref)
+    ours, theirs, bypass = None, None, False
+    with budget.excluded():
+        ours = check_fastla(rec, cfg, inputs, mode, ref)
+        if ctx.fla_ok:
+            theirs, bypass = check_fla(rec, cfg, inputs, mode, ref)
     compare(rec, ours, theirs)
     del ours, theirs
     if "fastla_error" not in rec:
@@ -562,7 +583,7 @@ def bench_config(ctx: RunContext, cfg: BenchConfig, modes: Sequence[str], seed: 
     with ``error``); frees GPU memory at the end."""
     budget = Budget(ctx.timing.budget_s)
     try:
-        inputs = make_inputs(cfg, "cuda", seed)
+        inputs = make_inputs(cfg, ctx.device, seed)
     except Exception as exc:  # e.g. out of memory: every mode gets the reason
         free_memory()
         for mode in modes:
@@ -596,6 +617,12 @@ def free_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def synchronize() -> None:
+    """Wait for the GPU (no-op where CUDA was never used), so errors surface here."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 # ----------------------------------------------------------------------------- cold start
@@ -754,6 +781,7 @@ def summary_line(rec: Record) -> str:
 # ----------------------------------------------------------------------------- main
 
 def run(args: argparse.Namespace, selected: list[tuple[BenchConfig, tuple[str, ...]]]) -> int:
+    started = time.monotonic()
     fla, fla_reason = (None, "--no-fla") if args.no_fla else fla_version()
     meta = collect_metadata(fla)
     if args.append:
@@ -764,12 +792,20 @@ def run(args: argparse.Namespace, selected: list[tuple[BenchConfig, tuple[str, .
     done = results.done()
     progress = Progress(sum(len(m) for _, m in selected))
     print(f"fastla bench: {len(selected)} configs -> {results.path}", file=sys.stderr)
+
+    def out_of_time() -> bool:
+        return args.time_limit_s is not None and time.monotonic() - started > args.time_limit_s
+
     for cfg, modes in selected:
         todo = [m for m in modes if (cfg.name, m) not in done]
         if len(todo) < len(modes):
-            progress.advance(f"{cfg.name}: {len(modes) - len(todo)} record(s) already in the file", len(modes) - len(todo))
+            progress.advance(f"{cfg.name}: {len(modes) - len(todo)} record(s) already in the file",
+                             len(modes) - len(todo))
         if not todo:
             continue
+        if out_of_time():
+            print(f"fastla bench: --time-limit-s reached; continue with --append {results.path}", file=sys.stderr)
+            break
         progress.show(f"{cfg.name} {'/'.join(todo)}")
         for rec in bench_config(ctx, cfg, todo, args.seed):
             results.add(rec)
@@ -779,7 +815,7 @@ def run(args: argparse.Namespace, selected: list[tuple[BenchConfig, tuple[str, .
                   f"(rerun with --append {results.path} to continue in a fresh process)", file=sys.stderr)
             finish(results)
             return 1
-    if not args.no_cold:
+    if not args.no_cold and not out_of_time():
         add_cold_starts(results, args)
     finish(results)
     return 0
