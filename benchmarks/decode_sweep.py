@@ -102,8 +102,8 @@ def main() -> int:
                 best = None
                 for cfg in configs:
                     err = check(op, t, pool, idx, cfg)
-                    if not err < (2e-2 if sd == torch.bfloat16 else 1e-4):
-                        rows.append(dict(op=op, N=N, state=str(sd), bv=cfg.block_v, warps=cfg.num_warps, err=err,
+                    if not err < 1e-2:          # bf16 output rounding is ~2e-3
+                        rows.append(dict(op=op, N=N, state=str(sd).replace("torch.", ""), bv=cfg.block_v, warps=cfg.num_warps, err=err,
                                          us=None, note="WRONG"))
                         continue
                     us = 1e3 * do_bench_cudagraph(lambda: recurrent.run(p, cfg), rep=rep)
@@ -116,8 +116,11 @@ def main() -> int:
                 if have_fla and sd == torch.float32:
                     h0 = pool[:N].float().clone()
                     fla_us = 1e3 * do_bench_cudagraph(fla_call(op, t, h0), rep=rep)
-                d = next(r for r in rows if r.get("default") and r["op"] == op and r["N"] == N
-                         and r["state"] == str(sd).replace("torch.", ""))
+                if best is None:
+                    print(f"{op} N={N} {sd}: every config failed the reference check", flush=True)
+                    continue
+                d = next((r for r in rows if r.get("default") and r["op"] == op and r["N"] == N
+                          and r["state"] == str(sd).replace("torch.", "")), best)
                 print(f"{op:4s} N={N:4d} {str(sd):15s} default bv={d['bv']:2d} w={d['warps']} {d['us']:7.2f} us "
                       f"{d['tbs']:5.2f} TB/s | best bv={best['bv']:2d} w={best['warps']} {best['us']:7.2f} us "
                       f"{best['tbs']:5.2f} TB/s | FLA {fla_us and round(fla_us, 2)} us", flush=True)

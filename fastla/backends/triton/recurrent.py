@@ -17,8 +17,9 @@ and stores it once (per token for 2-D indices). Budget per program: ``BK * BV`` 
 registers (K = 128, BV = 32: 32 per thread at 4 warps). Traffic per decode step and head:
 the state read and written once (2 x K x V x 4 B in fp32), q/k/v/o, gates.
 
-Small batches: ``BV`` shrinks (32 -> 16 -> 8) until the grid has a few programs per SM, so
-one sequence's state is spread over more CTAs.
+Tiles (:func:`default_config`, measured): ``BV`` 64 with 2 warps when the grid is large,
+32 with 1 warp in between, 16 with 1 warp for few sequences, which spreads one state over
+more CTAs.
 """
 from __future__ import annotations
 
@@ -197,13 +198,23 @@ class DecodeConfig:
 
 
 def default_config(p: Problem) -> DecodeConfig:
-    """V-tile width 32, halved (down to 8) while the grid has fewer than 4 programs per SM;
-    one warp per 1024 state elements of the tile."""
+    """Measured on the H200 (benchmarks/decode_sweep.py, docs/notes/decode.md), K = V = 128, HV 32:
+
+    - plenty of work and an fp32 state (>= 8 programs per SM at BV 64): BV 64, 2 warps
+      (N=256: 277 us vs 294 us at BV 32 / 4 warps, 3.9 TB/s of state traffic);
+    - otherwise, while BV 32 still gives >= 2 programs per SM: BV 32, 1 warp (bf16 state
+      N=16: 9.8 us vs 13.4 us at 4 warps);
+    - few sequences: BV 16, 1 warp, spreading one state over more CTAs (N=1: 3.1 us vs 3.5 us
+      at BV 8).
+    """
     sms = torch.cuda.get_device_properties(p.device).multi_processor_count if p.device.type == "cuda" else 132
-    bv = min(32, triton.next_power_of_2(p.V))
-    while bv > 8 and p.N * p.HV * triton.cdiv(p.V, bv) < 4 * sms:
-        bv //= 2
-    return DecodeConfig(bv, max(1, min(8, triton.next_power_of_2(p.K) * bv // 1024)))
+    fp32_state = p.initial_state is None or p.initial_state.element_size() == 4
+    programs = lambda bv: p.N * p.HV * triton.cdiv(p.V, bv)  # noqa: E731
+    if fp32_state and p.V >= 64 and programs(64) >= 8 * sms:
+        return DecodeConfig(64, 2)
+    if p.V >= 32 and programs(32) >= 2 * sms:
+        return DecodeConfig(32, 1)
+    return DecodeConfig(min(16, triton.next_power_of_2(p.V)), 1)
 
 
 def _tensors(p: Problem):
