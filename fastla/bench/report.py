@@ -28,12 +28,14 @@ Record = dict
 
 
 def load_records(paths: Iterable[str | Path]) -> list[Record]:
-    """All records of the given result files, in file order."""
-    records: list[Record] = []
+    """The records of the given result files, in file order; a later file's record replaces an
+    earlier one of the same config and mode (re-runs supersede)."""
+    latest: dict[tuple, Record] = {}
     for path in paths:
         data = json.loads(Path(path).read_text())
-        records.extend(data.get("records", []))
-    return records
+        for rec in data.get("records", []):
+            latest[(rec.get("config"), rec.get("mode"))] = rec
+    return list(latest.values())
 
 
 def _number(x: object) -> float | None:

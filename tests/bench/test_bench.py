@@ -234,3 +234,13 @@ def test_one_tiny_config_end_to_end_on_cpu(monkeypatch):
     assert bwd["fastla_grad_rel_err"] < 5e-2 and bwd["fla_ms_eager"] == 1.0 and bwd["ratio"] == 1.0
     assert chunk_o.TRITON_ABOVE_3_7_1 is False
     assert "fastla" in runner.summary_line(bwd)
+
+
+def test_later_results_supersede_earlier(tmp_path):
+    from fastla.bench.report import load_records
+    old = {"records": [{"config": "a", "mode": "fwd", "fastla_ms": 2.0}, {"config": "b", "mode": "fwd"}]}
+    new = {"records": [{"config": "a", "mode": "fwd", "fastla_ms": 1.0}]}
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    (tmp_path / "new.json").write_text(json.dumps(new))
+    recs = load_records([tmp_path / "old.json", tmp_path / "new.json"])
+    assert [(r["config"], r.get("fastla_ms")) for r in recs] == [("a", 1.0), ("b", None)]
