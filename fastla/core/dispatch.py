@@ -86,7 +86,8 @@ def explain(op: str, problem) -> list[tuple[str, str | None]]:
 def select(op: str, problem) -> tuple[str, TierImpl]:
     """The first tier able to serve ``problem``; logs each skipped tier's reason once."""
     strict = bool(_forced) and _forced[-1][1]
-    for tier, reason in explain(op, problem):
+    tried = explain(op, problem)
+    for tier, reason in tried:
         if strict and reason is not None:
             raise RuntimeError(f"{tier} tier cannot serve {op}: {reason}")
         if reason is None:
@@ -95,7 +96,8 @@ def select(op: str, problem) -> tuple[str, TierImpl]:
         if key not in _LOGGED:
             _LOGGED.add(key)
             logger.info("fastla: %s tier cannot serve %s (%s); trying the next tier", tier, op, reason)
-    raise RuntimeError(f"no fastla tier can serve {op}")  # unreachable: torch serves every call
+    reasons = "; ".join(f"{tier}: {reason}" for tier, reason in tried)
+    raise RuntimeError(f"no fastla tier can serve this {op} call ({reasons})")
 
 
 def run(op: str, problem):

@@ -5,7 +5,9 @@ an option no tier can serve raises ``NotImplementedError`` naming it. The result
 :class:`~fastla.core.problem.Problem`.
 
 Value checks on ``cu_seqlens`` and ``ssm_state_indices`` read those tensors on the host:
-pass ``cu_seqlens_cpu`` to avoid the device-to-host copy for ``cu_seqlens``.
+pass ``cu_seqlens_cpu`` to avoid the device-to-host copy for ``cu_seqlens``. While a CUDA
+graph is being captured, checks that would read device memory are skipped (a sync is not
+allowed there): capture after an eager call with the same kind of inputs.
 """
 from __future__ import annotations
 
@@ -69,14 +71,21 @@ def check_chunk_indices(chunk_indices, problem: Problem) -> None:
     """
     if chunk_indices is None:
         return
-    if problem.cu_seqlens_host is None:
+    if problem.cu_seqlens is None and problem.cu_seqlens_host is None:
         raise ValueError("chunk_indices is only meaningful with cu_seqlens")
+    if problem.cu_seqlens_host is None:
+        return
     cu = problem.cu_seqlens_host
     total = sum(-(-(e - s) // problem.chunk_size) for s, e in zip(cu[:-1], cu[1:]))
     if not isinstance(chunk_indices, torch.Tensor) or chunk_indices.dtype not in _INT_DTYPES:
         raise ValueError("chunk_indices must be an int32 or int64 tensor")
     if tuple(chunk_indices.shape) != (total, 2):
         raise ValueError(f"chunk_indices must have shape [{total}, 2] for these cu_seqlens, got {list(chunk_indices.shape)}")
+
+
+def _can_read(x: torch.Tensor) -> bool:
+    """Whether reading ``x``'s values on the host is allowed now (not during graph capture)."""
+    return x.device.type == "cpu" or not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 def _tensor(name: str, x, shape: tuple[int, ...] | None = None, device=None, floating: bool = True):
@@ -113,6 +122,8 @@ def _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B: int, T: int, device) -> tup
             f"cu_seqlens_cpu must match cu_seqlens: {cu_seqlens_cpu.numel()} vs {cu_seqlens.numel()} entries"
         )
     cu = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens
+    if not _can_read(cu):
+        return None
     values = [int(x) for x in cu.tolist()]
     if values[0] != 0:
         raise ValueError(f"{source_name} must start at 0, got {values[0]}")
@@ -138,7 +149,8 @@ def _check_pool(ssm_state_indices, num_accepted_tokens, disable_state_update, in
     if idx.dim() not in (1, 2) or idx.shape[0] != N:
         raise ValueError(f"ssm_state_indices must have shape [N] or [N, T] with N={N} sequences, got {list(idx.shape)}")
     slots = initial_state.shape[0]
-    if idx.numel() and int(idx.max()) >= slots:
+    readable = _can_read(idx)
+    if readable and idx.numel() and int(idx.max()) >= slots:
         raise ValueError(
             f"ssm_state_indices out of range: max index {int(idx.max())} but the pool has {slots} slots"
         )
@@ -150,7 +162,7 @@ def _check_pool(ssm_state_indices, num_accepted_tokens, disable_state_update, in
             raise ValueError(f"num_accepted_tokens must have shape [{N}], got {list(nat.shape)}")
         if idx.dim() != 2:
             raise ValueError("num_accepted_tokens requires 2-D ssm_state_indices [N, T] (a slot per token)")
-        if nat.numel() and (int(nat.min()) < 1 or int(nat.max()) > idx.shape[1]):
+        if readable and nat.numel() and (int(nat.min()) < 1 or int(nat.max()) > idx.shape[1]):
             raise ValueError(
                 f"num_accepted_tokens must lie in [1, {idx.shape[1]}], got [{int(nat.min())}, {int(nat.max())}]"
             )
@@ -248,10 +260,11 @@ def build_problem(
         raise ValueError(f"scale must be a finite number, got {scale!r}")
 
     cu_host = _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B, T, device)
-    N = B if cu_host is None else len(cu_host) - 1
+    varlen = cu_seqlens if cu_seqlens is not None else cu_seqlens_cpu
+    N = B if varlen is None else varlen.shape[0] - 1
 
     pool = _check_pool(ssm_state_indices, num_accepted_tokens, disable_state_update, initial_state, N, device)
-    if pool is not None and pool.indices.dim() == 2:
+    if pool is not None and pool.indices.dim() == 2 and (varlen is None or cu_host is not None):
         longest = T if cu_host is None else max(e - s for s, e in zip(cu_host[:-1], cu_host[1:]))
         if pool.indices.shape[1] < longest:
             raise ValueError(

@@ -14,9 +14,13 @@ def _call():
 
 
 def test_torch_serves_on_cpu(monkeypatch):
+    from fastla.core.validation import build_problem
     monkeypatch.delenv("FASTLA_BACKEND", raising=False)
-    tiers = dict(dispatch.explain("chunk_simple_gla", None))
+    x = torch.randn(1, 8, 1, 4)
+    problem = build_problem("chunk_simple_gla", q=x, k=x, v=x, delta=False, gva=False)
+    tiers = dict(dispatch.explain("chunk_simple_gla", problem))
     assert tiers["torch"] is None
+    assert dispatch.select("chunk_simple_gla", problem)[0] == "torch"
 
 
 def test_forced_tier_falls_through_with_one_log_line(monkeypatch, caplog):

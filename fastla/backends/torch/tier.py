@@ -26,6 +26,8 @@ PUBLIC_OPS = (
 
 
 def _supports(problem: Problem) -> str | None:
+    if problem.cu_seqlens is not None and problem.cu_seqlens_host is None:
+        return "the torch tier needs the sequence offsets on the host: pass cu_seqlens_cpu when capturing a CUDA graph"
     return None
 
 

@@ -242,6 +242,8 @@ def supports(p: Problem) -> str | None:
         return "inputs require grad: the Triton recurrent kernel has no backward (the torch tier has autograd)"
     if any(x.dim() == 4 and x.stride(-1) != 1 for x in (p.q, p.k, p.v, p.gk) if x is not None):
         return "an input's last dim is strided (the kernel needs unit stride along the head dim)"
+    if p.cu_seqlens is None and p.cu_seqlens_host is not None and torch.cuda.is_current_stream_capturing():
+        return "only cu_seqlens_cpu was given: pass cu_seqlens on the device to capture a CUDA graph"
     if p.initial_state is not None and not p.initial_state.is_contiguous():
         return "initial_state is not contiguous"
     return None
