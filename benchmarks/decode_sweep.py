@@ -82,6 +82,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--sizes", default="1,16,64,256", help="comma-separated batch sizes N")
     args = ap.parse_args()
     rep = 30 if args.quick else 100
     try:
@@ -91,7 +92,7 @@ def main() -> int:
         have_fla = False
     rows = []
     for op in ("gdn", "kda"):
-        for N in (1, 16, 64, 256):
+        for N in [int(x) for x in args.sizes.split(",")]:
             for sd in (torch.float32, torch.bfloat16):
                 t, pool, idx = make(op, N, sd)
                 bytes_state = 2 * N * HV * K * V * pool.element_size()
