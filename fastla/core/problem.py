@@ -56,6 +56,7 @@ class Problem:
     chunk_size: int
     return_intermediate_states: bool
     pool: Pool | None
+    o_dtype: torch.dtype                 # FLA's output dtype for this op (q's or v's)
     B: int
     T: int
     H: int

@@ -12,6 +12,7 @@ allowed there): capture after an eager call with the same kind of inputs.
 from __future__ import annotations
 
 import math
+import operator
 import warnings
 
 import torch
@@ -58,9 +59,13 @@ def check_chunk_size(chunk_size: int | None, allowed: tuple[int, ...] | None, de
 
 def check_lightning_layers(layer_idx, num_layers) -> None:
     """Lightning's decay needs ``0 <= layer_idx <= num_layers`` (else the state would grow)."""
-    if not isinstance(num_layers, int) or num_layers < 1:
+    try:
+        num_layers, layer_idx = operator.index(num_layers), operator.index(layer_idx)
+    except TypeError:
+        raise ValueError(f"layer_idx and num_layers must be ints, got {layer_idx!r} and {num_layers!r}") from None
+    if num_layers < 1:
         raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
-    if not isinstance(layer_idx, int) or not 0 <= layer_idx <= num_layers:
+    if not 0 <= layer_idx <= num_layers:
         raise ValueError(f"layer_idx must be an int in [0, num_layers={num_layers}], got {layer_idx!r}")
 
 
@@ -160,6 +165,8 @@ def _check_pool(ssm_state_indices, num_accepted_tokens, disable_state_update, in
             raise ValueError("num_accepted_tokens must be an int32 or int64 tensor")
         if tuple(nat.shape) != (N,):
             raise ValueError(f"num_accepted_tokens must have shape [{N}], got {list(nat.shape)}")
+        if nat.device != device:
+            raise ValueError(f"num_accepted_tokens is on {nat.device} but q is on {device}")
         if idx.dim() != 2:
             raise ValueError("num_accepted_tokens requires 2-D ssm_state_indices [N, T] (a slot per token)")
         if readable and nat.numel() and (int(nat.min()) < 1 or int(nat.max()) > idx.shape[1]):
@@ -202,14 +209,20 @@ def build_problem(
     ssm_state_indices=None,
     num_accepted_tokens=None,
     disable_state_update: bool = False,
+    output_like: str = "q",
 ) -> Problem:
-    """Validate one call and describe it. ``gva``: whether ``v`` may have more heads than q/k."""
+    """Validate one call and describe it. ``gva``: whether ``v`` may have more heads than q/k;
+    ``output_like``: ``"q"`` or ``"v"``, whose dtype the output takes (as FLA's op does)."""
     _tensor("q", q)
     if q.dim() != 4:
         raise ValueError(f"q must have shape [B, T, H, K], got {list(q.shape)}")
     B, T, H, K = q.shape
+    if H < 1:
+        raise ValueError(f"q must have at least one head, got shape {list(q.shape)}")
     device = q.device
     _tensor("k", k, (B, T, H, K), device)
+    if k.dtype != q.dtype:
+        raise ValueError(f"k must have q's dtype {q.dtype}, got {k.dtype}")
     _tensor("v", v, device=device)
     if v.dim() != 4 or tuple(v.shape[:2]) != (B, T):
         raise ValueError(f"v must have shape [B={B}, T={T}, HV, V], got {list(v.shape)}")
@@ -237,6 +250,10 @@ def build_problem(
             raise NotImplementedError("beta of shape [B, T, HV, V] (a beta per value channel) is not supported yet")
         _tensor("beta", beta, (B, T, HV))
 
+    if gate_in_op is not None and (g if gate_in_op == "gdn" else gk) is None:
+        raise ValueError("g (the raw gate input) must be given when use_gate_in_kernel=True")
+    if gate_in_op is None:
+        A_log, dt_bias = None, None          # only read by the gate computed in the op (as FLA)
     if allow_neg_eigval and not beta_sigmoid:
         raise ValueError("allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True")
     if gate_in_op == "gdn" and A_log is None:
@@ -256,7 +273,11 @@ def build_problem(
 
     if scale is None:
         scale = K ** -0.5
-    if not isinstance(scale, (int, float)) or not math.isfinite(scale):
+    try:
+        scale = float(scale)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"scale must be a number, got {scale!r}") from None
+    if not math.isfinite(scale):
         raise ValueError(f"scale must be a finite number, got {scale!r}")
 
     cu_host = _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B, T, device)
@@ -266,9 +287,10 @@ def build_problem(
     pool = _check_pool(ssm_state_indices, num_accepted_tokens, disable_state_update, initial_state, N, device)
     if pool is not None and pool.indices.dim() == 2 and (varlen is None or cu_host is not None):
         longest = T if cu_host is None else max(e - s for s, e in zip(cu_host[:-1], cu_host[1:]))
-        if pool.indices.shape[1] < longest:
+        if pool.indices.shape[1] < max(1, longest):
             raise ValueError(
-                f"2-D ssm_state_indices need a slot per token: shape [N, >= {longest}], got {list(pool.indices.shape)}"
+                f"2-D ssm_state_indices need a slot per token: shape [N, >= {max(1, longest)}], "
+                f"got {list(pool.indices.shape)}"
             )
     if initial_state is not None:
         state_tail = (HV, V, K) if state_v_first else (HV, K, V)
@@ -291,5 +313,5 @@ def build_problem(
         scale=float(scale), initial_state=initial_state, output_final_state=bool(output_final_state),
         state_v_first=bool(state_v_first), cu_seqlens=cu_seqlens, cu_seqlens_host=cu_host, reverse=bool(reverse),
         chunk_size=chunk_size, return_intermediate_states=bool(return_intermediate_states), pool=pool,
-        B=B, T=T, H=H, HV=HV, K=K, V=V, N=N,
+        o_dtype=(q if output_like == "q" else v).dtype, B=B, T=T, H=H, HV=HV, K=K, V=V, N=N,
     )

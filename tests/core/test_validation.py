@@ -109,6 +109,17 @@ CASES = [
     ("2-D indices too short", lambda: fused_recurrent_kda(
         **kda(), initial_state=torch.randn(40, HV, K, V), ssm_state_indices=torch.zeros(2, 3, dtype=torch.int64)),
      "a slot per token"),
+    ("gate raw missing chunk", lambda: chunk_gated_delta_rule(
+        **{**gdn(), "g": None}, use_gate_in_kernel=True, A_log=torch.randn(HV)), "g (the raw gate input)"),
+    ("kda gate raw missing", lambda: chunk_kda(**{**kda(), "g": None}, use_gate_in_kernel=True,
+                                               A_log=torch.randn(HV)), "g (the raw gate input)"),
+    ("k dtype", lambda: chunk_gated_delta_rule(**gdn(k=torch.randn(B, T, H, K, dtype=torch.float64))),
+     "k must have q's dtype"),
+    ("zero heads", lambda: chunk_simple_gla(torch.randn(1, 4, 0, 8), torch.randn(1, 4, 0, 8),
+                                            torch.randn(1, 4, 0, 8)), "at least one head"),
+    ("2-D indices with T=0", lambda: fused_recurrent_kda(
+        **{n: x[:, :0] for n, x in kda().items()}, initial_state=torch.randn(4, HV, K, V),
+        ssm_state_indices=torch.zeros(2, 0, dtype=torch.int64)), "a slot per token"),
     ("gate raw missing", lambda: fused_recurrent_gated_delta_rule(
         **{n: x for n, x in gdn().items() if n != "g"}, use_gate_in_kernel=True, A_log=torch.randn(HV)),
      "g (the raw gate input)"),
@@ -143,7 +154,9 @@ def test_unknown_keyword_is_a_type_error():
 
 
 def test_device_mismatch_named():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    with pytest.raises(ValueError, match="k is on"):
-        chunk_gated_delta_rule(**gdn(k=torch.randn(B, T, H, K, device="cuda")))
+    with pytest.raises(ValueError, match="k is on meta"):
+        chunk_gated_delta_rule(**gdn(k=torch.randn(B, T, H, K, device="meta")))
+    with pytest.raises(ValueError, match="num_accepted_tokens is on meta"):
+        fused_recurrent_kda(**kda(), initial_state=torch.randn(40, HV, K, V),
+                            ssm_state_indices=torch.arange(2 * T).reshape(2, T),
+                            num_accepted_tokens=torch.ones(2, dtype=torch.int64, device="meta"))

@@ -148,11 +148,70 @@ def test_l2norm_matches_fla_formula():
     assert_close("l2norm", l2norm(x), x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6), 1e-7)
 
 
-def test_logsigmoid_gate_strength_independent_of_chunking():
-    """The same sequence split into varlen pieces of one sequence gives the same output."""
+# FLA's output dtype: q's for these ops, v's for chunk_gla and the GDN / KDA recurrent ops
+OUTPUT_LIKE = {"gdn": ("q", "v"), "kda": ("q", "v"), "gla": ("v", "q"), "simple_gla": ("q", "q"),
+               "lightning": ("q", "q")}
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_output_dtype_follows_fla(op):
+    from tests.helpers import call_recurrent
+    spec = OPS[op]
+    t = make_inputs(spec, B=1, T=9, H=2, K=16, V=16)
+    t["q"], t["k"] = t["q"].bfloat16(), t["k"].bfloat16()
+    chunk_like, rec_like = OUTPUT_LIKE[op]
+    with torch.no_grad():
+        o, _ = call_chunk(spec, t)
+        o_rec, _ = call_recurrent(spec, t)
+    assert o.dtype == t[chunk_like].dtype
+    assert o_rec.dtype == t[rec_like].dtype
+
+
+@pytest.mark.parametrize("op", ["gdn", "kda"])
+def test_bf16_intermediate_states_take_k_dtype(op):
+    spec = OPS[op]
+    t = make_inputs(spec, B=1, T=70, H=1, K=16, V=16, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        _, _, h = call_chunk(spec, t, return_intermediate_states=True)
+    assert h.dtype == torch.bfloat16 and h.shape[1] == 2
+
+
+def test_torch_tier_ignores_autocast():
     spec = OPS["gdn"]
-    t = make_inputs(spec, B=1, T=128, H=1, h0=False)
-    t["g"] = F.logsigmoid(torch.randn(1, 128, 1))
-    o1, _ = call_chunk(spec, t)
-    o2, _ = call_chunk(spec, t, cu_seqlens=torch.tensor([0, 128]))
-    assert_close("o", o1, o2, 1e-6)
+    t = make_inputs(spec, B=1, T=100, H=2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o, ht = call_chunk(spec, t, output_final_state=True)
+    ro, rht = call_reference(spec, t, output_final_state=True)
+    assert_close("o", o, ro, 2e-5)
+    assert_close("ht", ht, rht, 2e-5)
+
+
+def test_varlen_equals_separate_sequences():
+    """Packing sequences with cu_seqlens gives each sequence's own result."""
+    spec = OPS["kda"]
+    t = make_inputs(spec, B=1, T=128, H=1, N=2)
+    o, ht = call_chunk(spec, t, output_final_state=True, cu_seqlens=torch.tensor([0, 37, 128]))
+    for n, (s, e) in enumerate([(0, 37), (37, 128)]):
+        part = {name: x[:, s:e] for name, x in t.items() if name != "initial_state"}
+        part["initial_state"] = t["initial_state"][n:n + 1]
+        po, pht = call_chunk(spec, part, output_final_state=True)
+        assert_close(f"o[{n}]", o[:, s:e], po, 1e-6)
+        assert_close(f"ht[{n}]", ht[n:n + 1], pht, 1e-6)
+
+
+def test_gates_match_fla_formulas():
+    """The gate math against FLA 0.6.0's own torch reference gates."""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from fla.ops.gated_delta_rule.gate import naive_gdn_gate
+        from fla.ops.kda.gate import naive_kda_gate, naive_kda_lowerbound_gate
+    from fastla.core.gates import gdn_gate, kda_gate
+    HV, K = 3, 8
+    g = torch.randn(2, 5, HV, K) * 3
+    A, dt = torch.randn(HV), torch.randn(HV * K)
+    assert_close("kda", kda_gate(g, A, dt, None), naive_kda_gate(g, A, dt), 1e-6)
+    assert_close("kda lb", kda_gate(g, A, dt, -5.0), naive_kda_lowerbound_gate(g, A, dt, -5.0), 1e-6)
+    assert_close("kda lb no A", kda_gate(g, None, dt, -3.0), naive_kda_lowerbound_gate(g, None, dt, -3.0), 1e-6)
+    gs, dts = torch.randn(2, 5, HV) * 3, torch.randn(HV)
+    assert_close("gdn", gdn_gate(gs, A, dts), naive_gdn_gate(gs, A, dts).float(), 1e-6)

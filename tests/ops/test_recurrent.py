@@ -262,3 +262,57 @@ def test_pool_decode_is_graph_capturable(op):
         torch.cuda.synchronize()
     assert torch.equal(o_graph, o_eager)
     assert torch.equal(static_pool, eager_pool)
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_permuted_value_tensor(tier):
+    """A dense but permuted v (e.g. from a transpose) is read through its strides; o is contiguous."""
+    spec = OPS["gdn"]
+    t = make_inputs(spec, B=2, T=6, H=2, HV=4, K=16, V=8)
+    t["v"] = t["v"].transpose(1, 2).contiguous().transpose(1, 2)      # [B, T, HV, V] view, HV-major memory
+    assert not t["v"].is_contiguous()
+    with on_tier(tier):
+        o, ht = call_recurrent(spec, t, output_final_state=True)
+    ro, rht = call_reference(spec, t, output_final_state=True)
+    assert o.is_contiguous()
+    assert_close("o", o, ro, 2e-5)
+    assert_close("ht", ht, rht, 2e-5)
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_pool_strided_indices_and_skipped_start(tier):
+    """2-D indices given as a transposed view; a row whose start slot is negative writes nothing."""
+    spec = OPS["gdn"]
+    N, T = 3, 2
+    t, pool, cu = _pool_case(spec, N=N, slots=12, T=T)
+    idx = torch.tensor([[0, 4, 8], [1, 5, 9]]).T                      # [N, T] with column stride 3... as a view
+    idx = idx.clone()
+    idx[1, 0] = -1                                                    # sequence 1: skipped from its start
+    idx = idx.T.contiguous().T                                        # non-unit inner stride
+    assert idx.stride(1) != 1
+    before = pool.clone()
+    with on_tier(tier):
+        o, _ = call_recurrent(spec, {**t, "initial_state": pool}, cu_seqlens=cu, ssm_state_indices=idx)
+    assert torch.equal(o[:, T:2 * T], torch.zeros_like(o[:, T:2 * T]))
+    assert torch.equal(pool[5], before[5]) and torch.equal(pool[4], before[4])
+    for n in (0, 2):
+        seq = {name: x[:, T * n:T * n + T] for name, x in t.items()}
+        for j in range(T):
+            sub = {name: x[:, :j + 1] for name, x in seq.items()}
+            _, rht = call_reference(spec, {**sub, "initial_state": before[idx[n, 0]][None]}, output_final_state=True)
+            assert_close(f"pool[{int(idx[n, j])}]", pool[idx[n, j]], rht[0], 2e-5)
+
+
+def test_learnable_g_gamma_keeps_its_gradient():
+    spec = OPS["simple_gla"]
+    t = make_inputs(spec, B=1, T=5, H=2, K=8, V=8)
+    t.pop("g")
+    gamma = (-torch.rand(2)).requires_grad_(True)
+    o, _ = fused_recurrent_simple_gla_op(**t, g_gamma=gamma)
+    o.sum().backward()
+    assert gamma.grad is not None and torch.isfinite(gamma.grad).all()
+
+
+def fused_recurrent_simple_gla_op(**kw):
+    from fastla.ops.simple_gla import fused_recurrent_simple_gla
+    return fused_recurrent_simple_gla(**kw)

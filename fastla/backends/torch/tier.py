@@ -68,21 +68,27 @@ def _write_pool(p: Problem, layout: SeqLayout, slot: torch.Tensor, final: torch.
         idx = p.pool.indices.to(torch.int64)                                # [N, Tcols]
         t = torch.arange(idx.shape[1], device=idx.device)
         lengths = torch.tensor(layout.lengths, device=idx.device)
-        keep = (idx >= 0) & (t[None, :] < lengths[:, None])
+        keep = (idx >= 0) & (t[None, :] < lengths[:, None]) & (slot >= 0)[:, None]   # skipped rows write nothing
         L = token_states.shape[1]
         keep_l = keep[:, :L]
         pool.index_copy_(0, idx[:, :L][keep_l], to_pool(token_states.detach()[keep_l]))
 
 
-def _gather_chunk_states(states: torch.Tensor, layout: SeqLayout, chunk_size: int) -> torch.Tensor:
+def _gather_chunk_states(states: torch.Tensor, layout: SeqLayout, chunk_size: int, varlen: bool) -> torch.Tensor:
     """``[N, NT_max, HV, K, V]`` -> FLA's ``[B, NT, ...]`` (varlen: ``[1, sum of chunks, ...]``)."""
-    if layout.starts == tuple(b * layout.T for b in range(layout.B)) and layout.N == layout.B:
-        return states
     counts = chunk_counts(list(layout.lengths), chunk_size)
+    if not varlen:
+        return states[:, :max(counts, default=0)]
     return torch.cat([states[n, :c] for n, c in enumerate(counts)], dim=0)[None]
 
 
 def run(p: Problem):
+    # the tier's float32 math must not be lowered by an enclosing autocast region
+    with torch.autocast(p.device.type, enabled=False):
+        return _run(p)
+
+
+def _run(p: Problem):
     a = activate(p)
     dt = a.q.dtype
     layout = SeqLayout.build(p.B, p.T, list(p.cu_seqlens_host) if p.cu_seqlens_host else None, p.reverse)
@@ -102,7 +108,7 @@ def run(p: Problem):
     )
     if slot is not None:
         o = o * (slot >= 0).to(o.dtype)[:, None, None, None]
-    out = layout.from_padded(o).to(p.v.dtype)
+    out = layout.from_padded(o).to(p.o_dtype).contiguous()
 
     if p.pool is not None:
         if not p.pool.disable_state_update:
@@ -116,7 +122,7 @@ def run(p: Problem):
     if p.output_final_state:
         final_state = (final.transpose(-1, -2) if p.state_v_first else final).to(torch.float32 if dt != torch.float64 else dt)
     if p.return_intermediate_states:
-        h = _gather_chunk_states(states, layout, chunk)
+        h = _gather_chunk_states(states, layout, chunk, p.cu_seqlens_host is not None)
         h = (h.transpose(-1, -2) if p.state_v_first else h).to(p.k.dtype)
         return out, final_state, h
     return out, final_state

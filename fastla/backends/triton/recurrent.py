@@ -50,7 +50,7 @@ def _recurrent_fwd_kernel(
     o, h0, ht,
     cu_seqlens, slots, accepted,
     scale, lower_bound,
-    T, stride_slots,
+    T, stride_slots, stride_slots_t,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,      # element strides (batch, time, head)
     sg_b, sg_t, sg_h, sgk_b, sgk_t, sgk_h, sb_b, sb_t, sb_h,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -108,7 +108,7 @@ def _recurrent_fwd_kernel(
         col = 0
         if ACCEPTED:
             col = tl.load(accepted + i_n).to(tl.int64) - 1
-        slot = tl.load(slots + i_n * stride_slots + col).to(tl.int64)
+        slot = tl.load(slots + i_n * stride_slots + col * stride_slots_t).to(tl.int64)
         live = slot >= 0
         src = h0 + tl.maximum(slot, 0) * (HV * K * V)
     else:
@@ -184,7 +184,7 @@ def _recurrent_fwd_kernel(
         tl.store(o + (i_t * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
         if POOL == 2:
             if WRITE:
-                slot_t = tl.load(slots + i_n * stride_slots + i_rel).to(tl.int64)
+                slot_t = tl.load(slots + i_n * stride_slots + i_rel * stride_slots_t).to(tl.int64)
                 dst = ht + tl.maximum(slot_t, 0) * (HV * K * V)
                 tl.store(dst + head + p_tile, b_h.to(ht.dtype.element_ty), mask=m_h & live & (slot_t >= 0))
 
@@ -238,7 +238,8 @@ def supports(p: Problem) -> str | None:
         return "a per-value gate (gv) is served by the torch tier"
     if p.reverse:
         return "reverse=True is served by the torch tier"
-    if torch.is_grad_enabled() and any(x.requires_grad for x in _tensors(p) + [p.A_log, p.dt_bias] if x is not None):
+    params = [p.A_log, p.dt_bias, p.g_gamma]
+    if torch.is_grad_enabled() and any(x.requires_grad for x in _tensors(p) + params if x is not None):
         return "inputs require grad: the Triton recurrent kernel has no backward (the torch tier has autograd)"
     if any(x.dim() == 4 and x.stride(-1) != 1 for x in (p.q, p.k, p.v, p.gk) if x is not None):
         return "an input's last dim is strided (the kernel needs unit stride along the head dim)"
@@ -246,6 +247,9 @@ def supports(p: Problem) -> str | None:
         return "only cu_seqlens_cpu was given: pass cu_seqlens on the device to capture a CUDA graph"
     if p.initial_state is not None and not p.initial_state.is_contiguous():
         return "initial_state is not contiguous"
+    small = [p.cu_seqlens, p.A_log, p.dt_bias, p.g_gamma] + ([p.pool.num_accepted_tokens] if p.pool else [])
+    if any(x is not None and x.dim() == 1 and x.stride(0) != 1 for x in small):
+        return "a strided 1-D parameter (cu_seqlens, A_log, dt_bias, g_gamma or num_accepted_tokens)"
     return None
 
 
@@ -257,7 +261,7 @@ def _strides(x: torch.Tensor | None) -> tuple[int, int, int]:
 def run(p: Problem, config: DecodeConfig | None = None):
     config = config or default_config(p)
     N, HV, K, V = p.N, p.HV, p.K, p.V
-    o = torch.empty_like(p.v)
+    o = torch.empty(p.v.shape, dtype=p.o_dtype, device=p.device)     # contiguous [B, T, HV, V]
     pool = p.pool
     if pool is not None:
         ht = p.initial_state
@@ -301,6 +305,7 @@ def run(p: Problem, config: DecodeConfig | None = None):
         pool.num_accepted_tokens if pool is not None and pool.num_accepted_tokens is not None else dummy,
         p.scale, float(p.lower_bound) if p.lower_bound is not None else 0.0,
         p.T, slots.stride(0) if slots is not None else 0,
+        slots.stride(1) if slots is not None and slots.dim() == 2 else 0,
         *_strides(p.q), *_strides(p.k), *_strides(p.v),
         *_strides(p.g), *_strides(p.gk), *_strides(p.beta),
         H=p.H, HV=HV, K=K, V=V, BK=BK, BV=BV,

@@ -39,5 +39,6 @@ def chunk_gla(
         "chunk_gla", q=q, k=k, v=v, gk=g, delta=False, gva=False, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
         cu_seqlens_cpu=cu_seqlens_cpu,
+        output_like="v",
     )
     return dispatch.run("chunk_gla", problem)

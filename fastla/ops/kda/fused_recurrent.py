@@ -49,5 +49,6 @@ def fused_recurrent_kda(
         output_final_state=output_final_state, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
         cu_seqlens_cpu=cu_seqlens_cpu, ssm_state_indices=ssm_state_indices,
         num_accepted_tokens=num_accepted_tokens, disable_state_update=disable_state_update,
+        output_like="v",
     )
     return dispatch.run("fused_recurrent_kda", problem)
