@@ -103,10 +103,13 @@ def _row(rec: Record) -> list[str]:
 
 
 def _header(records: Sequence[Record]) -> list[str]:
-    first = records[0]
-    keys = ("gpu", "torch", "triton", "fla", "commit")
-    parts = [f"{k} {first.get(k)}" for k in keys if first.get(k) is not None]
-    return [f"Measured on {', '.join(parts)}." if parts else "", ""]
+    """The stack, each value listed once (several runs may be merged into one table)."""
+    parts = []
+    for key in ("gpu", "torch", "triton", "fla", "commit"):
+        values = list(dict.fromkeys(str(r[key]) for r in records if r.get(key) not in (None, "unknown")))
+        if values:
+            parts.append(f"{key} {', '.join(values)}")
+    return [f"Measured on {'; '.join(parts)}." if parts else "", ""]
 
 
 def _notes(records: Sequence[Record]) -> list[str]:
