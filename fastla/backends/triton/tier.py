@@ -1,5 +1,5 @@
 """Registers the Triton kernels with the dispatcher."""
-from fastla.backends.triton import recurrent
+from fastla.backends.triton import chunk_delta, recurrent
 from fastla.core import dispatch
 
 RECURRENT_OPS = (
@@ -9,3 +9,4 @@ RECURRENT_OPS = (
 
 for _op in RECURRENT_OPS:
     dispatch.register(_op, "triton", recurrent.supports)(recurrent.run)
+dispatch.register("chunk_gated_delta_rule", "triton", chunk_delta.supports)(chunk_delta.run)

@@ -1,0 +1,95 @@
+"""The Triton GDN chunked forward (opt-in) against the fp64 reference, through the public op;
+on the CPU it runs in the Triton interpreter."""
+import pytest
+import torch
+
+from fastla.backends.triton import interpreting
+from fastla.core.dispatch import use_tier
+from fastla.ops.gated_delta_rule import chunk_gated_delta_rule, naive_recurrent_gated_delta_rule
+from tests.helpers import DEVICES, OPS, assert_close, call_chunk, call_reference, make_inputs
+
+SPEC = OPS["gdn"]
+
+
+def on_triton(fn, *args, **kwargs):
+    with use_tier("triton", strict=True), torch.no_grad():
+        return fn(*args, **kwargs)
+
+
+# on a GPU: bf16 products with fp32 accumulation (FLA's precision; FLA's own error is ~4e-3 on
+# such inputs); in the CPU interpreter the kernels use float32 operands
+TOL = 2e-5 if interpreting() else 1e-2
+
+
+def check(t, tol=TOL, **opts):
+    o, ht = on_triton(call_chunk, SPEC, t, output_final_state=True, **opts)
+    ro, rht = call_reference(SPEC, t, output_final_state=True, **opts)
+    assert_close("o", o, ro, tol)
+    assert_close("final_state", ht, rht, tol)
+
+
+@pytest.mark.parametrize("T", [1, 63, 64, 65, 130])
+@pytest.mark.parametrize("device", DEVICES)
+def test_lengths(T, device):
+    check(make_inputs(SPEC, B=2, T=T, H=2, HV=4, K=32, V=32, device=device))
+
+
+@pytest.mark.parametrize("lengths", [[1, 63, 64, 65, 130, 7], [200]])
+def test_varlen(lengths):
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
+    check(make_inputs(SPEC, B=1, T=sum(lengths), H=2, HV=6, K=32, V=16, N=len(lengths)), cu_seqlens=cu)
+
+
+@pytest.mark.parametrize("K,V", [(32, 48), (64, 64), (128, 128)])
+def test_head_dims(K, V):
+    check(make_inputs(SPEC, B=1, T=70, H=1, HV=3, K=K, V=V))
+
+
+@pytest.mark.parametrize("strength", [1e-3, 30.0])
+def test_decay_strength(strength):
+    check(make_inputs(SPEC, B=1, T=130, H=1, HV=2, K=32, V=32, strength=strength))
+
+
+def test_state_v_first_and_no_state():
+    t = make_inputs(SPEC, B=2, T=70, H=1, HV=2, K=32, V=16, v_first=True)
+    check(t, state_v_first=True)
+    check(make_inputs(SPEC, B=2, T=70, H=1, HV=2, K=32, V=16, h0=False))
+
+
+def test_everything_in_op():
+    B, T, H, HV, K, V = 1, 90, 2, 4, 32, 32
+    t = dict(q=torch.randn(B, T, H, K), k=torch.randn(B, T, H, K), v=torch.randn(B, T, HV, V),
+             g=torch.randn(B, T, HV), beta=torch.randn(B, T, HV), initial_state=torch.randn(B, HV, K, V))
+    opts = dict(use_gate_in_kernel=True, A_log=torch.randn(HV) * 0.5, dt_bias=torch.randn(HV),
+                use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True,
+                output_final_state=True)
+    o, ht = on_triton(chunk_gated_delta_rule, **t, **opts)
+    q, k, v = t.pop("q"), t.pop("k"), t.pop("v")
+    ro, rht = naive_recurrent_gated_delta_rule(q, k, v, **t, **opts)
+    assert_close("o", o, ro, TOL)
+    assert_close("final_state", ht, rht, TOL)
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_intermediate_states_match_torch_tier(varlen):
+    t = make_inputs(SPEC, B=1 if varlen else 2, T=150, H=1, HV=2, K=32, V=16, N=3 if varlen else None)
+    opts = dict(output_final_state=True, return_intermediate_states=True)
+    if varlen:
+        opts["cu_seqlens"] = torch.tensor([0, 70, 71, 150])
+    with torch.inference_mode():
+        o, ht, h = on_triton(call_chunk, SPEC, t, **opts)
+        with use_tier("torch", strict=True):
+            ro, rht, rh = call_chunk(SPEC, t, **opts)
+    assert h.shape == rh.shape
+    assert_close("h", h, rh, TOL)
+    assert_close("o", o, ro, TOL)
+
+
+def test_not_chosen_without_opt_in():
+    from fastla.core import dispatch
+    from fastla.core.validation import build_problem
+    t = make_inputs(SPEC, B=1, T=8, H=1)
+    problem = build_problem("chunk_gated_delta_rule", q=t["q"], k=t["k"], v=t["v"], g=t["g"], beta=t["beta"],
+                            delta=True, gva=True)
+    reasons = dict(dispatch.explain("chunk_gated_delta_rule", problem))
+    assert "opt in" in (reasons.get("triton") or "") or dispatch.requested_tier() == "triton"
