@@ -41,6 +41,7 @@ class SeqLayout:
     starts: tuple[int, ...]
     lengths: tuple[int, ...]
     reverse: bool = False
+    cu_device: torch.Tensor | None = None   # the same offsets on the compute device, if the caller has them
 
     @property
     def N(self) -> int:
@@ -56,23 +57,32 @@ class SeqLayout:
         return not self.reverse and all(n == self.T for n in self.lengths) and self.N == self.B
 
     @staticmethod
-    def build(B: int, T: int, cu: list[int] | None, reverse: bool = False) -> "SeqLayout":
+    def build(B: int, T: int, cu: list[int] | None, reverse: bool = False,
+              cu_device: torch.Tensor | None = None) -> "SeqLayout":
         if cu is None:
             return SeqLayout(B, T, tuple(b * T for b in range(B)), (T,) * B, reverse)
         starts = tuple(cu[:-1])
         lengths = tuple(e - s for s, e in zip(cu[:-1], cu[1:]))
-        return SeqLayout(B, T, starts, lengths, reverse)
+        return SeqLayout(B, T, starts, lengths, reverse, cu_device)
 
     def gather_index(self, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(index, valid)``, both ``[N, L]``: token index into ``B*T`` for each padded slot."""
+        """``(index, valid)``, both ``[N, L]``: token index into ``B*T`` for each padded slot.
+
+        Built on ``device`` from the device copy of the offsets when there is one (no host
+        copy, so CUDA graphs can capture it), else from the host offsets.
+        """
         L = self.max_len
-        t = torch.arange(L, dtype=torch.int64)
-        lengths = torch.tensor(self.lengths, dtype=torch.int64)
-        starts = torch.tensor(self.starts, dtype=torch.int64)
+        if self.cu_device is not None and self.cu_device.device == torch.device(device):
+            cu = self.cu_device.to(torch.int64)
+            starts, lengths = cu[:-1], cu[1:] - cu[:-1]
+        else:
+            starts = torch.tensor(self.starts, dtype=torch.int64).to(device)
+            lengths = torch.tensor(self.lengths, dtype=torch.int64).to(device)
+        t = torch.arange(L, dtype=torch.int64, device=device)
         valid = t[None, :] < lengths[:, None]
         offset = (lengths[:, None] - 1 - t[None, :]) if self.reverse else t[None, :].expand(self.N, L)
         index = torch.where(valid, starts[:, None] + offset, torch.zeros_like(offset))
-        return index.to(device), valid.to(device)
+        return index, valid
 
     def to_padded(self, x: torch.Tensor) -> torch.Tensor:
         """``[B, T, *rest]`` -> ``[N, L, *rest]``, zeros past each sequence's end."""
@@ -90,7 +100,7 @@ class SeqLayout:
             return y
         index, valid = self.gather_index(y.device)
         rest = y.shape[2:]
-        src = y.reshape(self.N * self.max_len, *rest)[valid.reshape(-1)]
-        out = y.new_zeros(self.B * self.T, *rest)
-        out = out.index_copy(0, index.reshape(-1)[valid.reshape(-1)], src)
-        return out.reshape(self.B, self.T, *rest)
+        trash = self.B * self.T                                   # padding slots land on one spare row
+        dest = torch.where(valid, index, torch.full_like(index, trash)).reshape(-1)
+        out = y.new_zeros(trash + 1, *rest).index_copy(0, dest, y.reshape(self.N * self.max_len, *rest))
+        return out[:trash].reshape(self.B, self.T, *rest)

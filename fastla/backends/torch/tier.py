@@ -91,7 +91,8 @@ def run(p: Problem):
 def _run(p: Problem):
     a = activate(p)
     dt = a.q.dtype
-    layout = SeqLayout.build(p.B, p.T, list(p.cu_seqlens_host) if p.cu_seqlens_host else None, p.reverse)
+    layout = SeqLayout.build(p.B, p.T, list(p.cu_seqlens_host) if p.cu_seqlens_host else None, p.reverse,
+                             cu_device=p.cu_seqlens)
     per_token = p.pool is not None and p.pool.indices.dim() == 2 and p.T > 0
     chunk = 1 if (a.gv is not None or per_token) else p.chunk_size
     h0, slot = _start_states(p, dt)
