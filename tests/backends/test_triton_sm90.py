@@ -89,16 +89,17 @@ def _child_gdn(name: str, folder: str) -> None:
     from fastla.backends.triton.chunk_delta import _prepare_kernel, _scan_kernel
 
     if name == "prepare":
-        kern, warps = _prepare_kernel, 4
-        ptrs = {"g": "*fp32", "beta": "*fp32", "gcum": "*fp32", "k": "*bf16", "v": "*bf16", "w": "*bf16",
-                "u": "*bf16", "cu_seqlens": "*i64", "chunk_index": "*i64"}
-        consts = dict(HV=32, K=128, V=128, BT=64, BK=128, BVF=128, DOT=tl.bfloat16)
+        kern, warps = _prepare_kernel, 8
+        ptrs = {"g": "*bf16", "beta": "*bf16", "A_log": "*fp32", "dt_bias": "*fp32", "gcum": "*fp32", "k": "*bf16",
+                "v": "*bf16", "w": "*bf16", "u": "*bf16", "cu_seqlens": "*i64", "chunk_index": "*i64"}
+        consts = dict(H=16, HV=32, K=128, V=128, BT=64, BK=128, BVF=128, DOT=tl.bfloat16, L2NORM=True, GATE=True,
+                      HAS_BIAS=True, BETA=2)
     else:
         kern, warps = _scan_kernel, 8
         ptrs = {"gcum": "*fp32", "h0": "*fp32", "ht": "*fp32", "q": "*bf16", "k": "*bf16", "w": "*bf16",
                 "u": "*bf16", "o": "*bf16", "h_chunks": "*bf16", "cu_seqlens": "*i64", "chunk_start": "*i64"}
-        consts = dict(HV=32, K=128, V=128, BT=64, BK=128, BV=32, SK=128, SV=1, DOT=tl.bfloat16, HAS_H0=True,
-                      STORE_FINAL=True, STORE_CHUNKS=True)
+        consts = dict(H=16, HV=32, K=128, V=128, BT=64, BK=128, BV=32, SK=128, SV=1, DOT=tl.bfloat16, HAS_H0=True,
+                      STORE_FINAL=True, STORE_CHUNKS=True, L2NORM=True)
     names = kern.arg_names
     sig = {n: ptrs.get(n) or ("constexpr" if n in consts else "fp32") for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ptrs}
