@@ -93,6 +93,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--time-limit-s", type=float, help="start no new config (nor cold starts) after this many seconds")
     p.add_argument("--seed", type=int, default=0, help="input seed")
     p.add_argument("--list", action="store_true", help="list the selected configs and exit")
+    p.add_argument("--tier", choices=("torch", "triton", "gluon"),
+                   help="fastla tier to try first (sets FASTLA_BACKEND for this run and its cold starts)")
     return p.parse_args(argv)
 
 
@@ -846,6 +848,8 @@ def finish(results: ResultFile) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m fastla bench``; returns the process exit code."""
     args = parse_args(argv)
+    if args.tier:
+        os.environ["FASTLA_BACKEND"] = args.tier
     try:
         modes = parse_modes(args.modes)
     except ValueError as exc:

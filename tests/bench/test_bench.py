@@ -244,3 +244,12 @@ def test_later_results_supersede_earlier(tmp_path):
     (tmp_path / "new.json").write_text(json.dumps(new))
     recs = load_records([tmp_path / "old.json", tmp_path / "new.json"])
     assert [(r["config"], r.get("fastla_ms")) for r in recs] == [("a", 1.0), ("b", None)]
+
+
+def test_tier_flag_sets_the_backend(monkeypatch):
+    import os
+
+    from fastla.bench.runner import main
+    monkeypatch.setenv("FASTLA_BACKEND", "torch")           # restored by monkeypatch afterwards
+    assert main(["--list", "--filter", "decode", "--tier", "triton"]) == 0
+    assert os.environ["FASTLA_BACKEND"] == "triton"
