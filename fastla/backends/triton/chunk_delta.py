@@ -200,6 +200,8 @@ def supports(p: Problem) -> str | None:
         return "head dims above 128"
     if p.cu_seqlens is not None and p.cu_seqlens_host is None:
         return "needs the sequence offsets on the host (pass cu_seqlens_cpu)"
+    if p.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return "builds its chunk index on the host, which a CUDA graph capture cannot copy"
     tensors = [p.q, p.k, p.v, p.g, p.beta, p.initial_state, p.A_log, p.dt_bias]
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors):
         return "inputs require grad: no Triton backward yet (the torch tier has autograd)"
@@ -224,12 +226,7 @@ def run(p: Problem):
     dot = tl.float32 if interpreting() else tl.bfloat16
     g = p.g if p.g is not None else p.q.new_zeros(B, T, HV, dtype=torch.float32)
     beta = p.beta if p.beta is not None else p.q.new_ones(B, T, HV, dtype=torch.float32)
-    if not p.delta or p.beta is None:
-        beta_mode = 1
-    elif p.beta_sigmoid:
-        beta_mode = 3 if p.allow_neg_eigval else 2
-    else:
-        beta_mode = 1
+    beta_mode = (3 if p.allow_neg_eigval else 2) if p.beta_sigmoid else 1
     w = torch.empty(B, T, HV, K, dtype=op_dtype, device=dev)
     u = torch.empty(B, T, HV, V, dtype=op_dtype, device=dev)
     gcum = torch.empty(B, T, HV, dtype=torch.float32, device=dev)
