@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from fastla.core import dispatch
-from fastla.core.validation import build_problem, resolve_state_layout
+from fastla.core.custom_ops import run_recurrent
+from fastla.core.validation import resolve_state_layout
 
 
 def fused_recurrent_gated_delta_rule(
@@ -58,7 +58,7 @@ def fused_recurrent_gated_delta_rule(
     state_v_first = resolve_state_layout(state_v_first, transpose_state_layout)
     if use_gate_in_kernel and g is None:
         raise ValueError("g (the raw gate input) must be given when use_gate_in_kernel=True")
-    problem = build_problem(
+    return run_recurrent(
         "fused_recurrent_gated_delta_rule", q=q, k=k, v=v, g=g, gk=gk, gv=gv, beta=beta, delta=True, gva=True,
         gate_in_op="gdn" if use_gate_in_kernel else None, A_log=A_log, dt_bias=dt_bias,
         use_qk_l2norm=use_qk_l2norm_in_kernel, beta_sigmoid=use_beta_sigmoid_in_kernel,
@@ -68,7 +68,6 @@ def fused_recurrent_gated_delta_rule(
         num_accepted_tokens=num_accepted_tokens, disable_state_update=disable_state_update,
         output_like="v",
     )
-    return dispatch.run("fused_recurrent_gated_delta_rule", problem)
 
 
 fused_recurrent_gdn = fused_recurrent_gated_delta_rule

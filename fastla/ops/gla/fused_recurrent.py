@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from fastla.core import dispatch
-from fastla.core.validation import build_problem, resolve_state_layout
+from fastla.core.custom_ops import run_recurrent
+from fastla.core.validation import resolve_state_layout
 
 
 def fused_recurrent_gla(
@@ -37,11 +37,10 @@ def fused_recurrent_gla(
         ``(o [B, T, H, V], final_state)``; with a pool, ``final_state`` is the pool.
     """
     state_v_first = resolve_state_layout(state_v_first, transpose_state_layout)
-    problem = build_problem(
+    return run_recurrent(
         "fused_recurrent_gla", q=q, k=k, v=v, gk=gk, gv=gv, delta=False, gva=False, scale=scale,
         initial_state=initial_state, output_final_state=output_final_state, state_v_first=state_v_first,
         cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, reverse=reverse,
         ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
         disable_state_update=disable_state_update,
     )
-    return dispatch.run("fused_recurrent_gla", problem)

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from fastla.core import dispatch
-from fastla.core.validation import build_problem, resolve_state_layout
+from fastla.core.custom_ops import run_recurrent
+from fastla.core.validation import resolve_state_layout
 
 
 def fused_recurrent_kda(
@@ -40,7 +40,7 @@ def fused_recurrent_kda(
         ``(o [B, T, HV, V], final_state)``; with a pool, ``final_state`` is the pool.
     """
     state_v_first = resolve_state_layout(state_v_first, transpose_state_layout)
-    problem = build_problem(
+    return run_recurrent(
         "fused_recurrent_kda", q=q, k=k, v=v, gk=g, beta=beta, delta=True, gva=True,
         gate_in_op="kda" if use_gate_in_kernel else None, A_log=A_log, dt_bias=dt_bias,
         lower_bound=lower_bound if use_gate_in_kernel else None,
@@ -51,4 +51,3 @@ def fused_recurrent_kda(
         num_accepted_tokens=num_accepted_tokens, disable_state_update=disable_state_update,
         output_like="v",
     )
-    return dispatch.run("fused_recurrent_kda", problem)

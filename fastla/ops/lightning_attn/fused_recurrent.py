@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from fastla.core import dispatch
+from fastla.core.custom_ops import run_recurrent
 from fastla.core.gates import lightning_g_gamma
-from fastla.core.validation import build_problem, check_lightning_layers, resolve_state_layout
+from fastla.core.validation import check_lightning_layers, resolve_state_layout
 
 
 def fused_recurrent_lightning_attn(
@@ -32,11 +32,10 @@ def fused_recurrent_lightning_attn(
     state_v_first = resolve_state_layout(state_v_first, transpose_state_layout)
     check_lightning_layers(layer_idx, num_layers)
     g_gamma = lightning_g_gamma(q.shape[2], layer_idx, num_layers, q.device)
-    problem = build_problem(
+    return run_recurrent(
         "fused_recurrent_lightning_attn", q=q, k=k, v=v, g_gamma=g_gamma, delta=False, gva=False, scale=scale,
         initial_state=initial_state, output_final_state=output_final_state, state_v_first=state_v_first,
         cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, reverse=reverse,
         ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
         disable_state_update=disable_state_update,
     )
-    return dispatch.run("fused_recurrent_lightning_attn", problem)
