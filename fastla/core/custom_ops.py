@@ -17,11 +17,11 @@ from fastla.core.validation import build_problem
 
 
 def _problem(op, q, k, v, g, gk, gv, beta, A_log, dt_bias, g_gamma, initial_state, cu_seqlens, cu_seqlens_cpu,
-             ssm_state_indices, num_accepted_tokens, scale, lower_bound, delta, gate_in_op, use_qk_l2norm,
+             ssm_state_indices, num_accepted_tokens, scale, lower_bound, delta, gva, gate_in_op, use_qk_l2norm,
              beta_sigmoid, allow_neg_eigval, output_final_state, state_v_first, reverse, disable_state_update,
              output_like):
     return build_problem(
-        op, q=q, k=k, v=v, g=g, gk=gk, gv=gv, g_gamma=g_gamma, beta=beta, delta=delta, gva=delta,
+        op, q=q, k=k, v=v, g=g, gk=gk, gv=gv, g_gamma=g_gamma, beta=beta, delta=delta, gva=gva,
         gate_in_op=gate_in_op or None, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
         use_qk_l2norm=use_qk_l2norm, beta_sigmoid=beta_sigmoid, allow_neg_eigval=allow_neg_eigval, scale=scale,
         initial_state=initial_state, output_final_state=output_final_state, state_v_first=state_v_first,
@@ -34,7 +34,7 @@ def _problem(op, q, k, v, g, gk, gv, beta, A_log, dt_bias, g_gamma, initial_stat
 _SCHEMA_ARGS = (
     "str op, Tensor q, Tensor k, Tensor v, Tensor? g, Tensor? gk, Tensor? gv, Tensor? beta, Tensor? A_log, "
     "Tensor? dt_bias, Tensor? g_gamma, {state}, Tensor? cu_seqlens, Tensor? cu_seqlens_cpu, "
-    "Tensor? ssm_state_indices, Tensor? num_accepted_tokens, float scale, float? lower_bound, bool delta, "
+    "Tensor? ssm_state_indices, Tensor? num_accepted_tokens, float scale, float? lower_bound, bool delta, bool gva, "
     "str gate_in_op, bool use_qk_l2norm, bool beta_sigmoid, bool allow_neg_eigval, bool output_final_state, "
     "bool state_v_first, bool reverse, bool disable_state_update, str output_like"
 )
@@ -46,7 +46,8 @@ _lib.define(f"recurrent_pool({_SCHEMA_ARGS.format(state='Tensor(a!) initial_stat
 
 def _recurrent_impl(*args):
     o, final = dispatch.run(args[0], _problem(*args))[:2]
-    return o, final if final is not None else o.new_empty(0)
+    # a fresh contiguous tensor, as the fake promises (a custom op may not return a view)
+    return o, final.contiguous() if final is not None else o.new_empty(0)
 
 
 def _recurrent_pool_impl(*args):
@@ -58,17 +59,18 @@ def _output(q, v, output_like):
 
 
 def _recurrent_fake(op, q, k, v, g, gk, gv, beta, A_log, dt_bias, g_gamma, initial_state, cu_seqlens,
-                    cu_seqlens_cpu, ssm_state_indices, num_accepted_tokens, scale, lower_bound, delta, gate_in_op,
+                    cu_seqlens_cpu, ssm_state_indices, num_accepted_tokens, scale, lower_bound, delta, gva, gate_in_op,
                     use_qk_l2norm, beta_sigmoid, allow_neg_eigval, output_final_state, state_v_first, reverse,
                     disable_state_update, output_like):
     o = _output(q, v, output_like)
     if not output_final_state:
-        return o, q.new_empty(0)
+        return o, o.new_empty(0)
     varlen = cu_seqlens if cu_seqlens is not None else cu_seqlens_cpu
     N = q.shape[0] if varlen is None else varlen.shape[0] - 1
     HV, K, V = v.shape[2], q.shape[3], v.shape[3]
     shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
-    return o, torch.empty(shape, dtype=torch.float32, device=q.device)
+    state_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32      # as the tiers return
+    return o, torch.empty(shape, dtype=state_dtype, device=q.device)
 
 
 def _recurrent_pool_fake(op, q, k, v, *rest):
@@ -96,7 +98,8 @@ def compiled_recurrent(op: str, **kw):
 def run_recurrent(op: str, **kw):
     """Serve a public recurrent call: validated and dispatched now, or, while ``torch.compile``
     traces a call that needs no gradients, recorded as one custom op."""
-    tensors = [x for x in kw.values() if isinstance(x, Tensor)]
+    unused = () if kw.get("gate_in_op") else ("A_log", "dt_bias")   # dropped by validation without the gate
+    tensors = [x for n, x in kw.items() if isinstance(x, Tensor) and n not in unused]
     needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in tensors)
     if torch.compiler.is_compiling() and not needs_grad:
         args = {n: kw.get(n) for n in (
@@ -104,7 +107,7 @@ def run_recurrent(op: str, **kw):
             "cu_seqlens_cpu", "ssm_state_indices", "num_accepted_tokens", "lower_bound", "gate_in_op")}
         args.update(
             scale=float(kw["scale"]) if kw.get("scale") is not None else kw["q"].shape[-1] ** -0.5,
-            delta=kw["delta"], use_qk_l2norm=bool(kw.get("use_qk_l2norm")), beta_sigmoid=bool(kw.get("beta_sigmoid")),
+            delta=kw["delta"], gva=kw["gva"], use_qk_l2norm=bool(kw.get("use_qk_l2norm")), beta_sigmoid=bool(kw.get("beta_sigmoid")),
             allow_neg_eigval=bool(kw.get("allow_neg_eigval")), output_final_state=bool(kw.get("output_final_state")),
             state_v_first=bool(kw.get("state_v_first")), reverse=bool(kw.get("reverse")),
             disable_state_update=bool(kw.get("disable_state_update")), output_like=kw.get("output_like", "q"),

@@ -5,7 +5,8 @@ an option no tier can serve raises ``NotImplementedError`` naming it. The result
 :class:`~fastla.core.problem.Problem`.
 
 Value checks on ``cu_seqlens`` and ``ssm_state_indices`` read those tensors on the host:
-pass ``cu_seqlens_cpu`` to avoid the device-to-host copy for ``cu_seqlens``. While a CUDA
+pass ``cu_seqlens_cpu`` to avoid the device-to-host copy for ``cu_seqlens`` (it is then
+trusted to hold the same offsets as a CUDA ``cu_seqlens``; a CPU pair is compared). While a CUDA
 graph is being captured, checks that would read device memory are skipped (a sync is not
 allowed there): capture after an eager call with the same kind of inputs.
 """
@@ -126,6 +127,9 @@ def _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B: int, T: int, device) -> tup
         raise ValueError(
             f"cu_seqlens_cpu must match cu_seqlens: {cu_seqlens_cpu.numel()} vs {cu_seqlens.numel()} entries"
         )
+    if (cu_seqlens is not None and cu_seqlens_cpu is not None and cu_seqlens.device.type == "cpu"
+            and not torch.equal(cu_seqlens.to(torch.int64), cu_seqlens_cpu.to(torch.int64))):
+        raise ValueError("cu_seqlens_cpu must hold the same offsets as cu_seqlens")
     cu = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens
     if not _can_read(cu):
         return None

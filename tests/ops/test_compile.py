@@ -37,3 +37,19 @@ def test_final_state_decode_compiles_fullgraph():
     o, ht = step(**t)
     co, cht = torch.compile(step, fullgraph=True, backend="aot_eager")(**t)
     assert torch.equal(co, o) and torch.equal(cht, ht)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_v_first_final_state_under_inductor(dtype):
+    """The fake's shape, strides and dtype match the real op (a mismatch fails inductor's checks)."""
+    from fastla.ops.gla import fused_recurrent_gla
+    torch._dynamo.reset()
+    t = make_inputs(OPS["gla"], B=2, T=3, H=2, K=16, V=8, h0=False, dtype=dtype)
+
+    def step(q, k, v, g):
+        o, ht = fused_recurrent_gla(q, k, v, gk=g, output_final_state=True, state_v_first=True)
+        return o, ht + 1
+
+    o, ht = step(**t)
+    co, cht = torch.compile(step, fullgraph=True)(**t)
+    assert cht.dtype == ht.dtype and torch.allclose(co, o) and torch.allclose(cht, ht)

@@ -93,3 +93,29 @@ def test_not_chosen_without_opt_in():
                             delta=True, gva=True)
     reasons = dict(dispatch.explain("chunk_gated_delta_rule", problem))
     assert "opt in" in (reasons.get("triton") or "") or dispatch.requested_tier() == "triton"
+
+
+def test_correlated_keys_stay_exact():
+    """Strongly correlated keys make I + A ill-conditioned: the inverse must still be exact."""
+    torch.manual_seed(0)
+    B, T, H, K, V = 1, 128, 1, 16, 16
+    shared = torch.randn(K)
+    k = torch.nn.functional.normalize(shared + 0.3 * torch.randn(B, T, H, K), dim=-1)
+    t = dict(q=torch.randn(B, T, H, K), k=k, v=torch.randn(B, T, H, V), g=torch.full((B, T, H), -0.01),
+             beta=torch.full((B, T, H), 0.9), initial_state=torch.randn(B, H, K, V))
+    check(t, tol=1e-4)
+
+
+def test_beta_none_with_sigmoid_means_one_in_the_recurrent_sense():
+    """The torch tier's convention: beta omitted is 1, whatever the beta-sigmoid flag says."""
+    t = make_inputs(SPEC, B=1, T=70, H=1, K=16, V=16)
+    t["beta"] = None
+    with use_tier("torch", strict=True):
+        ro, rht = chunk_gated_delta_rule(**t, output_final_state=True, use_beta_sigmoid_in_kernel=True)
+    o, ht = on_triton(chunk_gated_delta_rule, **t, output_final_state=True, use_beta_sigmoid_in_kernel=True)
+    assert_close("o", o, ro, TOL)
+    assert_close("ht", ht, rht, TOL)
+
+
+def test_small_head_dim():
+    check(make_inputs(SPEC, B=1, T=40, H=1, K=8, V=8))

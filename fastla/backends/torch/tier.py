@@ -121,7 +121,8 @@ def _run(p: Problem):
 
     final_state = None
     if p.output_final_state:
-        final_state = (final.transpose(-1, -2) if p.state_v_first else final).to(torch.float32 if dt != torch.float64 else dt)
+        final_state = (final.transpose(-1, -2) if p.state_v_first else final).to(
+            torch.float32 if dt != torch.float64 else dt).contiguous()
     if p.return_intermediate_states:
         h = _gather_chunk_states(states, layout, chunk, p.cu_seqlens_host is not None)
         h = (h.transpose(-1, -2) if p.state_v_first else h).to(p.k.dtype)

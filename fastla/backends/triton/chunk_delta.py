@@ -9,10 +9,10 @@ A dense batch is handled as a packed one: ``cu = [0, T, 2T, ..]`` over the ``B *
 Kernel 1, ``_prepare_kernel``, grid ``(chunks, HV)``, one 64-token chunk of one value head:
     G = cumsum(g)                                                [BT]
     A = strict_lower(beta_i * (k_i . k_j) * exp(G_i - G_j))      [BT, BT]
-    P = (I + A)^-1 = (I - A)(I + A^2)(I + A^4)(I + A^8)(I + A^16)(I + A^32)   (A is nilpotent)
+    P = (I + A)^-1 by row-wise forward substitution (fp32)
     W = P (beta * exp(G) * k)   [BT, K],   U = P (beta * v)   [BT, V]
   writes W, U (bf16) and G (fp32).
-Kernel 2, ``_scan_kernel``, grid ``(V / BV, N * HV)``, one sequence's chunks in order with
+Kernel 2, ``_scan_kernel``, grid ``(N * HV, V / BV)``, one sequence's chunks in order with
 the state slab ``S [K, BV]`` (float32) in registers:
     V_new = U - W S
     O = scale * (exp(G) * (q S) + causal(q k^T * exp(G_i - G_j)) V_new)
@@ -20,7 +20,8 @@ the state slab ``S [K, BV]`` (float32) in registers:
   writes O, the chunk-start states when asked, and the final state.
 
 Precision as FLA's chunk kernels: bf16 operands with fp32 accumulation for the products with
-the state and the scores; tf32 for the inverse and W/U. Budget (K = V = 128, BT = 64, sm_90,
+the state and the scores (bf16 inputs; fp32 operands otherwise); fp32 forward substitution
+for the inverse, tf32 for W/U. Budget (K = V = 128, BT = 64, sm_90,
 checked in tests/backends/test_triton_sm90.py): kernel 1 at 8 warps 239 registers, 33 KB
 shared, no spill; kernel 2 (BV = 32, 8 warps, one stage) 255 registers, a ~220-byte spill,
 60 KB shared. Opt-in until measured on the H200 (docs/notes/gdn-prefill.md).
@@ -88,13 +89,15 @@ def _prepare_kernel(
     b_kk = tl.dot(b_kd, tl.trans(b_kd))                                                        # [BT, BT] fp32 acc
     b_A = tl.where(lower, b_beta[:, None] * b_kk * decay, 0.0)
 
-    # (I + A)^-1 as a product of (I + (-A)^(2^j)), j = 0..5 (A^64 = 0)
-    eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
-    b_M = -b_A
-    b_P = eye + b_M
-    for _ in tl.static_range(5):
-        b_M = tl.dot(b_M, b_M, input_precision="tf32")
-        b_P = b_P + tl.dot(b_P, b_M, input_precision="tf32")
+    # P = (I + A)^-1 by forward substitution, one row at a time in fp32 (stable for the unit
+    # lower-triangular system; the product form (I - A)(I + A^2)... cancels catastrophically
+    # when keys are correlated):  P_i = e_i - sum_{j<i} A_ij P_j
+    rows = r[:, None]
+    b_P = tl.where(rows == r[None, :], 1.0, 0.0)                                                # [BT, BT]
+    for i in range(1, BT):
+        a_i = tl.sum(tl.where(rows == i, b_A, 0.0), 0)                                          # A[i, :] [BT]
+        p_i = -tl.sum(a_i[:, None] * b_P, 0)                                                    # [BT]
+        b_P = tl.where(rows == i, b_P + p_i[None, :], b_P)
 
     b_kb = b_k * (b_beta * tl.exp(b_G))[:, None]
     b_w = tl.dot(b_P, b_kb, input_precision="tf32")                                           # [BT, BK]
@@ -113,8 +116,8 @@ def _scan_kernel(
     SK: tl.constexpr, SV: tl.constexpr, DOT: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, STORE_CHUNKS: tl.constexpr, L2NORM: tl.constexpr,
 ):
-    i_v = tl.program_id(0)
-    i_nh = tl.program_id(1).to(tl.int64)
+    i_nh = tl.program_id(0).to(tl.int64)                                    # axis 0: up to 2^31 - 1 programs
+    i_v = tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -198,6 +201,8 @@ def supports(p: Problem) -> str | None:
         return f"chunk_size {p.chunk_size} (the Triton GDN forward uses {BT})"
     if p.K > 128 or p.V > 128:
         return "head dims above 128"
+    if p.q.dtype == torch.float64:
+        return "float64 inputs are served by the torch tier"
     if p.cu_seqlens is not None and p.cu_seqlens_host is None:
         return "needs the sequence offsets on the host (pass cu_seqlens_cpu)"
     if p.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -221,16 +226,18 @@ def run(p: Problem):
     chunk_index = torch.tensor(pairs or [(0, 0)], dtype=torch.int64, device=dev)
     chunk_start = torch.tensor(starts or [0], dtype=torch.int64, device=dev)
 
-    # bf16 products (as FLA); float32 in the CPU interpreter, whose bf16 products are wrong (Triton 3.6)
-    op_dtype = torch.float32 if interpreting() else torch.bfloat16
-    dot = tl.float32 if interpreting() else tl.bfloat16
+    # bf16 products for bf16 inputs (as FLA), fp32 operands otherwise and always in the CPU
+    # interpreter, whose bf16 products are wrong (Triton 3.6)
+    bf16 = p.q.dtype == torch.bfloat16 and not interpreting()
+    op_dtype = torch.bfloat16 if bf16 else torch.float32
+    dot = tl.bfloat16 if bf16 else tl.float32
     g = p.g if p.g is not None else p.q.new_zeros(B, T, HV, dtype=torch.float32)
     beta = p.beta if p.beta is not None else p.q.new_ones(B, T, HV, dtype=torch.float32)
-    beta_mode = (3 if p.allow_neg_eigval else 2) if p.beta_sigmoid else 1
+    beta_mode = 1 if p.beta is None or not p.beta_sigmoid else (3 if p.allow_neg_eigval else 2)
     w = torch.empty(B, T, HV, K, dtype=op_dtype, device=dev)
     u = torch.empty(B, T, HV, V, dtype=op_dtype, device=dev)
     gcum = torch.empty(B, T, HV, dtype=torch.float32, device=dev)
-    BK, BVF = triton.next_power_of_2(K), triton.next_power_of_2(V)
+    BK, BVF = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))   # tl.dot needs >= 16
     dummy = gcum
     if pairs:
         _prepare_kernel[(len(pairs), HV)](
@@ -248,8 +255,8 @@ def run(p: Problem):
     h_chunks = torch.empty(total, *state_shape, dtype=p.k.dtype, device=dev) if p.return_intermediate_states else None
     BV = min(32, BVF)
     h0 = p.initial_state
-    q, k = (p.q, p.k) if p.q.dtype == op_dtype or not interpreting() else (p.q.to(op_dtype), p.k.to(op_dtype))
-    _scan_kernel[(triton.cdiv(V, BV), N * HV)](
+    q, k = (p.q, p.k) if p.q.dtype == op_dtype or bf16 else (p.q.to(op_dtype), p.k.to(op_dtype))
+    _scan_kernel[(N * HV, triton.cdiv(V, BV))](
         q, k, w, u, gcum, o, h0 if h0 is not None else o, ht if ht is not None else o,
         h_chunks if h_chunks is not None else o, cu, chunk_start, p.scale,
         H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV,

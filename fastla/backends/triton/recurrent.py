@@ -10,7 +10,8 @@ Shapes (any batch/time/head strides; the last dim must be contiguous, else the t
     beta      [B, T, HV]            (logits with the beta sigmoid in the op)
     state     [slots or N, HV, K, V] (V-first: [.., HV, V, K]), fp32 or bf16 storage, fp32 math
 
-Grid: ``(cdiv(V, BV), N * HV)``. One program owns the ``[K, BV]`` slab of one value head's
+Grid: ``(N * HV, cdiv(V, BV))`` (heads on axis 0, which allows 2^31 - 1 programs). One
+program owns the ``[K, BV]`` slab of one value head's
 state for one sequence: it loads it once (from ``initial_state`` or pool slot
 ``ssm_state_indices``), runs the sequence's tokens (gate, l2norm, beta, delta rule, output),
 and stores it once (per token for 2-D indices). Budget per program: ``BK * BV`` fp32 state
@@ -62,8 +63,8 @@ def _recurrent_fwd_kernel(
     VARLEN: tl.constexpr, POOL: tl.constexpr, ACCEPTED: tl.constexpr,
     HAS_H0: tl.constexpr, WRITE: tl.constexpr,
 ):
-    i_v = tl.program_id(0)
-    i_nh = tl.program_id(1).to(tl.int64)
+    i_nh = tl.program_id(0).to(tl.int64)                                    # axis 0: up to 2^31 - 1 programs
+    i_v = tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
     if VARLEN:
@@ -234,6 +235,8 @@ def supports(p: Problem) -> str | None:
     reason = available(p.device)
     if reason:
         return reason
+    if p.q.dtype == torch.float64:
+        return "float64 inputs are served by the torch tier (which keeps a float64 state)"
     if p.gv is not None:
         return "a per-value gate (gv) is served by the torch tier"
     if p.reverse:
@@ -293,7 +296,7 @@ def run(p: Problem, config: DecodeConfig | None = None):
     cu = p.cu_seqlens
     if cu is None and p.cu_seqlens_host is not None:
         cu = torch.tensor(p.cu_seqlens_host, dtype=torch.int64, device=p.device)
-    grid = (triton.cdiv(V, BV), N * HV)
+    grid = (N * HV, triton.cdiv(V, BV))           # heads on axis 0: axis 1 is limited to 65535
     _recurrent_fwd_kernel[grid](
         p.q, p.k, p.v, p.g if p.g is not None else dummy, p.gk if p.gk is not None else dummy,
         p.beta if p.beta is not None else dummy,
