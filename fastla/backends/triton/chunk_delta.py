@@ -22,7 +22,7 @@ the state slab ``S [K, BV]`` (float32) in registers:
 Precision as FLA's chunk kernels: bf16 operands with fp32 accumulation for the products with
 the state and the scores (bf16 inputs; fp32 operands otherwise); fp32 forward substitution
 for the inverse, tf32 for W/U. Budget (K = V = 128, BT = 64, sm_90,
-checked in tests/backends/test_triton_sm90.py): kernel 1 at 8 warps 239 registers, 33 KB
+checked in tests/backends/test_triton_sm90.py): kernel 1 at 8 warps 173 registers, 48 KB
 shared, no spill; kernel 2 (BV = 32, 8 warps, one stage) 255 registers, a ~220-byte spill,
 60 KB shared. Opt-in until measured on the H200 (docs/notes/gdn-prefill.md).
 """
