@@ -95,25 +95,15 @@ def test_gla_value_gate_and_gradients():
         assert_close(f"d{n}", leaves[n].grad, r[n].grad, 2e-4)
 
 
-def test_gdn_recurrent_with_key_and_value_gates():
+# (tier, with gv): the per-value gate is served by the torch tier only
+@pytest.mark.parametrize("tier,with_gv", [("torch", True), ("torch", False), ("triton", False)])
+def test_gdn_recurrent_with_scalar_key_and_value_gates(tier, with_gv):
     B, T, H, HV, K, V = 1, 25, 1, 2, 16, 8
     t = {"q": torch.randn(B, T, H, K), "k": F.normalize(torch.randn(B, T, H, K), dim=-1), "v": torch.randn(B, T, HV, V),
          "g": F.logsigmoid(torch.randn(B, T, HV)), "gk": F.logsigmoid(torch.randn(B, T, HV, K)),
-         "gv": F.logsigmoid(torch.randn(B, T, HV, V)), "beta": torch.rand(B, T, HV),
-         "initial_state": torch.randn(B, HV, K, V)}
-    o, ht = fused_recurrent_gated_delta_rule(**t, output_final_state=True)
-    q, k, v = t.pop("q"), t.pop("k"), t.pop("v")
-    ro, rht = naive_recurrent_gated_delta_rule(q, k, v, **t, output_final_state=True)
-    assert_close("o", o, ro, 2e-5)
-    assert_close("ht", ht, rht, 2e-5)
-
-
-@pytest.mark.parametrize("tier", TIERS)
-def test_gdn_recurrent_with_scalar_and_key_gates(tier):
-    B, T, H, HV, K, V = 1, 12, 1, 2, 16, 8
-    t = {"q": torch.randn(B, T, H, K), "k": F.normalize(torch.randn(B, T, H, K), dim=-1), "v": torch.randn(B, T, HV, V),
-         "g": F.logsigmoid(torch.randn(B, T, HV)), "gk": F.logsigmoid(torch.randn(B, T, HV, K)),
          "beta": torch.rand(B, T, HV), "initial_state": torch.randn(B, HV, K, V)}
+    if with_gv:
+        t["gv"] = F.logsigmoid(torch.randn(B, T, HV, V))
     with on_tier(tier):
         o, ht = fused_recurrent_gated_delta_rule(**t, output_final_state=True)
     q, k, v = t.pop("q"), t.pop("k"), t.pop("v")
