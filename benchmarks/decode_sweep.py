@@ -14,7 +14,6 @@ import os
 import sys
 
 import torch
-import torch.nn.functional as F
 import triton
 from triton.testing import do_bench_cudagraph
 

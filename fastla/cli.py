@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import platform
-import sys
 import time
 
 import torch

@@ -2,7 +2,6 @@
 and the chunk sizes, each against the fp64 reference."""
 import pytest
 import torch
-import torch.nn.functional as F
 
 from fastla.ops.gated_delta_rule import chunk_gated_delta_rule, naive_recurrent_gated_delta_rule
 from fastla.ops.kda import chunk_kda, naive_recurrent_kda
