@@ -8,7 +8,7 @@ gather index from the packed tokens to that view (and back), built on the host f
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -42,6 +42,7 @@ class SeqLayout:
     lengths: tuple[int, ...]
     reverse: bool = False
     cu_device: torch.Tensor | None = None   # the same offsets on the compute device, if the caller has them
+    _index_cache: dict = field(default_factory=dict, compare=False, repr=False)   # device -> (index, valid)
 
     @property
     def N(self) -> int:
@@ -71,8 +72,11 @@ class SeqLayout:
         Built on ``device`` from the device copy of the offsets when there is one (no host
         copy, so CUDA graphs can capture it), else from the host offsets.
         """
+        key = torch.device(device)
+        if key in self._index_cache:
+            return self._index_cache[key]
         L = self.max_len
-        if self.cu_device is not None and self.cu_device.device == torch.device(device):
+        if self.cu_device is not None and self.cu_device.device == key:
             cu = self.cu_device.to(torch.int64)
             starts, lengths = cu[:-1], cu[1:] - cu[:-1]
         else:
@@ -82,6 +86,7 @@ class SeqLayout:
         valid = t[None, :] < lengths[:, None]
         offset = (lengths[:, None] - 1 - t[None, :]) if self.reverse else t[None, :].expand(self.N, L)
         index = torch.where(valid, starts[:, None] + offset, torch.zeros_like(offset))
+        self._index_cache[key] = (index, valid)       # one layout gathers several tensors
         return index, valid
 
     def to_padded(self, x: torch.Tensor) -> torch.Tensor:
