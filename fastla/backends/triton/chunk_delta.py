@@ -28,6 +28,10 @@ shared, no spill; kernel 2 (BV = 32, 8 warps, one stage) 255 registers, a ~220-b
 """
 from __future__ import annotations
 
+import itertools
+from collections import OrderedDict
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -40,19 +44,71 @@ BT = 64
 
 
 @triton.jit
+def _unit_lower_inverse_by_rows(A, BT: tl.constexpr):
+    """(I + A)^-1 for a strictly lower-triangular A [BT, BT] (fp32) by forward substitution, one
+    row per step: P_i = e_i - sum_{j<i} A_ij P_j. BT - 1 dependent steps of two reductions."""
+    r = tl.arange(0, BT)
+    rows = r[:, None]
+    P = tl.where(rows == r[None, :], 1.0, 0.0)                                                  # [BT, BT]
+    for i in range(1, BT):
+        a_i = tl.sum(tl.where(rows == i, A, 0.0), 0)                                            # A[i, :] [BT]
+        p_i = -tl.sum(a_i[:, None] * P, 0)                                                      # [BT]
+        P = tl.where(rows == i, P + p_i[None, :], P)
+    return P
+
+
+@triton.jit
+def _merge_blocks(P, A, INNER: tl.constexpr, OUTER: tl.constexpr, BT: tl.constexpr):
+    """Given P = (I + A_inner)^-1 for the diagonal INNER-blocks of A, the inverse for its diagonal
+    OUTER-blocks (OUTER = 4 * INNER): with E the rest of A inside the OUTER-blocks,
+    I + A_outer = (I + A_inner)(I + M), M = P E, and M is block-strictly-lower with 4 blocks, so
+    M^4 = 0 and (I + M)^-1 = I - M + M^2 - M^3 exactly (at most three factors of M: bounded
+    terms, unlike powers of the whole 64x64 A, which cancel catastrophically)."""
+    r = tl.arange(0, BT)
+    rows, cols = r[:, None], r[None, :]
+    E = tl.where((rows // OUTER == cols // OUTER) & (rows // INNER != cols // INNER), A, 0.0)
+    if INNER == 1:
+        M = E                                                                                  # P = I
+    else:
+        M = tl.dot(P, E, input_precision="tf32")                                              # [BT, BT]
+    M2 = tl.dot(M, M, input_precision="tf32")
+    S = tl.where(rows == cols, 1.0, 0.0) - M + M2 - tl.dot(M, M2, input_precision="tf32")
+    if INNER == 1:
+        return S
+    return tl.dot(S, P, input_precision="tf32")
+
+
+@triton.jit
+def _unit_lower_inverse(A, BT: tl.constexpr):
+    """(I + A)^-1 for a strictly lower-triangular A [64, 64] (fp32) on tensor cores: three exact
+    merges, 1 -> 4 -> 16 -> 64, ten dependent 64x64x64 tf32 products (FLA's merges are tf32
+    too) instead of 63 dependent row steps."""
+    P = _merge_blocks(A, A, 1, 4, BT)
+    P = _merge_blocks(P, A, 4, 16, BT)
+    return _merge_blocks(P, A, 16, 64, BT)
+
+
+@triton.jit
 def _prepare_kernel(
-    k, v, g, beta, A_log, dt_bias, w, u, gcum, cu_seqlens, chunk_index,
+    k, v, g, beta, A_log, dt_bias, w, u, gcum, cu_seqlens, chunk_index, T, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, DOT: tl.constexpr,
     L2NORM: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr, BETA: tl.constexpr,
+    VARLEN: tl.constexpr, BLOCKED_INVERSE: tl.constexpr,
 ):
     i_c = tl.program_id(0)
     i_hv = tl.program_id(1)
     i_h = i_hv // (HV // H)                                                 # GVA: the q/k head
-    i_n = tl.load(chunk_index + 2 * i_c).to(tl.int64)
-    c = tl.load(chunk_index + 2 * i_c + 1).to(tl.int64)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    if VARLEN:
+        i_n = tl.load(chunk_index + 2 * i_c).to(tl.int64)
+        c = tl.load(chunk_index + 2 * i_c + 1).to(tl.int64)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    else:                                                                   # dense: NT chunks per sequence
+        i_n = (i_c // NT).to(tl.int64)
+        c = (i_c % NT).to(tl.int64)
+        bos = i_n * T
+        eos = bos + T
     t0 = bos + c * BT                                                       # first token (int64)
     r = tl.arange(0, BT)
     m_t = r < eos - t0
@@ -66,10 +122,13 @@ def _prepare_kernel(
     off_w = r[:, None] * (HV * K) + o_k[None, :]                            # [BT, BK] in w
     base = t0 * HV + i_hv
 
-    b_k = tl.load(k + (t0 * H + i_h) * K + off_k, mask=m_tk, other=0.0).to(tl.float32)       # [BT, BK]
+    p_k = k + (t0 * H + i_h) * K + off_k
+    p_v = v + base * V + off_v
+    b_k = tl.load(p_k, mask=m_tk, other=0.0).to(tl.float32)                                   # [BT, BK]
+    b_rk = tl.full([BT], 1.0, tl.float32)                                                      # 1 / |k| or 1
     if L2NORM:
-        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-6)[:, None]
-    b_v = tl.load(v + base * V + off_v, mask=m_tv, other=0.0).to(tl.float32)                 # [BT, BVF]
+        b_rk = tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-6)
+    b_kd = (b_k * b_rk[:, None]).to(DOT)
     b_g = tl.load(g + base + r * HV, mask=m_t, other=0.0).to(tl.float32)                     # [BT]
     if GATE:
         if HAS_BIAS:
@@ -82,26 +141,22 @@ def _prepare_kernel(
     if BETA == 3:
         b_beta = 2.0 * b_beta
     b_G = tl.cumsum(b_g, 0)                                                                    # [BT]
-    b_kd = b_k.to(DOT)
 
     lower = r[:, None] > r[None, :]
     decay = tl.exp(tl.where(lower, b_G[:, None] - b_G[None, :], 0.0))                          # <= 1
     b_kk = tl.dot(b_kd, tl.trans(b_kd))                                                        # [BT, BT] fp32 acc
     b_A = tl.where(lower, b_beta[:, None] * b_kk * decay, 0.0)
 
-    # P = (I + A)^-1 by forward substitution, one row at a time in fp32 (stable for the unit
-    # lower-triangular system; the product form (I - A)(I + A^2)... cancels catastrophically
-    # when keys are correlated):  P_i = e_i - sum_{j<i} A_ij P_j
-    rows = r[:, None]
-    b_P = tl.where(rows == r[None, :], 1.0, 0.0)                                                # [BT, BT]
-    for i in range(1, BT):
-        a_i = tl.sum(tl.where(rows == i, b_A, 0.0), 0)                                          # A[i, :] [BT]
-        p_i = -tl.sum(a_i[:, None] * b_P, 0)                                                    # [BT]
-        b_P = tl.where(rows == i, b_P + p_i[None, :], b_P)
+    if BLOCKED_INVERSE:
+        b_P = _unit_lower_inverse(b_A, BT)
+    else:
+        b_P = _unit_lower_inverse_by_rows(b_A, BT)
 
-    b_kb = b_k * (b_beta * tl.exp(b_G))[:, None]
-    b_w = tl.dot(b_P, b_kb, input_precision="tf32")                                           # [BT, BK]
-    b_u = tl.dot(b_P, b_v * b_beta[:, None], input_precision="tf32")                          # [BT, BVF]
+    # k and v are read again (from cache) rather than kept live through the inverse
+    b_k = tl.load(p_k, mask=m_tk, other=0.0).to(tl.float32) * (b_rk * b_beta * tl.exp(b_G))[:, None]
+    b_w = tl.dot(b_P, b_k, input_precision="tf32")                                            # [BT, BK]
+    b_v = tl.load(p_v, mask=m_tv, other=0.0).to(tl.float32) * b_beta[:, None]                 # [BT, BVF]
+    b_u = tl.dot(b_P, b_v, input_precision="tf32")                                            # [BT, BVF]
     tl.store(w + base * K + off_w, b_w.to(w.dtype.element_ty), mask=m_tk)
     tl.store(u + base * V + off_v, b_u.to(u.dtype.element_ty), mask=m_tv)
     tl.store(gcum + base + r * HV, b_G, mask=m_t)
@@ -109,19 +164,26 @@ def _prepare_kernel(
 
 @triton.jit
 def _scan_kernel(
-    q, k, w, u, gcum, o, h0, ht, h_chunks, cu_seqlens, chunk_start,
+    q, k, w, u, gcum, o, h0, ht, h_chunks, cu_seqlens, chunk_start, T, NT,
     scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     SK: tl.constexpr, SV: tl.constexpr, DOT: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, STORE_CHUNKS: tl.constexpr, L2NORM: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     i_nh = tl.program_id(0).to(tl.int64)                                    # axis 0: up to 2^31 - 1 programs
     i_v = tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    if VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+        first_chunk = tl.load(chunk_start + i_n).to(tl.int64)
+    else:
+        bos = i_n * T
+        eos = bos + T
+        first_chunk = i_n * NT
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < K
@@ -139,7 +201,6 @@ def _scan_kernel(
     off_k = r[:, None] * (H * K) + o_k[None, :]                             # [BT, BK] in q/k, inside a chunk
     off_w = r[:, None] * (HV * K) + o_k[None, :]                            # [BT, BK] in w
     off_v = r[:, None] * (HV * V) + o_v[None, :]                            # [BT, BV]
-    first_chunk = tl.load(chunk_start + i_n).to(tl.int64)
     for c in range(0, tl.cdiv(eos - bos, BT)):
         if STORE_CHUNKS:
             tl.store(h_chunks + (first_chunk + c) * HV * K * V + state + p_tile,
@@ -188,6 +249,56 @@ def _scan_kernel(
         tl.store(ht + i_n * HV * K * V + state + p_tile, b_S.to(ht.dtype.element_ty), mask=m_h)
 
 
+@dataclass(frozen=True)
+class ChunkConfig:
+    """Launch choices of the two kernels (measured: docs/notes/gdn-prefill.md)."""
+    blocked_inverse: bool = True
+    prepare_warps: int = 8
+    scan_block_v: int = 32
+    scan_warps: int = 8
+    scan_stages: int = 1
+
+
+def default_config(p: Problem) -> ChunkConfig:
+    return ChunkConfig()
+
+
+class _VarlenIndex:
+    """Per distinct ``cu_seqlens`` (host copy) and device: the (sequence, chunk) pair of every
+    prepare program and each sequence's first chunk, built on the host once and kept, so that
+    repeated calls (and CUDA-graph capture after a warm-up call) copy nothing."""
+
+    def __init__(self, limit: int = 64):
+        self.limit = limit
+        self.cache: OrderedDict = OrderedDict()
+
+    @staticmethod
+    def key(p: Problem):
+        return tuple(p.cu_seqlens_host), p.device
+
+    def cached(self, p: Problem) -> bool:
+        return self.key(p) in self.cache
+
+    def get(self, p: Problem):
+        key = self.key(p)
+        hit = self.cache.get(key)
+        if hit is None:
+            cu = key[0]
+            counts = [-(-(e - s) // BT) for s, e in zip(cu[:-1], cu[1:])]
+            starts = [0] + list(itertools.accumulate(counts))[:-1]
+            pairs = [(n, c) for n, count in enumerate(counts) for c in range(count)]
+            hit = (torch.tensor(pairs or [(0, 0)], dtype=torch.int32, device=p.device),
+                   torch.tensor(starts, dtype=torch.int64, device=p.device), len(pairs))
+            self.cache[key] = hit
+            if len(self.cache) > self.limit:
+                self.cache.popitem(last=False)
+        self.cache.move_to_end(key)
+        return hit
+
+
+VARLEN_INDEX = _VarlenIndex()
+
+
 def supports(p: Problem) -> str | None:
     from fastla.backends.triton import available
     from fastla.core.dispatch import requested_tier
@@ -203,10 +314,12 @@ def supports(p: Problem) -> str | None:
         return "head dims above 128"
     if p.q.dtype == torch.float64:
         return "float64 inputs are served by the torch tier"
-    if p.cu_seqlens is not None and p.cu_seqlens_host is None:
-        return "needs the sequence offsets on the host (pass cu_seqlens_cpu)"
-    if p.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return "builds its chunk index on the host, which a CUDA graph capture cannot copy"
+    if p.cu_seqlens is not None:
+        if p.cu_seqlens_host is None:
+            return "needs the sequence offsets on the host (pass cu_seqlens_cpu)"
+        capturing = p.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if capturing and not VARLEN_INDEX.cached(p):
+            return "a first call with these cu_seqlens must come before CUDA-graph capture (it builds the chunk index)"
     tensors = [p.q, p.k, p.v, p.g, p.beta, p.initial_state, p.A_log, p.dt_bias]
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors):
         return "inputs require grad: no Triton backward yet (the torch tier has autograd)"
@@ -215,16 +328,18 @@ def supports(p: Problem) -> str | None:
     return None
 
 
-def run(p: Problem):
+def run(p: Problem, config: ChunkConfig | None = None):
+    config = config or default_config(p)
     B, T, H, HV, K, V, N = p.B, p.T, p.H, p.HV, p.K, p.V, p.N
     dev = p.device
-    cu_host = list(p.cu_seqlens_host) if p.cu_seqlens_host is not None else [b * T for b in range(B + 1)]
-    counts = [-(-(e - s) // BT) for s, e in zip(cu_host[:-1], cu_host[1:])]
-    starts = [sum(counts[:n]) for n in range(N)]
-    pairs = [(n, c) for n in range(N) for c in range(counts[n])]
-    cu = torch.tensor(cu_host, dtype=torch.int64, device=dev)
-    chunk_index = torch.tensor(pairs or [(0, 0)], dtype=torch.int64, device=dev)
-    chunk_start = torch.tensor(starts or [0], dtype=torch.int64, device=dev)
+    varlen = p.cu_seqlens is not None
+    NT = triton.cdiv(T, BT)
+    if varlen:
+        chunk_index, chunk_start, total = VARLEN_INDEX.get(p)
+        cu = p.cu_seqlens
+    else:
+        total = B * NT
+        chunk_index = chunk_start = cu = None
 
     # bf16 products for bf16 inputs (as FLA), fp32 operands otherwise and always in the CPU
     # interpreter, whose bf16 products are wrong (Triton 3.6)
@@ -239,32 +354,34 @@ def run(p: Problem):
     gcum = torch.empty(B, T, HV, dtype=torch.float32, device=dev)
     BK, BVF = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))   # tl.dot needs >= 16
     dummy = gcum
-    if pairs:
-        _prepare_kernel[(len(pairs), HV)](
+    if total:
+        _prepare_kernel[(total, HV)](
             p.k, p.v, g, beta, p.A_log if p.A_log is not None else dummy,
-            p.dt_bias if p.dt_bias is not None else dummy, w, u, gcum, cu, chunk_index,
+            p.dt_bias if p.dt_bias is not None else dummy, w, u, gcum,
+            cu if varlen else dummy, chunk_index if varlen else dummy, T, NT,
             H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BVF=BVF, DOT=dot,
             L2NORM=p.use_qk_l2norm, GATE=p.gate_in_op == "gdn", HAS_BIAS=p.dt_bias is not None, BETA=beta_mode,
-            num_warps=8, num_stages=1,
+            VARLEN=varlen, BLOCKED_INVERSE=config.blocked_inverse and BT == 64,
+            num_warps=config.prepare_warps, num_stages=1,
         )
 
     o = torch.empty(B, T, HV, V, dtype=p.o_dtype, device=dev)
     state_shape = (HV, V, K) if p.state_v_first else (HV, K, V)
     ht = torch.empty(N, *state_shape, dtype=torch.float32, device=dev) if p.output_final_state else None
-    total = sum(counts)
     h_chunks = torch.empty(total, *state_shape, dtype=p.k.dtype, device=dev) if p.return_intermediate_states else None
-    BV = min(32, BVF)
+    BV = min(config.scan_block_v, BVF)
     h0 = p.initial_state
     q, k = (p.q, p.k) if p.q.dtype == op_dtype or bf16 else (p.q.to(op_dtype), p.k.to(op_dtype))
     _scan_kernel[(N * HV, triton.cdiv(V, BV))](
         q, k, w, u, gcum, o, h0 if h0 is not None else o, ht if ht is not None else o,
-        h_chunks if h_chunks is not None else o, cu, chunk_start, p.scale,
+        h_chunks if h_chunks is not None else o, cu if varlen else dummy,
+        chunk_start if varlen else dummy, T, NT, p.scale,
         H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV,
         SK=1 if p.state_v_first else V, SV=K if p.state_v_first else 1, DOT=dot,
         HAS_H0=h0 is not None, STORE_FINAL=ht is not None, STORE_CHUNKS=h_chunks is not None,
-        L2NORM=p.use_qk_l2norm, num_warps=8, num_stages=1,
+        L2NORM=p.use_qk_l2norm, VARLEN=varlen, num_warps=config.scan_warps, num_stages=config.scan_stages,
     )
     if p.return_intermediate_states:
-        h = h_chunks[None] if p.cu_seqlens_host is not None else h_chunks.view(B, total // max(B, 1), *state_shape)
+        h = h_chunks[None] if varlen else h_chunks.view(B, NT, *state_shape)
         return o, ht, h
     return o, ht

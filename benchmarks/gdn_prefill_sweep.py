@@ -1,0 +1,123 @@
+"""GDN prefill sweep on the GPU: launch variants of the Triton chunked forward
+(backends/triton/chunk_delta.py) on registry shapes, against FLA 0.6.0 in the same process.
+
+For each shape: every variant's output is compared with the first variant's and with FLA's
+(relative RMS; the fp64 reference errors come from ``python -m fastla bench``), then timed by
+CUDA-graph replay, with the per-kernel split from the profiler.
+
+    python benchmarks/gdn_prefill_sweep.py [--out DIR] [--shapes NAME,..] [--variants all|default]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+
+import torch
+import triton
+from triton.testing import do_bench_cudagraph
+
+import fastla  # noqa: F401
+from fastla.backends.triton import chunk_delta
+from fastla.bench.inputs import call_kwargs, make_inputs
+from fastla.bench.registry import get_config
+from fastla.core.dispatch import use_tier
+from fastla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+C = chunk_delta.ChunkConfig
+VARIANTS = {
+    "default": C(),
+    "rows-inverse": C(blocked_inverse=False),
+    "prep-4w": C(prepare_warps=4),
+    "scan-s2": C(scan_stages=2),
+    "scan-4w-s2": C(scan_warps=4, scan_stages=2),
+    "scan-bv64-s2": C(scan_block_v=64, scan_stages=2),
+    "scan-bv16-4w": C(scan_block_v=16, scan_warps=4),
+    "scan-bv16-4w-s2": C(scan_block_v=16, scan_warps=4, scan_stages=2),
+}
+SHAPES = "gdn/h16-hv64/1x32768,gdn/h2-hv8/1x32768,gdn/h16-hv32/4x8192,gdn/h16-hv64/varlen9x16384"
+
+
+def rel(x, ref):
+    if not torch.isfinite(x).all():
+        return float("inf")
+    return ((x.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def kernel_split(fn) -> dict[str, float]:
+    """Microseconds per call of each kernel, from the profiler over 10 calls."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            fn()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for e in prof.key_averages():
+        if e.device_type.name == "CUDA" or getattr(e, "device_time_total", 0):
+            t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+            if t:
+                out[e.key[:40]] = t / 10
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--shapes", default=SHAPES)
+    ap.add_argument("--variants", default="all")
+    args = ap.parse_args()
+    names = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_op
+    except Exception:
+        fla_op = None
+    rows = []
+    original = chunk_delta.default_config
+    for shape in args.shapes.split(","):
+        cfg = get_config(shape)
+        inputs = make_inputs(cfg, "cuda")
+        kw = call_kwargs(inputs)
+        fla_o = fla_us = None
+        if fla_op is not None:
+            fla_o = fla_op(**kw)[0]
+            fla_us = 1e3 * do_bench_cudagraph(lambda: fla_op(**kw), rep=100)
+        first = None
+        for name in names:
+            variant = VARIANTS[name]
+            chunk_delta.default_config = lambda p, v=variant: v
+            try:
+                with use_tier("triton", strict=True), torch.no_grad():
+                    call = lambda: chunk_gated_delta_rule(**kw)  # noqa: E731
+                    o = call()[0]
+                    err_first = rel(o, first) if first is not None else 0.0
+                    first = o if first is None else first
+                    err_fla = rel(o, fla_o) if fla_o is not None else None
+                    us = 1e3 * do_bench_cudagraph(call, rep=100)
+                    split = kernel_split(call)
+            except Exception as exc:  # a variant that does not compile or launch is reported, not fatal
+                print(f"{shape:28s} {name:16s} FAILED {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                rows.append(dict(shape=shape, variant=name, error=str(exc)[:400]))
+                continue
+            finally:
+                chunk_delta.default_config = original
+            prep = sum(v for k, v in split.items() if "prepare" in k)
+            scan = sum(v for k, v in split.items() if "scan" in k)
+            rows.append(dict(shape=shape, variant=name, config=dataclasses.asdict(variant), us=us, prepare_us=prep,
+                             scan_us=scan, err_vs_first=err_first, err_vs_fla=err_fla, fla_us=fla_us))
+            speed = f"{fla_us / us:5.2f}x" if fla_us else "  -  "
+            print(f"{shape:28s} {name:16s} {us:9.1f} us (prepare {prep:8.1f}, scan {scan:8.1f}) FLA {fla_us or 0:9.1f} "
+                  f"{speed} | vs first {err_first:.1e} vs FLA {err_fla if err_fla is None else f'{err_fla:.1e}'}",
+                  flush=True)
+        del inputs, kw, fla_o, first
+        torch.cuda.empty_cache()
+    with open(os.path.join(args.out, "gdn_prefill_sweep.json"), "w") as f:
+        json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                       rows=rows), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
