@@ -28,13 +28,15 @@ from fastla.ops.gated_delta_rule import chunk_gated_delta_rule
 C = chunk_delta.ChunkConfig
 VARIANTS = {
     "default": C(),
-    "rows-inverse": C(blocked_inverse=False),
-    "prep-4w": C(prepare_warps=4),
-    "scan-s2": C(scan_stages=2),
-    "scan-4w-s2": C(scan_warps=4, scan_stages=2),
-    "scan-bv64-s2": C(scan_block_v=64, scan_stages=2),
-    "scan-bv16-4w": C(scan_block_v=16, scan_warps=4),
-    "scan-bv16-4w-s2": C(scan_block_v=16, scan_warps=4, scan_stages=2),
+    "fused-out": C(fused_output=True),
+    "fused-out-bv64-8w": C(fused_output=True, scan_block_v=64, scan_warps=8),
+    "scan-bv64": C(scan_block_v=64),
+    "scan-bv64-8w": C(scan_block_v=64, scan_warps=8),
+    "scan-bv16": C(scan_block_v=16),
+    "scan-s3": C(scan_stages=3),
+    "out-bv128": C(output_block_v=128),
+    "out-bv128-8w": C(output_block_v=128, output_warps=8),
+    "prep-8w": C(prepare_warps=8),
 }
 SHAPES = "gdn/h16-hv64/1x32768,gdn/h2-hv8/1x32768,gdn/h16-hv32/4x8192,gdn/h16-hv64/varlen9x16384"
 

@@ -23,6 +23,7 @@ TOL = 2e-5 if interpreting() else 1e-2
 
 def check(t, tol=TOL, **opts):
     o, ht = on_triton(call_chunk, SPEC, t, output_final_state=True, **opts)
+    opts.pop("cu_seqlens_cpu", None)                                     # chunk ops only
     ro, rht = call_reference(SPEC, t, output_final_state=True, **opts)
     assert_close("o", o, ro, tol)
     assert_close("final_state", ht, rht, tol)
@@ -119,3 +120,18 @@ def test_beta_none_with_sigmoid_means_one_in_the_recurrent_sense():
 
 def test_small_head_dim():
     check(make_inputs(SPEC, B=1, T=40, H=1, K=8, V=8))
+
+
+@pytest.mark.parametrize("variant", ["fused_output", "rows_inverse", "wide_tiles"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_launch_variants(variant, device, monkeypatch):
+    """The non-default launch variants the GPU sweep times compute the same function."""
+    from fastla.backends.triton import chunk_delta
+    config = {"fused_output": chunk_delta.ChunkConfig(fused_output=True),
+              "rows_inverse": chunk_delta.ChunkConfig(blocked_inverse=False),
+              "wide_tiles": chunk_delta.ChunkConfig(scan_block_v=64, output_block_v=128)}[variant]
+    monkeypatch.setattr(chunk_delta, "default_config", lambda p: config)
+    lengths = [1, 63, 64, 65, 130]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
+    t = make_inputs(SPEC, B=1, T=sum(lengths), H=1, HV=2, K=32, V=64, N=len(lengths), device=device)
+    check(t, cu_seqlens=cu.to(device), cu_seqlens_cpu=cu)
