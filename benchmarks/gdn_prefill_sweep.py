@@ -28,12 +28,13 @@ from fastla.ops.gated_delta_rule import chunk_gated_delta_rule
 C = chunk_delta.ChunkConfig
 VARIANTS = {
     "default": C(),
-    "fused-out": C(fused_output=True),
-    "fused-out-bv64-8w": C(fused_output=True, scan_block_v=64, scan_warps=8),
     "scan-bv64": C(scan_block_v=64),
     "scan-bv64-8w": C(scan_block_v=64, scan_warps=8),
     "scan-bv16": C(scan_block_v=16),
     "scan-s3": C(scan_stages=3),
+    "out-1chunk": C(output_chunks=1, output_stages=1),
+    "out-4chunks": C(output_chunks=4),
+    "out-16chunks-s3": C(output_chunks=16, output_stages=3),
     "out-bv128": C(output_block_v=128),
     "out-bv128-8w": C(output_block_v=128, output_warps=8),
     "prep-8w": C(prepare_warps=8),

@@ -164,13 +164,12 @@ def _prepare_kernel(
 
 @triton.jit
 def _scan_kernel(
-    q, k, w, u, gcum, o, v_new, h0, ht, h_chunks, cu_seqlens, chunk_start, T, NT,
-    scale,
+    k, w, u, gcum, v_new, h0, ht, h_chunks, cu_seqlens, chunk_start, T, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     SK: tl.constexpr, SV: tl.constexpr, DOT: tl.constexpr,
-    HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, STORE_CHUNKS: tl.constexpr, L2NORM: tl.constexpr,
-    VARLEN: tl.constexpr, FUSED_OUTPUT: tl.constexpr,
+    HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, L2NORM: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     i_nh = tl.program_id(0).to(tl.int64)                                    # axis 0: up to 2^31 - 1 programs
     i_v = tl.program_id(1)
@@ -197,15 +196,12 @@ def _scan_kernel(
         b_S = tl.load(h0 + i_n * HV * K * V + state + p_tile, mask=m_h, other=0.0).to(tl.float32)
 
     r = tl.arange(0, BT)
-    causal = r[:, None] >= r[None, :]
-    off_k = r[:, None] * (H * K) + o_k[None, :]                             # [BT, BK] in q/k, inside a chunk
     off_kt = o_k[:, None] + r[None, :] * (H * K)                            # [BK, BT]: k read transposed
     off_w = r[:, None] * (HV * K) + o_k[None, :]                            # [BT, BK] in w
     off_v = r[:, None] * (HV * V) + o_v[None, :]                            # [BT, BV]
     for c in range(0, tl.cdiv(eos - bos, BT)):
-        if STORE_CHUNKS:
-            tl.store(h_chunks + (first_chunk + c) * HV * K * V + state + p_tile,
-                     b_S.to(h_chunks.dtype.element_ty), mask=m_h)
+        tl.store(h_chunks + (first_chunk + c) * HV * K * V + state + p_tile,
+                 b_S.to(h_chunks.dtype.element_ty), mask=m_h)                 # the chunk's start state
         t0 = bos + c * BT
         base = t0 * HV + i_hv                                               # int64 chunk base
         m_t = r < eos - t0
@@ -233,21 +229,7 @@ def _scan_kernel(
 
         b_S16 = b_S.to(DOT)
         b_vn = b_u.to(tl.float32) - tl.dot(b_w, b_S16)                                            # [BT, BV]
-        if FUSED_OUTPUT:
-            b_q = tl.load(q + base_qk + off_k, mask=m_tk, other=0.0)                              # [BT, BK]
-            if L2NORM:
-                b_q = b_q.to(tl.float32)
-                b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, 1) + 1e-6)[:, None]
-            b_q = b_q.to(DOT)
-            b_qk = tl.dot(b_q, b_kt)                                                              # [BT, BT]
-            b_A = tl.where(causal, b_qk * tl.exp(tl.where(causal, b_G[:, None] - b_G[None, :], 0.0)), 0.0)
-            # row scalings move to the [BT, BV] side: (exp(G) * q) S = exp(G) * (q S), and
-            # (exp(G_last - G) * k)^T V_new = k^T (exp(G_last - G) * V_new)
-            b_o = tl.dot(b_q, b_S16) * tl.exp(b_G)[:, None]
-            b_o = (b_o + tl.dot(b_A.to(DOT), b_vn.to(DOT))) * scale
-            tl.store(o + base * V + off_v, b_o.to(o.dtype.element_ty), mask=m_tv)
-        else:
-            tl.store(v_new + base * V + off_v, b_vn.to(v_new.dtype.element_ty), mask=m_tv)
+        tl.store(v_new + base * V + off_v, b_vn.to(v_new.dtype.element_ty), mask=m_tv)
 
         b_vd = b_vn * tl.where(m_t, tl.exp(b_Gl - b_G), 0.0)[:, None]
         b_S = b_S * tl.exp(b_Gl) + tl.dot(b_kt, b_vd.to(DOT))
@@ -258,58 +240,60 @@ def _scan_kernel(
 
 @triton.jit
 def _output_kernel(
-    q, k, v_new, gcum, h_chunks, o, cu_seqlens, chunk_index, T, NT, scale,
+    q, k, v_new, gcum, h_chunks, o, cu_seqlens, chunk_index, T, NT, total, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, CPB: tl.constexpr,
     SK: tl.constexpr, SV: tl.constexpr, DOT: tl.constexpr, L2NORM: tl.constexpr, VARLEN: tl.constexpr,
 ):
-    i_c = tl.program_id(0)
+    i_g = tl.program_id(0)
     i_hv = tl.program_id(1)
     i_v = tl.program_id(2)
     i_h = i_hv // (HV // H)
-    if VARLEN:
-        i_n = tl.load(chunk_index + 2 * i_c).to(tl.int64)
-        c = tl.load(chunk_index + 2 * i_c + 1).to(tl.int64)
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    else:
-        i_n = (i_c // NT).to(tl.int64)
-        c = (i_c % NT).to(tl.int64)
-        bos = i_n * T
-        eos = bos + T
-    t0 = bos + c * BT
     r = tl.arange(0, BT)
-    m_t = r < eos - t0
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < K
     m_v = o_v < V
-    base_qk = (t0 * H + i_h) * K
-    base = t0 * HV + i_hv
-
-    b_q = tl.load(q + base_qk + r[:, None] * (H * K) + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
-                  other=0.0)                                                                      # [BT, BK]
-    b_kt = tl.load(k + base_qk + o_k[:, None] + r[None, :] * (H * K), mask=m_k[:, None] & m_t[None, :],
-                   other=0.0)                                                                     # [BK, BT]
-    if L2NORM:
-        b_q = b_q.to(tl.float32)
-        b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, 1) + 1e-6)[:, None]
-        b_kt = b_kt.to(tl.float32)
-        b_kt = b_kt * tl.rsqrt(tl.sum(b_kt * b_kt, 0) + 1e-6)[None, :]
-    b_q = b_q.to(DOT)
-    b_kt = b_kt.to(DOT)
-    p_h = h_chunks + i_c.to(tl.int64) * HV * K * V + i_hv * K * V + o_k[:, None] * SK + o_v[None, :] * SV
-    b_h = tl.load(p_h, mask=m_k[:, None] & m_v[None, :], other=0.0).to(DOT)                      # [BK, BV]
-    b_G = tl.load(gcum + base + r * HV, mask=m_t, other=0.0)                                      # [BT]
-    m_tv = m_t[:, None] & m_v[None, :]
-    off_v = r[:, None] * (HV * V) + o_v[None, :]
-    b_vn = tl.load(v_new + base * V + off_v, mask=m_tv, other=0.0).to(DOT)                      # [BT, BV]
-
     causal = r[:, None] >= r[None, :]
-    b_A = tl.where(causal, tl.dot(b_q, b_kt) * tl.exp(tl.where(causal, b_G[:, None] - b_G[None, :], 0.0)), 0.0)
-    b_o = tl.dot(b_q, b_h) * tl.exp(b_G)[:, None]                                                 # [BT, BV]
-    b_o = (b_o + tl.dot(b_A.to(DOT), b_vn)) * scale
-    tl.store(o + base * V + off_v, b_o.to(o.dtype.element_ty), mask=m_tv)
+    off_q = r[:, None] * (H * K) + o_k[None, :]                             # [BT, BK]
+    off_kt = o_k[:, None] + r[None, :] * (H * K)                            # [BK, BT]
+    off_v = r[:, None] * (HV * V) + o_v[None, :]                            # [BT, BV]
+    p_tile = i_hv * K * V + o_k[:, None] * SK + o_v[None, :] * SV          # [BK, BV] inside one chunk's states
+    zero = tl.zeros([1], dtype=tl.int64).sum()                             # int64 scalar
+    for i_c32 in range(i_g * CPB, tl.minimum(i_g * CPB + CPB, total)):    # CPB chunks, loads pipelined
+        i_c = zero + i_c32
+        if VARLEN:
+            i_n = tl.load(chunk_index + 2 * i_c).to(tl.int64)
+            c = tl.load(chunk_index + 2 * i_c + 1).to(tl.int64)
+            bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+            eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+        else:
+            i_n = i_c // NT
+            c = i_c % NT
+            bos = i_n * T
+            eos = bos + T
+        t0 = bos + c * BT
+        m_t = r < eos - t0
+        base_qk = (t0 * H + i_h) * K
+        base = t0 * HV + i_hv
+        m_tv = m_t[:, None] & m_v[None, :]
+        b_q = tl.load(q + base_qk + off_q, mask=m_t[:, None] & m_k[None, :], other=0.0)           # [BT, BK]
+        b_kt = tl.load(k + base_qk + off_kt, mask=m_k[:, None] & m_t[None, :], other=0.0)         # [BK, BT]
+        b_h = tl.load(h_chunks + i_c * HV * K * V + p_tile,
+                      mask=m_k[:, None] & m_v[None, :], other=0.0).to(DOT)                          # [BK, BV]
+        b_G = tl.load(gcum + base + r * HV, mask=m_t, other=0.0)                                  # [BT]
+        b_vn = tl.load(v_new + base * V + off_v, mask=m_tv, other=0.0).to(DOT)                  # [BT, BV]
+        if L2NORM:
+            b_q = b_q.to(tl.float32)
+            b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, 1) + 1e-6)[:, None]
+            b_kt = b_kt.to(tl.float32)
+            b_kt = b_kt * tl.rsqrt(tl.sum(b_kt * b_kt, 0) + 1e-6)[None, :]
+        b_q = b_q.to(DOT)
+        b_kt = b_kt.to(DOT)
+        b_A = tl.where(causal, tl.dot(b_q, b_kt) * tl.exp(tl.where(causal, b_G[:, None] - b_G[None, :], 0.0)), 0.0)
+        b_o = tl.dot(b_q, b_h) * tl.exp(b_G)[:, None]                                             # [BT, BV]
+        b_o = (b_o + tl.dot(b_A.to(DOT), b_vn)) * scale
+        tl.store(o + base * V + off_v, b_o.to(o.dtype.element_ty), mask=m_tv)
 
 
 @dataclass(frozen=True)
@@ -317,12 +301,13 @@ class ChunkConfig:
     """Launch choices of the two kernels (measured: docs/notes/gdn-prefill.md)."""
     blocked_inverse: bool = True
     prepare_warps: int = 4
-    fused_output: bool = False          # output inside the scan, or in its own chunk-parallel kernel
     scan_block_v: int = 32
     scan_warps: int = 4
     scan_stages: int = 2
     output_block_v: int = 64
     output_warps: int = 4
+    output_chunks: int = 8              # chunks per output program, their loads pipelined
+    output_stages: int = 2
 
 
 def default_config(p: Problem) -> ChunkConfig:
@@ -435,31 +420,26 @@ def run(p: Problem, config: ChunkConfig | None = None):
     state_shape = (HV, V, K) if p.state_v_first else (HV, K, V)
     SK, SV = (1, K) if p.state_v_first else (V, 1)
     ht = torch.empty(N, *state_shape, dtype=torch.float32, device=dev) if p.output_final_state else None
-    fused = config.fused_output
-    if p.return_intermediate_states or not fused:
-        h_dtype = p.k.dtype if p.return_intermediate_states else op_dtype
-        h_chunks = torch.empty(total, *state_shape, dtype=h_dtype, device=dev)
-    else:
-        h_chunks = None
-    v_new = None if fused else torch.empty(B, T, HV, V, dtype=op_dtype, device=dev)
+    h_dtype = p.k.dtype if p.return_intermediate_states else op_dtype
+    h_chunks = torch.empty(total, *state_shape, dtype=h_dtype, device=dev)
+    v_new = torch.empty(B, T, HV, V, dtype=op_dtype, device=dev)
     BV = min(config.scan_block_v, BVF)
     h0 = p.initial_state
     q, k = (p.q, p.k) if p.q.dtype == op_dtype or bf16 else (p.q.to(op_dtype), p.k.to(op_dtype))
     _scan_kernel[(N * HV, triton.cdiv(V, BV))](
-        q, k, w, u, gcum, o, v_new if v_new is not None else o, h0 if h0 is not None else o,
-        ht if ht is not None else o, h_chunks if h_chunks is not None else o, cu if varlen else dummy,
-        chunk_start if varlen else dummy, T, NT, p.scale,
+        k, w, u, gcum, v_new, h0 if h0 is not None else o, ht if ht is not None else o, h_chunks,
+        cu if varlen else dummy, chunk_start if varlen else dummy, T, NT,
         H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, SK=SK, SV=SV, DOT=dot,
-        HAS_H0=h0 is not None, STORE_FINAL=ht is not None, STORE_CHUNKS=h_chunks is not None,
-        L2NORM=p.use_qk_l2norm, VARLEN=varlen, FUSED_OUTPUT=fused,
-        num_warps=config.scan_warps, num_stages=config.scan_stages,
+        HAS_H0=h0 is not None, STORE_FINAL=ht is not None,
+        L2NORM=p.use_qk_l2norm, VARLEN=varlen, num_warps=config.scan_warps, num_stages=config.scan_stages,
     )
-    if not fused and total:
+    if total:
         BVO = min(config.output_block_v, BVF)
-        _output_kernel[(total, HV, triton.cdiv(V, BVO))](
+        CPB = config.output_chunks
+        _output_kernel[(triton.cdiv(total, CPB), HV, triton.cdiv(V, BVO))](
             q, k, v_new, gcum, h_chunks, o, cu if varlen else dummy, chunk_index if varlen else dummy, T, NT,
-            p.scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BVO, SK=SK, SV=SV, DOT=dot,
-            L2NORM=p.use_qk_l2norm, VARLEN=varlen, num_warps=config.output_warps, num_stages=1,
+            total, p.scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BVO, CPB=CPB, SK=SK, SV=SV, DOT=dot,
+            L2NORM=p.use_qk_l2norm, VARLEN=varlen, num_warps=config.output_warps, num_stages=config.output_stages,
         )
     if p.return_intermediate_states:
         h = h_chunks[None] if varlen else h_chunks.view(B, NT, *state_shape)
