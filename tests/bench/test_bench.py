@@ -227,7 +227,9 @@ def test_one_tiny_config_end_to_end_on_cpu(monkeypatch):
     cfg = scale_down(get_config("gdn/h2-hv8/1x8192"), tokens=32)
     monkeypatch.setattr(runner, "make_inputs", lambda c, device, seed: make_inputs(cfg, device, seed))
     fwd, bwd = runner.bench_config(ctx, cfg, ("fwd", "fwdbwd"), seed=0)
-    assert fwd["fastla_tier"] == "torch" and fwd["timing"] == "graph" and fwd["ratio"] == 1.0
+    from fastla.backends.triton import interpreting
+    assert fwd["fastla_tier"] == ("triton" if interpreting() else "torch")   # the GDN forward kernel
+    assert fwd["timing"] == "graph" and fwd["ratio"] == 1.0
     assert fwd["fastla_rel_err"] < 2e-2 and fwd["fastla_vs_fla_rel_err"] == 0.0 and fwd["fla_note"] is None
     assert fwd["flops"] > 0 and fwd["gbps"] > 0 and not fwd["skipped"]
     assert bwd["fla_note"] == runner.FLA_GUARD_NOTE and bwd["timing"] == "eager"

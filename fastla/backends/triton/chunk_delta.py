@@ -311,7 +311,12 @@ class ChunkConfig:
 
 
 def default_config(p: Problem) -> ChunkConfig:
-    return ChunkConfig()
+    """Measured on the H200 (docs/notes/gdn-prefill.md): the scan takes BV 64 once there are 64
+    or more (sequence, value head) lanes (1x32k HV64: 1.51 vs 1.63 ms; 4x8k HV32: 0.49 vs 0.85 ms),
+    and BV 32 with three stages below (1x32k HV8: 1.01 vs 1.22 ms)."""
+    if p.N * p.HV >= 64:
+        return ChunkConfig(scan_block_v=64)
+    return ChunkConfig(scan_stages=3)
 
 
 class _VarlenIndex:
@@ -352,13 +357,10 @@ VARLEN_INDEX = _VarlenIndex()
 
 def supports(p: Problem) -> str | None:
     from fastla.backends.triton import available
-    from fastla.core.dispatch import requested_tier
 
     reason = available(p.device)
     if reason:
         return reason
-    if requested_tier() != "triton":
-        return "the Triton GDN forward is experimental until measured on the H200: opt in with FASTLA_BACKEND=triton"
     if p.chunk_size != BT:
         return f"chunk_size {p.chunk_size} (the Triton GDN forward uses {BT})"
     if p.K > 128 or p.V > 128:
