@@ -25,21 +25,25 @@ from fastla.bench.registry import get_config
 from fastla.core.dispatch import use_tier
 from fastla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-C = chunk_delta.ChunkConfig
 VARIANTS = {
-    "default": C(),
-    "scan-bv64": C(scan_block_v=64),
-    "scan-bv64-8w": C(scan_block_v=64, scan_warps=8),
-    "scan-bv16": C(scan_block_v=16),
-    "scan-s3": C(scan_stages=3),
-    "out-1chunk": C(output_chunks=1, output_stages=1),
-    "out-4chunks": C(output_chunks=4),
-    "out-16chunks-s3": C(output_chunks=16, output_stages=3),
-    "out-bv128": C(output_block_v=128),
-    "out-bv128-8w": C(output_block_v=128, output_warps=8),
-    "prep-8w": C(prepare_warps=8),
+    "default": None,                       # chunk_delta.default_config(p)
+    "keys-in-scan": dict(decayed_keys=False),
+    "scan-bv32": dict(scan_block_v=32),
+    "scan-bv64": dict(scan_block_v=64),
+    "scan-bv32-s3": dict(scan_block_v=32, scan_stages=3),
+    "out-1chunk": dict(output_chunks=1),
+    "out-4chunks": dict(output_chunks=4),
+    "out-s3": dict(output_stages=3),
+    "out-bv128": dict(output_block_v=128),
 }
 SHAPES = "gdn/h16-hv64/1x32768,gdn/h2-hv8/1x32768,gdn/h16-hv32/4x8192,gdn/h16-hv64/varlen9x16384"
+
+
+def problem_of(kw):
+    from fastla.core.validation import build_problem
+    return build_problem("chunk_gated_delta_rule", q=kw["q"], k=kw["k"], v=kw["v"], g=kw.get("g"),
+                         beta=kw.get("beta"), delta=True, gva=True, cu_seqlens=kw.get("cu_seqlens"),
+                         cu_seqlens_cpu=kw.get("cu_seqlens_cpu"))
 
 
 def rel(x, ref):
@@ -89,8 +93,10 @@ def main() -> int:
             fla_us = 1e3 * do_bench_cudagraph(lambda: fla_op(**kw), rep=100)
         first = None
         for name in names:
-            variant = VARIANTS[name]
-            chunk_delta.default_config = lambda p, v=variant: v
+            over = VARIANTS[name]
+            chunk_delta.default_config = lambda p, o=over: (
+                original(p) if o is None else dataclasses.replace(original(p), **o))
+            variant = chunk_delta.default_config
             try:
                 with use_tier("triton", strict=True), torch.no_grad():
                     call = lambda: chunk_gated_delta_rule(**kw)  # noqa: E731
@@ -108,7 +114,7 @@ def main() -> int:
                 chunk_delta.default_config = original
             prep = sum(v for k, v in split.items() if "prepare" in k)
             scan = sum(v for k, v in split.items() if "scan" in k)
-            rows.append(dict(shape=shape, variant=name, config=dataclasses.asdict(variant), us=us, prepare_us=prep,
+            rows.append(dict(shape=shape, variant=name, config=dataclasses.asdict(variant(problem_of(kw))), us=us, prepare_us=prep,
                              scan_us=scan, err_vs_first=err_first, err_vs_fla=err_fla, fla_us=fla_us))
             speed = f"{fla_us / us:5.2f}x" if fla_us else "  -  "
             print(f"{shape:28s} {name:16s} {us:9.1f} us (prepare {prep:8.1f}, scan {scan:8.1f}) FLA {fla_us or 0:9.1f} "

@@ -124,14 +124,15 @@ def test_small_head_dim():
     check(make_inputs(SPEC, B=1, T=40, H=1, K=8, V=8))
 
 
-@pytest.mark.parametrize("variant", ["one_chunk_per_program", "rows_inverse", "wide_tiles"])
+@pytest.mark.parametrize("variant", ["one_chunk_per_program", "rows_inverse", "wide_tiles", "keys_decayed_in_scan"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_launch_variants(variant, device, monkeypatch):
     """The non-default launch variants the GPU sweep times compute the same function."""
     from fastla.backends.triton import chunk_delta
     config = {"one_chunk_per_program": chunk_delta.ChunkConfig(output_chunks=1, output_stages=1),
               "rows_inverse": chunk_delta.ChunkConfig(blocked_inverse=False),
-              "wide_tiles": chunk_delta.ChunkConfig(scan_block_v=64, output_block_v=128)}[variant]
+              "wide_tiles": chunk_delta.ChunkConfig(scan_block_v=64, output_block_v=128),
+              "keys_decayed_in_scan": chunk_delta.ChunkConfig(decayed_keys=False)}[variant]
     monkeypatch.setattr(chunk_delta, "default_config", lambda p: config)
     lengths = [1, 63, 64, 65, 130]
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())

@@ -90,11 +90,11 @@ def _unit_lower_inverse(A, BT: tl.constexpr):
 
 @triton.jit
 def _prepare_kernel(
-    k, v, g, beta, A_log, dt_bias, w, u, gcum, cu_seqlens, chunk_index, T, NT,
+    k, v, g, beta, A_log, dt_bias, w, u, gcum, kd, cu_seqlens, chunk_index, T, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, DOT: tl.constexpr,
     L2NORM: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr, BETA: tl.constexpr,
-    VARLEN: tl.constexpr, BLOCKED_INVERSE: tl.constexpr,
+    VARLEN: tl.constexpr, BLOCKED_INVERSE: tl.constexpr, STORE_KD: tl.constexpr,
 ):
     i_c = tl.program_id(0)
     i_hv = tl.program_id(1)
@@ -153,8 +153,13 @@ def _prepare_kernel(
         b_P = _unit_lower_inverse_by_rows(b_A, BT)
 
     # k and v are read again (from cache) rather than kept live through the inverse
-    b_k = tl.load(p_k, mask=m_tk, other=0.0).to(tl.float32) * (b_rk * b_beta * tl.exp(b_G))[:, None]
-    b_w = tl.dot(b_P, b_k, input_precision="tf32")                                            # [BT, BK]
+    b_k = tl.load(p_k, mask=m_tk, other=0.0).to(tl.float32) * b_rk[:, None]                   # [BT, BK] unit rows
+    if STORE_KD:                                                            # the scan's decayed keys
+        last = tl.minimum(eos - t0, BT) - 1
+        b_Gl = tl.sum(tl.where(r == last, b_G, 0.0))
+        b_kdec = b_k * tl.where(m_t, tl.exp(b_Gl - b_G), 0.0)[:, None]
+        tl.store(kd + base * K + off_w, b_kdec.to(kd.dtype.element_ty), mask=m_tk)
+    b_w = tl.dot(b_P, b_k * (b_beta * tl.exp(b_G))[:, None], input_precision="tf32")          # [BT, BK]
     b_v = tl.load(p_v, mask=m_tv, other=0.0).to(tl.float32) * b_beta[:, None]                 # [BT, BVF]
     b_u = tl.dot(b_P, b_v, input_precision="tf32")                                            # [BT, BVF]
     tl.store(w + base * K + off_w, b_w.to(w.dtype.element_ty), mask=m_tk)
@@ -169,12 +174,12 @@ def _scan_kernel(
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     SK: tl.constexpr, SV: tl.constexpr, DOT: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, L2NORM: tl.constexpr,
-    VARLEN: tl.constexpr,
+    VARLEN: tl.constexpr, DECAYED_K: tl.constexpr,
 ):
     i_nh = tl.program_id(0).to(tl.int64)                                    # axis 0: up to 2^31 - 1 programs
     i_v = tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
-    i_h = i_hv // (HV // H)
+    i_h = i_hv // (HV // H)                                                 # GVA: the q/k head
     if VARLEN:
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
         eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
@@ -196,7 +201,10 @@ def _scan_kernel(
         b_S = tl.load(h0 + i_n * HV * K * V + state + p_tile, mask=m_h, other=0.0).to(tl.float32)
 
     r = tl.arange(0, BT)
-    off_kt = o_k[:, None] + r[None, :] * (H * K)                            # [BK, BT]: k read transposed
+    if DECAYED_K:                                                           # [BK, BT]: keys read transposed
+        off_kt = o_k[:, None] + r[None, :] * (HV * K)                       # kd [.., HV, K]
+    else:
+        off_kt = o_k[:, None] + r[None, :] * (H * K)                        # k [.., H, K]
     off_w = r[:, None] * (HV * K) + o_k[None, :]                            # [BT, BK] in w
     off_v = r[:, None] * (HV * V) + o_v[None, :]                            # [BT, BV]
     for c in range(0, tl.cdiv(eos - bos, BT)):
@@ -215,24 +223,24 @@ def _scan_kernel(
             m_tv = m_t[:, None]
         else:
             m_tv = m_t[:, None] & m_v[None, :]
-        base_qk = (t0 * H + i_h) * K
-        b_kt = tl.load(k + base_qk + off_kt, mask=m_kt, other=0.0)                                # [BK, BT]
-        if L2NORM:
-            b_kt = b_kt.to(tl.float32)
-            b_kt = b_kt * tl.rsqrt(tl.sum(b_kt * b_kt, 0) + 1e-6)[None, :]
-        b_kt = b_kt.to(DOT)
         b_w = tl.load(w + base * K + off_w, mask=m_tk, other=0.0)                                 # [BT, BK]
         b_u = tl.load(u + base * V + off_v, mask=m_tv, other=0.0)                                 # [BT, BV]
-        b_G = tl.load(gcum + base + r * HV, mask=m_t, other=0.0)                                  # [BT]
         last = tl.minimum(eos - bos - c * BT, BT) - 1
-        b_Gl = tl.sum(tl.where(r == last, b_G, 0.0))                        # G at the chunk's last token
+        b_Gl = tl.load(gcum + base + last * HV)                             # G at the chunk's last token
+        if DECAYED_K:
+            b_kt = tl.load(k + base * K + off_kt, mask=m_kt, other=0.0)                           # [BK, BT]
+        else:
+            b_kt = tl.load(k + (t0 * H + i_h) * K + off_kt, mask=m_kt, other=0.0)                # [BK, BT]
+            b_G = tl.load(gcum + base + r * HV, mask=m_t, other=0.0)                              # [BT]
+            b_kt = b_kt.to(tl.float32)
+            if L2NORM:
+                b_kt = b_kt * tl.rsqrt(tl.sum(b_kt * b_kt, 0) + 1e-6)[None, :]
+            b_kt = b_kt * tl.where(m_t, tl.exp(b_Gl - b_G), 0.0)[None, :]
+        b_kt = b_kt.to(DOT)
 
-        b_S16 = b_S.to(DOT)
-        b_vn = b_u.to(tl.float32) - tl.dot(b_w, b_S16)                                            # [BT, BV]
+        b_vn = b_u.to(tl.float32) - tl.dot(b_w, b_S.to(DOT))                                      # [BT, BV]
         tl.store(v_new + base * V + off_v, b_vn.to(v_new.dtype.element_ty), mask=m_tv)
-
-        b_vd = b_vn * tl.where(m_t, tl.exp(b_Gl - b_G), 0.0)[:, None]
-        b_S = b_S * tl.exp(b_Gl) + tl.dot(b_kt, b_vd.to(DOT))
+        b_S = b_S * tl.exp(b_Gl) + tl.dot(b_kt, b_vn.to(DOT))                # S <- e^G_last S + kd^T V_new
 
     if STORE_FINAL:
         tl.store(ht + i_n * HV * K * V + state + p_tile, b_S.to(ht.dtype.element_ty), mask=m_h)
@@ -246,9 +254,8 @@ def _output_kernel(
     SK: tl.constexpr, SV: tl.constexpr, DOT: tl.constexpr, L2NORM: tl.constexpr, VARLEN: tl.constexpr,
 ):
     i_g = tl.program_id(0)
-    i_hv = tl.program_id(1)
+    i_h = tl.program_id(1)                                                  # q/k head: its HV // H value heads
     i_v = tl.program_id(2)
-    i_h = i_hv // (HV // H)
     r = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -258,9 +265,9 @@ def _output_kernel(
     off_q = r[:, None] * (H * K) + o_k[None, :]                             # [BT, BK]
     off_kt = o_k[:, None] + r[None, :] * (H * K)                            # [BK, BT]
     off_v = r[:, None] * (HV * V) + o_v[None, :]                            # [BT, BV]
-    p_tile = i_hv * K * V + o_k[:, None] * SK + o_v[None, :] * SV          # [BK, BV] inside one chunk's states
+    p_tile = o_k[:, None] * SK + o_v[None, :] * SV                          # [BK, BV] inside one state
     zero = tl.zeros([1], dtype=tl.int64).sum()                             # int64 scalar
-    for i_c32 in range(i_g * CPB, tl.minimum(i_g * CPB + CPB, total)):    # CPB chunks, loads pipelined
+    for i_c32 in range(i_g * CPB, tl.minimum(i_g * CPB + CPB, total)):    # CPB chunks
         i_c = zero + i_c32
         if VARLEN:
             i_n = tl.load(chunk_index + 2 * i_c).to(tl.int64)
@@ -274,26 +281,28 @@ def _output_kernel(
             eos = bos + T
         t0 = bos + c * BT
         m_t = r < eos - t0
-        base_qk = (t0 * H + i_h) * K
-        base = t0 * HV + i_hv
         m_tv = m_t[:, None] & m_v[None, :]
+        base_qk = (t0 * H + i_h) * K
         b_q = tl.load(q + base_qk + off_q, mask=m_t[:, None] & m_k[None, :], other=0.0)           # [BT, BK]
         b_kt = tl.load(k + base_qk + off_kt, mask=m_k[:, None] & m_t[None, :], other=0.0)         # [BK, BT]
-        b_h = tl.load(h_chunks + i_c * HV * K * V + p_tile,
-                      mask=m_k[:, None] & m_v[None, :], other=0.0).to(DOT)                          # [BK, BV]
-        b_G = tl.load(gcum + base + r * HV, mask=m_t, other=0.0)                                  # [BT]
-        b_vn = tl.load(v_new + base * V + off_v, mask=m_tv, other=0.0).to(DOT)                  # [BT, BV]
         if L2NORM:
             b_q = b_q.to(tl.float32)
             b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, 1) + 1e-6)[:, None]
             b_kt = b_kt.to(tl.float32)
             b_kt = b_kt * tl.rsqrt(tl.sum(b_kt * b_kt, 0) + 1e-6)[None, :]
         b_q = b_q.to(DOT)
-        b_kt = b_kt.to(DOT)
-        b_A = tl.where(causal, tl.dot(b_q, b_kt) * tl.exp(tl.where(causal, b_G[:, None] - b_G[None, :], 0.0)), 0.0)
-        b_o = tl.dot(b_q, b_h) * tl.exp(b_G)[:, None]                                             # [BT, BV]
-        b_o = (b_o + tl.dot(b_A.to(DOT), b_vn)) * scale
-        tl.store(o + base * V + off_v, b_o.to(o.dtype.element_ty), mask=m_tv)
+        b_qk = tl.dot(b_q, b_kt.to(DOT))                                    # [BT, BT], shared by the group
+        for j in range(HV // H):                                            # value heads of this q/k head
+            i_hv = i_h * (HV // H) + j
+            base = t0 * HV + i_hv
+            b_h = tl.load(h_chunks + (i_c * HV + i_hv) * K * V + p_tile,
+                          mask=m_k[:, None] & m_v[None, :], other=0.0).to(DOT)                      # [BK, BV]
+            b_G = tl.load(gcum + base + r * HV, mask=m_t, other=0.0)                              # [BT]
+            b_vn = tl.load(v_new + base * V + off_v, mask=m_tv, other=0.0).to(DOT)              # [BT, BV]
+            b_A = tl.where(causal, b_qk * tl.exp(tl.where(causal, b_G[:, None] - b_G[None, :], 0.0)), 0.0)
+            b_o = tl.dot(b_q, b_h) * tl.exp(b_G)[:, None]                                         # [BT, BV]
+            b_o = (b_o + tl.dot(b_A.to(DOT), b_vn)) * scale
+            tl.store(o + base * V + off_v, b_o.to(o.dtype.element_ty), mask=m_tv)
 
 
 @dataclass(frozen=True)
@@ -306,8 +315,9 @@ class ChunkConfig:
     scan_stages: int = 2
     output_block_v: int = 64
     output_warps: int = 4
-    output_chunks: int = 8              # chunks per output program, their loads pipelined
+    output_chunks: int = 2              # chunks per output program (each: its HV // H value heads)
     output_stages: int = 2
+    decayed_keys: bool = True           # prepare writes exp(G_last - G) k / |k| for the scan
 
 
 def default_config(p: Problem) -> ChunkConfig:
@@ -405,16 +415,17 @@ def run(p: Problem, config: ChunkConfig | None = None):
     w = torch.empty(B, T, HV, K, dtype=op_dtype, device=dev)
     u = torch.empty(B, T, HV, V, dtype=op_dtype, device=dev)
     gcum = torch.empty(B, T, HV, dtype=torch.float32, device=dev)
+    kd = torch.empty(B, T, HV, K, dtype=op_dtype, device=dev) if config.decayed_keys else None
     BK, BVF = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))   # tl.dot needs >= 16
     dummy = gcum
     if total:
         _prepare_kernel[(total, HV)](
             p.k, p.v, g, beta, p.A_log if p.A_log is not None else dummy,
-            p.dt_bias if p.dt_bias is not None else dummy, w, u, gcum,
+            p.dt_bias if p.dt_bias is not None else dummy, w, u, gcum, kd if kd is not None else dummy,
             cu if varlen else dummy, chunk_index if varlen else dummy, T, NT,
             H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BVF=BVF, DOT=dot,
             L2NORM=p.use_qk_l2norm, GATE=p.gate_in_op == "gdn", HAS_BIAS=p.dt_bias is not None, BETA=beta_mode,
-            VARLEN=varlen, BLOCKED_INVERSE=config.blocked_inverse and BT == 64,
+            VARLEN=varlen, BLOCKED_INVERSE=config.blocked_inverse and BT == 64, STORE_KD=kd is not None,
             num_warps=config.prepare_warps, num_stages=1,
         )
 
@@ -429,16 +440,17 @@ def run(p: Problem, config: ChunkConfig | None = None):
     h0 = p.initial_state
     q, k = (p.q, p.k) if p.q.dtype == op_dtype or bf16 else (p.q.to(op_dtype), p.k.to(op_dtype))
     _scan_kernel[(N * HV, triton.cdiv(V, BV))](
-        k, w, u, gcum, v_new, h0 if h0 is not None else o, ht if ht is not None else o, h_chunks,
+        kd if kd is not None else k, w, u, gcum, v_new, h0 if h0 is not None else o, ht if ht is not None else o, h_chunks,
         cu if varlen else dummy, chunk_start if varlen else dummy, T, NT,
         H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, SK=SK, SV=SV, DOT=dot,
         HAS_H0=h0 is not None, STORE_FINAL=ht is not None,
-        L2NORM=p.use_qk_l2norm, VARLEN=varlen, num_warps=config.scan_warps, num_stages=config.scan_stages,
+        L2NORM=p.use_qk_l2norm, VARLEN=varlen, DECAYED_K=kd is not None,
+        num_warps=config.scan_warps, num_stages=config.scan_stages,
     )
     if total:
         BVO = min(config.output_block_v, BVF)
         CPB = config.output_chunks
-        _output_kernel[(triton.cdiv(total, CPB), HV, triton.cdiv(V, BVO))](
+        _output_kernel[(triton.cdiv(total, CPB), H, triton.cdiv(V, BVO))](
             q, k, v_new, gcum, h_chunks, o, cu if varlen else dummy, chunk_index if varlen else dummy, T, NT,
             total, p.scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BVO, CPB=CPB, SK=SK, SV=SV, DOT=dot,
             L2NORM=p.use_qk_l2norm, VARLEN=varlen, num_warps=config.output_warps, num_stages=config.output_stages,
