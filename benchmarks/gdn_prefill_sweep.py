@@ -27,6 +27,8 @@ from fastla.ops.gated_delta_rule import chunk_gated_delta_rule
 
 VARIANTS = {
     "default": None,                       # chunk_delta.default_config(p)
+    "no-segments": dict(segment_chunks=0),
+    "segments-16": dict(segment_chunks=16),
     "keys-in-scan": dict(decayed_keys=False),
     "scan-bv32": dict(scan_block_v=32),
     "scan-bv64": dict(scan_block_v=64),

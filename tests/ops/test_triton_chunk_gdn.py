@@ -124,7 +124,8 @@ def test_small_head_dim():
     check(make_inputs(SPEC, B=1, T=40, H=1, K=8, V=8))
 
 
-@pytest.mark.parametrize("variant", ["one_chunk_per_program", "rows_inverse", "wide_tiles", "keys_decayed_in_scan"])
+@pytest.mark.parametrize("variant", ["one_chunk_per_program", "rows_inverse", "wide_tiles", "keys_decayed_in_scan",
+                                     "segments_of_one_chunk", "segments_of_two_chunks"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_launch_variants(variant, device, monkeypatch):
     """The non-default launch variants the GPU sweep times compute the same function."""
@@ -132,9 +133,42 @@ def test_launch_variants(variant, device, monkeypatch):
     config = {"one_chunk_per_program": chunk_delta.ChunkConfig(output_chunks=1, output_stages=1),
               "rows_inverse": chunk_delta.ChunkConfig(blocked_inverse=False),
               "wide_tiles": chunk_delta.ChunkConfig(scan_block_v=64, output_block_v=128),
-              "keys_decayed_in_scan": chunk_delta.ChunkConfig(decayed_keys=False)}[variant]
+              "keys_decayed_in_scan": chunk_delta.ChunkConfig(decayed_keys=False),
+              "segments_of_one_chunk": chunk_delta.ChunkConfig(segment_chunks=1),
+              "segments_of_two_chunks": chunk_delta.ChunkConfig(segment_chunks=2, scan_block_v=16)}[variant]
     monkeypatch.setattr(chunk_delta, "default_config", lambda p: config)
     lengths = [1, 63, 64, 65, 130]
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
     t = make_inputs(SPEC, B=1, T=sum(lengths), H=1, HV=2, K=32, V=64, N=len(lengths), device=device)
     check(t, cu_seqlens=cu.to(device), cu_seqlens_cpu=cu)
+
+
+@pytest.mark.parametrize("v_first", [False, True])
+@pytest.mark.parametrize("h0", [False, True])
+def test_sequence_parallel_segments(v_first, h0, monkeypatch):
+    """Segments of a long sequence run in parallel from their exact start states (summary pass:
+    end state from zero and transition; combine; replay): output, final and chunk states match."""
+    from fastla.backends.triton import chunk_delta
+    monkeypatch.setattr(chunk_delta, "default_config", lambda p: chunk_delta.ChunkConfig(segment_chunks=2))
+    t = make_inputs(SPEC, B=2, T=330, H=1, HV=2, K=32, V=16, h0=h0, v_first=v_first)
+    opts = dict(output_final_state=True, return_intermediate_states=True, state_v_first=v_first)
+    with torch.inference_mode():
+        o, ht, h = on_triton(call_chunk, SPEC, t, **opts)
+        with use_tier("torch", strict=True):
+            ro, rht, rh = call_chunk(SPEC, t, **opts)
+    assert_close("o", o, ro, TOL)
+    assert_close("final_state", ht, rht, TOL)
+    assert_close("h", h, rh, TOL)
+
+
+def test_segment_heuristic():
+    """Split only when lanes leave SMs idle, never below the minimum segment."""
+    from fastla.backends.triton import chunk_delta
+    t = make_inputs(SPEC, B=1, T=8, H=1)
+    from fastla.core.validation import build_problem
+    p = build_problem("chunk_gated_delta_rule", q=t["q"], k=t["k"], v=t["v"], g=t["g"], beta=t["beta"],
+                      delta=True, gva=True)
+    assert chunk_delta.segment_length(p, lanes=32, chunk_counts=[512]) == 57          # 9 pieces: 288 programs
+    assert chunk_delta.segment_length(p, lanes=256, chunk_counts=[512]) == 0          # grid already full
+    assert chunk_delta.segment_length(p, lanes=8, chunk_counts=[12]) == 0             # too short to split
+    assert chunk_delta.segment_length(p, lanes=8, chunk_counts=[40]) == chunk_delta.MIN_SEGMENT_CHUNKS

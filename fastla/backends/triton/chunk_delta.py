@@ -169,36 +169,65 @@ def _prepare_kernel(
 
 @triton.jit
 def _scan_kernel(
-    k, w, u, gcum, v_new, h0, ht, h_chunks, cu_seqlens, chunk_start, T, NT,
+    k, w, u, gcum, v_new, h0, ht, h_chunks, cu_seqlens, chunk_start, segments, seg_state, T, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     SK: tl.constexpr, SV: tl.constexpr, DOT: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, L2NORM: tl.constexpr,
-    VARLEN: tl.constexpr, DECAYED_K: tl.constexpr,
+    VARLEN: tl.constexpr, DECAYED_K: tl.constexpr, SEG: tl.constexpr,
 ):
-    i_nh = tl.program_id(0).to(tl.int64)                                    # axis 0: up to 2^31 - 1 programs
+    """SEG 0: program (sequence x value head, V tile) runs a whole sequence from h0.
+    SEG 1 (segment summary): program (segment x value head, tile of the V + K columns) runs one
+    segment from a zero state in the V columns and from the identity in the K extra columns:
+    it ends with [E | Phi], the segment's end state from zero and its exact transition.
+    SEG 2 (segment replay): as SEG 0 over one segment, from its start state in ``seg_state``."""
+    i_p = tl.program_id(0).to(tl.int64)                                    # axis 0: up to 2^31 - 1 programs
     i_v = tl.program_id(1)
-    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_hv = i_p % HV
     i_h = i_hv // (HV // H)                                                 # GVA: the q/k head
-    if VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-        first_chunk = tl.load(chunk_start + i_n).to(tl.int64)
+    if SEG == 0:
+        i_n = i_p // HV
+        c_begin = 0
+        if VARLEN:
+            bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+            eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+            first_chunk = tl.load(chunk_start + i_n).to(tl.int64)
+        else:
+            bos = i_n * T
+            eos = bos + T
+            first_chunk = i_n * NT
+        c_end = tl.cdiv(eos - bos, BT)
     else:
-        bos = i_n * T
-        eos = bos + T
-        first_chunk = i_n * NT
+        i_s = i_p // HV                                                     # segment: (n, c0, chunks, last)
+        i_n = tl.load(segments + 4 * i_s).to(tl.int64)
+        c_begin = tl.load(segments + 4 * i_s + 1).to(tl.int64)
+        c_end = c_begin + tl.load(segments + 4 * i_s + 2)
+        is_last = tl.load(segments + 4 * i_s + 3) != 0
+        if VARLEN:
+            bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+            eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+            first_chunk = tl.load(chunk_start + i_n).to(tl.int64)
+        else:
+            bos = i_n * T
+            eos = bos + T
+            first_chunk = i_n * NT
     o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
+    o_v = i_v * BV + tl.arange(0, BV)                                       # SEG 1: V + K columns
     m_k = o_k < K
     m_v = o_v < V
     m_h = m_k[:, None] & m_v[None, :]
     p_tile = o_k[:, None] * SK + o_v[None, :] * SV                          # [BK, BV] inside one head state
     state = i_hv * K * V
 
-    b_S = tl.zeros([BK, BV], dtype=tl.float32)
-    if HAS_H0:
-        b_S = tl.load(h0 + i_n * HV * K * V + state + p_tile, mask=m_h, other=0.0).to(tl.float32)
+    if SEG == 1:
+        b_S = tl.where(o_k[:, None] == (o_v - V)[None, :], 1.0, 0.0)        # [0 | I]
+    elif SEG == 2:
+        b_S = tl.load(seg_state + (i_s * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :], mask=m_h,
+                      other=0.0)
+    else:
+        b_S = tl.zeros([BK, BV], dtype=tl.float32)
+        if HAS_H0:
+            b_S = tl.load(h0 + i_n * HV * K * V + state + p_tile, mask=m_h, other=0.0).to(tl.float32)
 
     r = tl.arange(0, BT)
     if DECAYED_K:                                                           # [BK, BT]: keys read transposed
@@ -207,9 +236,10 @@ def _scan_kernel(
         off_kt = o_k[:, None] + r[None, :] * (H * K)                        # k [.., H, K]
     off_w = r[:, None] * (HV * K) + o_k[None, :]                            # [BT, BK] in w
     off_v = r[:, None] * (HV * V) + o_v[None, :]                            # [BT, BV]
-    for c in range(0, tl.cdiv(eos - bos, BT)):
-        tl.store(h_chunks + (first_chunk + c) * HV * K * V + state + p_tile,
-                 b_S.to(h_chunks.dtype.element_ty), mask=m_h)                 # the chunk's start state
+    for c in range(c_begin, c_end):
+        if SEG != 1:
+            tl.store(h_chunks + (first_chunk + c) * HV * K * V + state + p_tile,
+                     b_S.to(h_chunks.dtype.element_ty), mask=m_h)             # the chunk's start state
         t0 = bos + c * BT
         base = t0 * HV + i_hv                                               # int64 chunk base
         m_t = r < eos - t0
@@ -219,7 +249,7 @@ def _scan_kernel(
         else:
             m_tk = m_t[:, None] & m_k[None, :]
             m_kt = m_k[:, None] & m_t[None, :]
-        if V % BV == 0:
+        if V % BV == 0 and SEG != 1:
             m_tv = m_t[:, None]
         else:
             m_tv = m_t[:, None] & m_v[None, :]
@@ -239,11 +269,49 @@ def _scan_kernel(
         b_kt = b_kt.to(DOT)
 
         b_vn = b_u.to(tl.float32) - tl.dot(b_w, b_S.to(DOT))                                      # [BT, BV]
-        tl.store(v_new + base * V + off_v, b_vn.to(v_new.dtype.element_ty), mask=m_tv)
+        if SEG != 1:
+            tl.store(v_new + base * V + off_v, b_vn.to(v_new.dtype.element_ty), mask=m_tv)
         b_S = b_S * tl.exp(b_Gl) + tl.dot(b_kt, b_vn.to(DOT))                # S <- e^G_last S + kd^T V_new
 
-    if STORE_FINAL:
-        tl.store(ht + i_n * HV * K * V + state + p_tile, b_S.to(ht.dtype.element_ty), mask=m_h)
+    if SEG == 1:
+        tl.store(seg_state + (i_s * HV + i_hv) * K * (V + K) + o_k[:, None] * (V + K) + o_v[None, :], b_S,
+                 mask=m_k[:, None] & (o_v < V + K)[None, :])
+    elif STORE_FINAL:
+        if SEG == 2:
+            tl.store(ht + i_n * HV * K * V + state + p_tile, b_S.to(ht.dtype.element_ty), mask=m_h & is_last)
+        else:
+            tl.store(ht + i_n * HV * K * V + state + p_tile, b_S.to(ht.dtype.element_ty), mask=m_h)
+
+
+@triton.jit
+def _segment_combine_kernel(
+    summary, seg_start, h0, seq_segments,
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    SK: tl.constexpr, SV: tl.constexpr, HAS_H0: tl.constexpr,
+):
+    """Program (sequence x value head, V tile): start states of a sequence's segments in order,
+    S_0 = h0, S_{s+1} = Phi_s S_s + E_s, from the summaries [E_s | Phi_s] (fp32, tf32 products)."""
+    i_p = tl.program_id(0).to(tl.int64)
+    i_v = tl.program_id(1)
+    i_n, i_hv = i_p // HV, i_p % HV
+    o_k = tl.arange(0, BK)
+    o_j = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_h = m_k[:, None] & (o_v < V)[None, :]
+    b_S = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_H0:
+        b_S = tl.load(h0 + (i_n * HV + i_hv) * K * V + o_k[:, None] * SK + o_v[None, :] * SV, mask=m_h,
+                      other=0.0).to(tl.float32)
+    s0 = tl.load(seq_segments + 2 * i_n).to(tl.int64)
+    count = tl.load(seq_segments + 2 * i_n + 1)
+    for j in range(0, count):
+        i_s = s0 + j
+        tl.store(seg_start + (i_s * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :], b_S, mask=m_h)
+        base = summary + (i_s * HV + i_hv) * K * (V + K) + o_k[:, None] * (V + K)
+        b_E = tl.load(base + o_v[None, :], mask=m_h, other=0.0)                                   # [BK, BV]
+        b_Phi = tl.load(base + V + o_j[None, :], mask=m_k[:, None] & (o_j < K)[None, :], other=0.0)  # [BK, BK]
+        b_S = tl.dot(b_Phi, b_S, input_precision="tf32") + b_E
 
 
 @triton.jit
@@ -318,6 +386,7 @@ class ChunkConfig:
     output_chunks: int = 2              # chunks per output program (each: its HV // H value heads)
     output_stages: int = 2
     decayed_keys: bool = True           # prepare writes exp(G_last - G) k / |k| for the scan
+    segment_chunks: int | None = None   # sequence parallelism: chunks per segment (None: heuristic, 0: off)
 
 
 def default_config(p: Problem) -> ChunkConfig:
@@ -364,6 +433,66 @@ class _VarlenIndex:
 
 VARLEN_INDEX = _VarlenIndex()
 
+MIN_SEGMENT_CHUNKS = 8          # a segment shorter than this costs more in its summary than it saves
+PROGRAMS_PER_SM = 2             # replay programs aimed for per SM when splitting sequences
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132                                                          # the interpreter: H200's count
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def segment_length(p: Problem, lanes: int, chunk_counts: list[int]) -> int:
+    """Chunks per segment for intra-card sequence parallelism, or 0 for none: split only when the
+    (sequence, value head, V tile) lanes leave SMs idle, into segments of at least
+    MIN_SEGMENT_CHUNKS chunks, aiming at PROGRAMS_PER_SM replay programs per SM."""
+    longest = max(chunk_counts, default=0)
+    target = PROGRAMS_PER_SM * _sm_count(p.device)
+    if lanes * 2 > target or longest < 2 * MIN_SEGMENT_CHUNKS:
+        return 0
+    pieces = -(-target // lanes)
+    return max(MIN_SEGMENT_CHUNKS, -(-longest // pieces))
+
+
+class _SegmentPlans(_VarlenIndex):
+    """Per (sequence offsets, segment length, device): the segment table ``[n_seg, 4]`` (sequence,
+    first chunk, chunks, is-last) and each sequence's ``[first segment, segments]``, cached."""
+
+    @staticmethod
+    def key(p: Problem, counts: tuple[int, ...], length: int):
+        return counts, length, p.device
+
+    def cached(self, p: Problem, counts: tuple[int, ...] = (), length: int = 0) -> bool:
+        return self.key(p, counts, length) in self.cache
+
+    def get(self, p: Problem, counts: tuple[int, ...] = (), length: int = 0):
+        key = self.key(p, counts, length)
+        hit = self.cache.get(key)
+        if hit is None:
+            rows, per_seq = [], []
+            for n, count in enumerate(counts):
+                per_seq.append((len(rows), -(-count // length)))
+                for c0 in range(0, count, length):
+                    rows.append((n, c0, min(length, count - c0), int(c0 + length >= count)))
+            hit = (torch.tensor(rows or [(0, 0, 0, 1)], dtype=torch.int32, device=p.device),
+                   torch.tensor(per_seq, dtype=torch.int32, device=p.device), len(rows))
+            self.cache[key] = hit
+            if len(self.cache) > self.limit:
+                self.cache.popitem(last=False)
+        self.cache.move_to_end(key)
+        return hit
+
+
+SEGMENT_PLANS = _SegmentPlans()
+
+
+def _chunk_counts(p: Problem) -> tuple[int, ...]:
+    if p.cu_seqlens is None:
+        return (triton.cdiv(p.T, BT),) * p.B
+    cu = p.cu_seqlens_host
+    return tuple(-(-(e - s) // BT) for s, e in zip(cu[:-1], cu[1:]))
+
 
 def supports(p: Problem) -> str | None:
     from fastla.backends.triton import available
@@ -383,6 +512,15 @@ def supports(p: Problem) -> str | None:
         capturing = p.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         if capturing and not VARLEN_INDEX.cached(p):
             return "a first call with these cu_seqlens must come before CUDA-graph capture (it builds the chunk index)"
+    if p.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        config = default_config(p)
+        BV = min(config.scan_block_v, max(16, triton.next_power_of_2(p.V)))
+        counts = _chunk_counts(p)
+        length = config.segment_chunks
+        if length is None:
+            length = segment_length(p, p.N * p.HV * triton.cdiv(p.V, BV), list(counts))
+        if length and max(counts, default=0) > length and not SEGMENT_PLANS.cached(p, counts, length):
+            return "a first call with this shape must come before CUDA-graph capture (it builds the segment table)"
     tensors = [p.q, p.k, p.v, p.g, p.beta, p.initial_state, p.A_log, p.dt_bias]
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors):
         return "inputs require grad: no Triton backward yet (the torch tier has autograd)"
@@ -439,14 +577,26 @@ def run(p: Problem, config: ChunkConfig | None = None):
     BV = min(config.scan_block_v, BVF)
     h0 = p.initial_state
     q, k = (p.q, p.k) if p.q.dtype == op_dtype or bf16 else (p.q.to(op_dtype), p.k.to(op_dtype))
-    _scan_kernel[(N * HV, triton.cdiv(V, BV))](
-        kd if kd is not None else k, w, u, gcum, v_new, h0 if h0 is not None else o, ht if ht is not None else o, h_chunks,
-        cu if varlen else dummy, chunk_start if varlen else dummy, T, NT,
-        H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, SK=SK, SV=SV, DOT=dot,
-        HAS_H0=h0 is not None, STORE_FINAL=ht is not None,
-        L2NORM=p.use_qk_l2norm, VARLEN=varlen, DECAYED_K=kd is not None,
-        num_warps=config.scan_warps, num_stages=config.scan_stages,
-    )
+    keys = kd if kd is not None else k
+    counts = _chunk_counts(p)
+    lanes = N * HV * triton.cdiv(V, BV)
+    length = config.segment_chunks if config.segment_chunks is not None else segment_length(p, lanes, list(counts))
+    common = dict(H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, SK=SK, SV=SV, DOT=dot, HAS_H0=h0 is not None,
+                  STORE_FINAL=ht is not None, L2NORM=p.use_qk_l2norm, VARLEN=varlen, DECAYED_K=kd is not None,
+                  num_warps=config.scan_warps, num_stages=config.scan_stages)
+    args = (keys, w, u, gcum, v_new, h0 if h0 is not None else o, ht if ht is not None else o, h_chunks,
+            cu if varlen else dummy, chunk_start if varlen else dummy)
+    if length and max(counts, default=0) > length:
+        segments, seq_segments, n_seg = SEGMENT_PLANS.get(p, counts, length)
+        summary = torch.empty(n_seg, HV, K, V + K, dtype=torch.float32, device=dev)
+        seg_start = torch.empty(n_seg, HV, K, V, dtype=torch.float32, device=dev)
+        _scan_kernel[(n_seg * HV, triton.cdiv(V + K, BV))](*args, segments, summary, T, NT, BV=BV, SEG=1, **common)
+        _segment_combine_kernel[(N * HV, triton.cdiv(V, BV))](
+            summary, seg_start, h0 if h0 is not None else o, seq_segments, HV=HV, K=K, V=V, BK=BK, BV=BV,
+            SK=SK, SV=SV, HAS_H0=h0 is not None, num_warps=4, num_stages=1)
+        _scan_kernel[(n_seg * HV, triton.cdiv(V, BV))](*args, segments, seg_start, T, NT, BV=BV, SEG=2, **common)
+    else:
+        _scan_kernel[(N * HV, triton.cdiv(V, BV))](*args, dummy, dummy, T, NT, BV=BV, SEG=0, **common)
     if total:
         BVO = min(config.output_block_v, BVF)
         CPB = config.output_chunks
