@@ -384,18 +384,25 @@ class ChunkConfig:
     output_block_v: int = 64
     output_warps: int = 4
     output_chunks: int = 2              # chunks per output program (each: its HV // H value heads)
-    output_stages: int = 2
+    output_stages: int = 3
     decayed_keys: bool = True           # prepare writes exp(G_last - G) k / |k| for the scan
     segment_chunks: int | None = None   # sequence parallelism: chunks per segment (None: heuristic, 0: off)
 
 
 def default_config(p: Problem) -> ChunkConfig:
-    """Measured on the H200 (docs/notes/gdn-prefill.md): the scan takes BV 64 once there are 64
-    or more (sequence, value head) lanes (1x32k HV64: 1.51 vs 1.63 ms; 4x8k HV32: 0.49 vs 0.85 ms),
-    and BV 32 with three stages below (1x32k HV8: 1.01 vs 1.22 ms)."""
-    if p.N * p.HV >= 64:
-        return ChunkConfig(scan_block_v=64)
-    return ChunkConfig(scan_stages=3)
+    """Measured on the H200 (docs/notes/gdn-prefill.md, benchmarks/results/gdn_prefill_sweep*.json).
+    The scan runs 64-column state tiles (2 programs per SM) unless 32-column tiles still fit in one
+    wave, which halves each program's serial work (1x32k HV64: 1.16 ms at BV 32 vs 1.41 at BV 64;
+    4x8k HV32, two waves at BV 32: 0.49 ms at BV 64 vs 0.67). Sequences are split into segments
+    when the plan predicts a gain (1x32k HV8: 0.37 ms vs 0.60)."""
+    counts = list(_chunk_counts(p))
+    resident = PROGRAMS_PER_SM * _sm_count(p.device)
+    tiles64 = triton.cdiv(p.V, 64)
+    length = segment_length(p, p.N * p.HV, tiles64, triton.cdiv(p.V + p.K, 64), counts)
+    if length:
+        return ChunkConfig(scan_block_v=64, segment_chunks=length)
+    block_v = 32 if p.N * p.HV * triton.cdiv(p.V, 32) <= resident else 64
+    return ChunkConfig(scan_block_v=block_v, segment_chunks=0)
 
 
 class _VarlenIndex:
@@ -433,8 +440,12 @@ class _VarlenIndex:
 
 VARLEN_INDEX = _VarlenIndex()
 
-MIN_SEGMENT_CHUNKS = 8          # a segment shorter than this costs more in its summary than it saves
-PROGRAMS_PER_SM = 2             # replay programs aimed for per SM when splitting sequences
+MIN_SEGMENT_CHUNKS = 8          # shortest segment considered
+PROGRAMS_PER_SM = 2             # scan programs resident per SM (registers and shared memory)
+# split only when the plan's predicted steps are below this fraction of the whole-sequence steps:
+# a step under a full grid costs ~1.8x one on a lightly loaded GPU (1x32k HV8: 1.18 us per step
+# unsplit at BV 32, 2.15 us split at BV 64), and the split needs a ~25% margin to pay
+SEGMENT_GAIN = 0.4
 
 
 def _sm_count(device: torch.device) -> int:
@@ -443,16 +454,27 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def segment_length(p: Problem, lanes: int, chunk_counts: list[int]) -> int:
-    """Chunks per segment for intra-card sequence parallelism, or 0 for none: split only when the
-    (sequence, value head, V tile) lanes leave SMs idle, into segments of at least
-    MIN_SEGMENT_CHUNKS chunks, aiming at PROGRAMS_PER_SM replay programs per SM."""
+def segment_length(p: Problem, lanes: int, tiles: int, summary_tiles: int, chunk_counts: list[int]) -> int:
+    """Chunks per segment for intra-card sequence parallelism, or 0 for none.
+
+    Cost model in chunk-steps of one scan program, with R = PROGRAMS_PER_SM x SMs programs
+    resident: whole sequences take ceil(lanes x tiles / R) waves of the longest sequence; segments
+    of L chunks take ceil(n x summary_tiles / R) + ceil(n x tiles / R) waves of L steps (summary
+    over the V + K columns, then replay; n = segments x value heads), plus one step per segment
+    of the longest sequence for the combine. ``lanes`` = sequences x value heads."""
     longest = max(chunk_counts, default=0)
-    target = PROGRAMS_PER_SM * _sm_count(p.device)
-    if lanes * 2 > target or longest < 2 * MIN_SEGMENT_CHUNKS:
-        return 0
-    pieces = -(-target // lanes)
-    return max(MIN_SEGMENT_CHUNKS, -(-longest // pieces))
+    resident = PROGRAMS_PER_SM * _sm_count(p.device)
+    heads = lanes // max(len(chunk_counts), 1)
+    whole = -(-lanes * tiles // resident) * longest
+    best, best_cost = 0, SEGMENT_GAIN * whole
+    length = MIN_SEGMENT_CHUNKS
+    while length < longest:
+        n = sum(-(-c // length) for c in chunk_counts) * heads
+        cost = (-(-n * summary_tiles // resident) + -(-n * tiles // resident)) * length + -(-longest // length)
+        if cost < best_cost:
+            best, best_cost = length, cost
+        length += MIN_SEGMENT_CHUNKS
+    return best
 
 
 class _SegmentPlans(_VarlenIndex):
@@ -518,7 +540,7 @@ def supports(p: Problem) -> str | None:
         counts = _chunk_counts(p)
         length = config.segment_chunks
         if length is None:
-            length = segment_length(p, p.N * p.HV * triton.cdiv(p.V, BV), list(counts))
+            length = segment_length(p, p.N * p.HV, triton.cdiv(p.V, BV), triton.cdiv(p.V + p.K, BV), list(counts))
         if length and max(counts, default=0) > length and not SEGMENT_PLANS.cached(p, counts, length):
             return "a first call with this shape must come before CUDA-graph capture (it builds the segment table)"
     tensors = [p.q, p.k, p.v, p.g, p.beta, p.initial_state, p.A_log, p.dt_bias]
@@ -579,8 +601,9 @@ def run(p: Problem, config: ChunkConfig | None = None):
     q, k = (p.q, p.k) if p.q.dtype == op_dtype or bf16 else (p.q.to(op_dtype), p.k.to(op_dtype))
     keys = kd if kd is not None else k
     counts = _chunk_counts(p)
-    lanes = N * HV * triton.cdiv(V, BV)
-    length = config.segment_chunks if config.segment_chunks is not None else segment_length(p, lanes, list(counts))
+    length = config.segment_chunks
+    if length is None:
+        length = segment_length(p, N * HV, triton.cdiv(V, BV), triton.cdiv(V + K, BV), list(counts))
     common = dict(H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, SK=SK, SV=SV, DOT=dot, HAS_H0=h0 is not None,
                   STORE_FINAL=ht is not None, L2NORM=p.use_qk_l2norm, VARLEN=varlen, DECAYED_K=kd is not None,
                   num_warps=config.scan_warps, num_stages=config.scan_stages)
