@@ -27,16 +27,12 @@ from fastla.ops.gated_delta_rule import chunk_gated_delta_rule
 
 VARIANTS = {
     "default": None,                       # chunk_delta.default_config(p)
+    "prep-blocked64": dict(prepare="blocked64"),
+    "prep-2w": dict(prepare_warps=2),
+    "prep-8w": dict(prepare_warps=8),
     "no-segments": dict(segment_chunks=0),
-    "segments-16": dict(segment_chunks=16),
-    "keys-in-scan": dict(decayed_keys=False),
-    "scan-bv32": dict(scan_block_v=32),
     "scan-bv64": dict(scan_block_v=64),
-    "scan-bv32-s3": dict(scan_block_v=32, scan_stages=3),
-    "out-1chunk": dict(output_chunks=1),
-    "out-4chunks": dict(output_chunks=4),
-    "out-s3": dict(output_stages=3),
-    "out-bv128": dict(output_block_v=128),
+    "scan-bv32": dict(scan_block_v=32),
 }
 SHAPES = "gdn/h16-hv64/1x32768,gdn/h2-hv8/1x32768,gdn/h16-hv32/4x8192,gdn/h16-hv64/varlen9x16384"
 

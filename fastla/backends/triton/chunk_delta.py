@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from fastla.backends.triton import interpreting
+from fastla.backends.triton.prepare_b16 import _prepare_kernel_b16
 from fastla.backends.triton.recurrent import _softplus
 from fastla.core.problem import Problem
 
@@ -376,7 +377,7 @@ def _output_kernel(
 @dataclass(frozen=True)
 class ChunkConfig:
     """Launch choices of the two kernels (measured: docs/notes/gdn-prefill.md)."""
-    blocked_inverse: bool = True
+    prepare: str = "blocks16"           # "blocks16" (prepare_b16.py), "blocked64" or "rows" (the 64x64 inverses)
     prepare_warps: int = 4
     scan_block_v: int = 32
     scan_warps: int = 4
@@ -578,14 +579,20 @@ def run(p: Problem, config: ChunkConfig | None = None):
     kd = torch.empty(B, T, HV, K, dtype=op_dtype, device=dev) if config.decayed_keys else None
     BK, BVF = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))   # tl.dot needs >= 16
     dummy = gcum
+    if config.prepare == "blocks16":
+        prepare_kernel = _prepare_kernel_b16
+    elif config.prepare in ("blocked64", "rows"):
+        prepare_kernel = _prepare_kernel
+    else:
+        raise ValueError(f"ChunkConfig.prepare: expected 'blocks16', 'blocked64' or 'rows', got {config.prepare!r}")
     if total:
-        _prepare_kernel[(total, HV)](
+        prepare_kernel[(total, HV)](
             p.k, p.v, g, beta, p.A_log if p.A_log is not None else dummy,
             p.dt_bias if p.dt_bias is not None else dummy, w, u, gcum, kd if kd is not None else dummy,
             cu if varlen else dummy, chunk_index if varlen else dummy, T, NT,
             H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BVF=BVF, DOT=dot,
             L2NORM=p.use_qk_l2norm, GATE=p.gate_in_op == "gdn", HAS_BIAS=p.dt_bias is not None, BETA=beta_mode,
-            VARLEN=varlen, BLOCKED_INVERSE=config.blocked_inverse and BT == 64, STORE_KD=kd is not None,
+            VARLEN=varlen, BLOCKED_INVERSE=config.prepare == "blocked64", STORE_KD=kd is not None,
             num_warps=config.prepare_warps, num_stages=1,
         )
 
