@@ -79,18 +79,23 @@ def _child(name: str, folder: str) -> None:
     print(json.dumps(res))
 
 
+GDN_PREPARE_POINTERS = {
+    "g": "*bf16", "beta": "*bf16", "A_log": "*fp32", "dt_bias": "*fp32", "gcum": "*fp32", "k": "*bf16", "v": "*bf16",
+    "w": "*bf16", "u": "*bf16", "kd": "*bf16", "cu_seqlens": "*i64", "chunk_index": "*i32"}
 GDN_KERNELS = {
-    # name: (kernel, pointers, constexprs, warps, stages) as the default launch (K = V = 128, bf16)
-    "prepare": ("_prepare_kernel",
+    # name: (module.kernel, pointers, constexprs, warps, stages) as launched (K = V = 128, bf16)
+    "prepare_b16": ("prepare_b16._prepare_kernel_b16", GDN_PREPARE_POINTERS,
+                    dict(BVF=128, GATE=True, HAS_BIAS=True, BETA=2, BLOCKED_INVERSE=False, STORE_KD=True), 4, 1),
+    "prepare": ("chunk_delta._prepare_kernel",
                 {"g": "*bf16", "beta": "*bf16", "A_log": "*fp32", "dt_bias": "*fp32", "gcum": "*fp32", "k": "*bf16",
                  "v": "*bf16", "w": "*bf16", "u": "*bf16", "kd": "*bf16", "cu_seqlens": "*i64", "chunk_index": "*i32"},
                 dict(BVF=128, GATE=True, HAS_BIAS=True, BETA=2, BLOCKED_INVERSE=True, STORE_KD=True), 4, 1),
-    "scan": ("_scan_kernel",
+    "scan": ("chunk_delta._scan_kernel",
              {"gcum": "*fp32", "h0": "*fp32", "ht": "*fp32", "k": "*bf16", "w": "*bf16", "u": "*bf16",
               "v_new": "*bf16", "h_chunks": "*bf16", "cu_seqlens": "*i64", "chunk_start": "*i64", "segments": "*i32",
               "seg_state": "*fp32"},
              dict(BV=64, SK=128, SV=1, HAS_H0=True, STORE_FINAL=True, DECAYED_K=True, SEG=0), 4, 2),
-    "output": ("_output_kernel",
+    "output": ("chunk_delta._output_kernel",
                {"gcum": "*fp32", "q": "*bf16", "k": "*bf16", "v_new": "*bf16", "h_chunks": "*bf16", "o": "*bf16",
                 "cu_seqlens": "*i64", "chunk_index": "*i32"},
                dict(BV=64, CPB=8, SK=128, SV=1), 4, 2),
@@ -104,10 +109,11 @@ def _child_gdn(name: str, folder: str) -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from fastla.backends.triton import chunk_delta
+    import importlib
 
     kname, ptrs, extra, warps, stages = GDN_KERNELS[name]
-    kern = getattr(chunk_delta, kname)
+    module, attr = kname.split(".")
+    kern = getattr(importlib.import_module(f"fastla.backends.triton.{module}"), attr)
     consts = dict(H=16, HV=32, K=128, V=128, BT=64, BK=128, DOT=tl.bfloat16, L2NORM=True, VARLEN=False, **extra)
     names = kern.arg_names
     sig = {n: ptrs.get(n) or ("constexpr" if n in consts else ("i32" if n in ("T", "NT", "total") else "fp32"))
@@ -120,6 +126,7 @@ def _child_gdn(name: str, folder: str) -> None:
     path = pathlib.Path(folder) / "k.cubin"
     sass = subprocess.run([str(tool), "-sass", str(path)], capture_output=True, text=True, check=True).stdout
     res["hgmma"] = sass.count("HGMMA")
+    res["hmma"] = sass.count("HMMA")
     res["shared_bytes"] = kernel.metadata.shared
     print(json.dumps(res))
 
@@ -135,14 +142,15 @@ def _run_child(call: str, tmp_path) -> dict:
 
 
 # the prepare kernel's known spill (docs/notes/gdn-prefill.md) must not grow; the others must not spill
-GDN_STACK_LIMIT = {"prepare": 128, "scan": 0, "output": 0}
+GDN_STACK_LIMIT = {"prepare_b16": 0, "prepare": 128, "scan": 0, "output": 0}
 
 
 @pytest.mark.parametrize("name", list(GDN_KERNELS))
 def test_gdn_chunk_kernels_compile_for_sm90(name, tmp_path):
-    """wgmma in the SASS, within Hopper's 227 KB of shared memory, spills bounded."""
+    """Tensor-core products in the SASS (wgmma; mma.sync for the 16-row prepare), within
+    Hopper's 227 KB of shared memory, spills bounded."""
     res = _run_child(f"_child_gdn({name!r}, {str(tmp_path)!r})", tmp_path)
-    assert res["hgmma"] > 0, res
+    assert (res["hmma"] if name == "prepare_b16" else res["hgmma"]) > 0, res
     assert res["shared_bytes"] <= 227 * 1024, res
     assert res["LOCAL"] == 0, res
     assert res["STACK"] <= GDN_STACK_LIMIT[name], res

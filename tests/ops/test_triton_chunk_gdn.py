@@ -1,4 +1,4 @@
-"""The Triton GDN chunked forward (opt-in) against the fp64 reference, through the public op;
+"""The Triton GDN chunked forward against the fp64 reference, through the public op;
 on the CPU it runs in the Triton interpreter."""
 import pytest
 import torch

@@ -1,30 +1,31 @@
-"""Triton chunked forward of the gated delta rule (GDN), in two kernels.
+"""Triton chunked forward of the gated delta rule (GDN): prepare, scan, output.
 
 Inputs as the public op takes them, contiguous: q, k ``[B, T, H, K]`` (GVA: value head ``j``
 reads head ``j // (HV // H)``), v ``[B, T, HV, V]``, g / beta ``[B, T, HV]`` (raw when the gate
 or the beta sigmoid is computed in the op); the l2norm of q and k, the GDN gate
 ``-exp(A_log) * softplus(g + dt_bias)`` and the beta sigmoid are applied inside the kernels.
-A dense batch is handled as a packed one: ``cu = [0, T, 2T, ..]`` over the ``B * T`` tokens.
+Dense batches need no index tensors; varlen batches use a host-built chunk index, cached per
+``cu_seqlens`` (so graph capture after one eager call copies nothing).
 
-Kernel 1, ``_prepare_kernel``, grid ``(chunks, HV)``, one 64-token chunk of one value head:
-    G = cumsum(g)                                                [BT]
-    A = strict_lower(beta_i * (k_i . k_j) * exp(G_i - G_j))      [BT, BT]
-    P = (I + A)^-1 by row-wise forward substitution (fp32)
-    W = P (beta * exp(G) * k)   [BT, K],   U = P (beta * v)   [BT, V]
-  writes W, U (bf16) and G (fp32).
-Kernel 2, ``_scan_kernel``, grid ``(N * HV, V / BV)``, one sequence's chunks in order with
-the state slab ``S [K, BV]`` (float32) in registers:
-    V_new = U - W S
-    O = scale * (exp(G) * (q S) + causal(q k^T * exp(G_i - G_j)) V_new)
-    S = exp(G_last) S + k^T (exp(G_last - G) * V_new)
-  writes O, the chunk-start states when asked, and the final state.
+Prepare, grid ``(chunks, HV)``, one 64-token chunk of one value head (default:
+``prepare_b16._prepare_kernel_b16``; ``_prepare_kernel`` here is the 64x64 variant):
+    G = cumsum(g),  A = strict_lower(beta_i (k_i . k_j) exp(G_i - G_j)),  P = (I + A)^-1
+    W = P (beta e^G k)  [BT, K],  U = P (beta v)  [BT, V],  kd = e^(G_last - G) k / |k|  [BT, K]
+Scan, ``_scan_kernel``, grid ``(N * HV, V / BV)``: the state slab ``S [K, BV]`` (fp32) in
+registers, per chunk
+    store S (the chunk-start state),  V_new = U - W S (stored),  S = e^G_last S + kd^T V_new
+  and the final state. With segments (sequence parallelism, ``segment_length``) the same
+  kernel runs a summary pass (SEG 1) and a replay pass (SEG 2) around
+  ``_segment_combine_kernel``.
+Output, ``_output_kernel``, grid ``(chunk groups, H, V / BV)``: ``q k^T`` once per q/k head,
+then for each of its value heads
+    O = scale (e^G (q S) + causal(q k^T e^(G_i - G_j)) V_new)
 
 Precision as FLA's chunk kernels: bf16 operands with fp32 accumulation for the products with
-the state and the scores (bf16 inputs; fp32 operands otherwise); fp32 forward substitution
-for the inverse, tf32 for W/U. Budget (K = V = 128, BT = 64, sm_90,
-checked in tests/backends/test_triton_sm90.py): kernel 1 at 8 warps 173 registers, 48 KB
-shared, no spill; kernel 2 (BV = 32, 8 warps, one stage) 255 registers, a ~220-byte spill,
-60 KB shared. Opt-in until measured on the H200 (docs/notes/gdn-prefill.md).
+the state and the scores (bf16 inputs; fp32 operands otherwise), tf32 for the inverse merges
+and W/U, fp32 state. Budget (K = V = 128, sm_90, checked in tests/backends/test_triton_sm90.py):
+scan at BV 32 / 4 warps 134 registers, BV 64 238, no spill, <= 98 KB shared; output 4 warps
+no spill. Measurements: docs/notes/gdn-prefill.md.
 """
 from __future__ import annotations
 
