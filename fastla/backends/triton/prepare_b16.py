@@ -87,9 +87,9 @@ def _shift(X, S: tl.constexpr):
     else:
         b = tl.arange(0, 4)
         if len(X.shape) == 2:
-            b = b[:, None] + 0 * tl.arange(0, X.shape[1])[None, :]
+            b = tl.broadcast_to(b[:, None], [4, X.shape[1]])
         else:
-            b = b[:, None, None] + 0 * tl.arange(0, X.shape[1])[None, :, None] + 0 * tl.arange(0, X.shape[2])[None, None, :]
+            b = tl.broadcast_to(b[:, None, None], [4, X.shape[1], X.shape[2]])
         Y = tl.where(b >= S, tl.gather(X, tl.maximum(b - S, 0), 0), 0.0)
     return Y
 
