@@ -27,7 +27,6 @@ from fastla.ops.gated_delta_rule import chunk_gated_delta_rule
 
 VARIANTS = {
     "default": None,                       # chunk_delta.default_config(p)
-    "prep-blocked64": dict(prepare="blocked64"),
     "prep-2w": dict(prepare_warps=2),
     "prep-8w": dict(prepare_warps=8),
     "no-segments": dict(segment_chunks=0),

@@ -124,16 +124,14 @@ def test_small_head_dim():
     check(make_inputs(SPEC, B=1, T=40, H=1, K=8, V=8))
 
 
-@pytest.mark.parametrize("variant", ["one_chunk_per_program", "rows_inverse", "wide_tiles", "keys_decayed_in_scan", "blocked64_inverse",
+@pytest.mark.parametrize("variant", ["one_chunk_per_program", "wide_tiles", "keys_decayed_in_scan",
                                      "segments_of_one_chunk", "segments_of_two_chunks"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_launch_variants(variant, device, monkeypatch):
     """The non-default launch variants the GPU sweep times compute the same function."""
     from fastla.backends.triton import chunk_delta
     config = {"one_chunk_per_program": chunk_delta.ChunkConfig(output_chunks=1, output_stages=1),
-              "rows_inverse": chunk_delta.ChunkConfig(prepare="rows"),
               "wide_tiles": chunk_delta.ChunkConfig(scan_block_v=64, output_block_v=128),
-              "blocked64_inverse": chunk_delta.ChunkConfig(prepare="blocked64"),
               "keys_decayed_in_scan": chunk_delta.ChunkConfig(decayed_keys=False),
               "segments_of_one_chunk": chunk_delta.ChunkConfig(segment_chunks=1),
               "segments_of_two_chunks": chunk_delta.ChunkConfig(segment_chunks=2, scan_block_v=16)}[variant]

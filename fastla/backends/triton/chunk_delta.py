@@ -7,8 +7,8 @@ or the beta sigmoid is computed in the op); the l2norm of q and k, the GDN gate
 Dense batches need no index tensors; varlen batches use a host-built chunk index, cached per
 ``cu_seqlens`` (so graph capture after one eager call copies nothing).
 
-Prepare, grid ``(chunks, HV)``, one 64-token chunk of one value head (default:
-``prepare_b16._prepare_kernel_b16``; ``_prepare_kernel`` here is the 64x64 variant):
+Prepare, ``_prepare_kernel``, grid ``(chunks, HV)``, one 64-token chunk of one value head; the
+64x64 inverse on tensor cores by exact block merges (``_unit_lower_inverse``):
     G = cumsum(g),  A = strict_lower(beta_i (k_i . k_j) exp(G_i - G_j)),  P = (I + A)^-1
     W = P (beta e^G k)  [BT, K],  U = P (beta v)  [BT, V],  kd = e^(G_last - G) k / |k|  [BT, K]
 Scan, ``_scan_kernel``, grid ``(N * HV, V / BV)``: the state slab ``S [K, BV]`` (fp32) in
@@ -38,25 +38,10 @@ import triton
 import triton.language as tl
 
 from fastla.backends.triton import interpreting
-from fastla.backends.triton.prepare_b16 import _prepare_kernel_b16
 from fastla.backends.triton.recurrent import _softplus
 from fastla.core.problem import Problem
 
 BT = 64
-
-
-@triton.jit
-def _unit_lower_inverse_by_rows(A, BT: tl.constexpr):
-    """(I + A)^-1 for a strictly lower-triangular A [BT, BT] (fp32) by forward substitution, one
-    row per step: P_i = e_i - sum_{j<i} A_ij P_j. BT - 1 dependent steps of two reductions."""
-    r = tl.arange(0, BT)
-    rows = r[:, None]
-    P = tl.where(rows == r[None, :], 1.0, 0.0)                                                  # [BT, BT]
-    for i in range(1, BT):
-        a_i = tl.sum(tl.where(rows == i, A, 0.0), 0)                                            # A[i, :] [BT]
-        p_i = -tl.sum(a_i[:, None] * P, 0)                                                      # [BT]
-        P = tl.where(rows == i, P + p_i[None, :], P)
-    return P
 
 
 @triton.jit
@@ -96,7 +81,7 @@ def _prepare_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, DOT: tl.constexpr,
     L2NORM: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr, BETA: tl.constexpr,
-    VARLEN: tl.constexpr, BLOCKED_INVERSE: tl.constexpr, STORE_KD: tl.constexpr,
+    VARLEN: tl.constexpr, STORE_KD: tl.constexpr,
 ):
     i_c = tl.program_id(0)
     i_hv = tl.program_id(1)
@@ -149,10 +134,7 @@ def _prepare_kernel(
     b_kk = tl.dot(b_kd, tl.trans(b_kd))                                                        # [BT, BT] fp32 acc
     b_A = tl.where(lower, b_beta[:, None] * b_kk * decay, 0.0)
 
-    if BLOCKED_INVERSE:
-        b_P = _unit_lower_inverse(b_A, BT)
-    else:
-        b_P = _unit_lower_inverse_by_rows(b_A, BT)
+    b_P = _unit_lower_inverse(b_A, BT)                                                         # [BT, BT] fp32
 
     # k and v are read again (from cache) rather than kept live through the inverse
     b_k = tl.load(p_k, mask=m_tk, other=0.0).to(tl.float32) * b_rk[:, None]                   # [BT, BK] unit rows
@@ -378,7 +360,6 @@ def _output_kernel(
 @dataclass(frozen=True)
 class ChunkConfig:
     """Launch choices of the two kernels (measured: docs/notes/gdn-prefill.md)."""
-    prepare: str = "blocks16"           # "blocks16" (prepare_b16.py), "blocked64" or "rows" (the 64x64 inverses)
     prepare_warps: int = 4
     scan_block_v: int = 32
     scan_warps: int = 4
@@ -580,20 +561,14 @@ def run(p: Problem, config: ChunkConfig | None = None):
     kd = torch.empty(B, T, HV, K, dtype=op_dtype, device=dev) if config.decayed_keys else None
     BK, BVF = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))   # tl.dot needs >= 16
     dummy = gcum
-    if config.prepare == "blocks16":
-        prepare_kernel = _prepare_kernel_b16
-    elif config.prepare in ("blocked64", "rows"):
-        prepare_kernel = _prepare_kernel
-    else:
-        raise ValueError(f"ChunkConfig.prepare: expected 'blocks16', 'blocked64' or 'rows', got {config.prepare!r}")
     if total:
-        prepare_kernel[(total, HV)](
+        _prepare_kernel[(total, HV)](
             p.k, p.v, g, beta, p.A_log if p.A_log is not None else dummy,
             p.dt_bias if p.dt_bias is not None else dummy, w, u, gcum, kd if kd is not None else dummy,
             cu if varlen else dummy, chunk_index if varlen else dummy, T, NT,
             H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BVF=BVF, DOT=dot,
             L2NORM=p.use_qk_l2norm, GATE=p.gate_in_op == "gdn", HAS_BIAS=p.dt_bias is not None, BETA=beta_mode,
-            VARLEN=varlen, BLOCKED_INVERSE=config.prepare == "blocked64", STORE_KD=kd is not None,
+            VARLEN=varlen, STORE_KD=kd is not None,
             num_warps=config.prepare_warps, num_stages=1,
         )
 
