@@ -45,6 +45,37 @@ BT = 64
 
 
 @triton.jit
+def _sequence(cu_seqlens, chunk_start, i_n, T, NT, VARLEN: tl.constexpr):
+    """Sequence i_n's token range [bos, eos) in the packed batch and the global index of its first
+    chunk (int64); dense batches: sequence i_n is batch row i_n."""
+    if VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+        first_chunk = tl.load(chunk_start + i_n).to(tl.int64)
+    else:
+        bos = i_n * T
+        eos = bos + T
+        first_chunk = i_n * NT
+    return bos, eos, first_chunk
+
+
+@triton.jit
+def _chunk(chunk_index, cu_seqlens, i_c, T, NT, VARLEN: tl.constexpr):
+    """Global chunk i_c (int64) -> its sequence, its index there, and the sequence's [bos, eos)."""
+    if VARLEN:
+        i_n = tl.load(chunk_index + 2 * i_c).to(tl.int64)
+        c = tl.load(chunk_index + 2 * i_c + 1).to(tl.int64)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    else:
+        i_n = i_c // NT
+        c = i_c % NT
+        bos = i_n * T
+        eos = bos + T
+    return i_n, c, bos, eos
+
+
+@triton.jit
 def _merge_blocks(P, A, INNER: tl.constexpr, OUTER: tl.constexpr, BT: tl.constexpr):
     """Given P = (I + A_inner)^-1 for the diagonal INNER-blocks of A, the inverse for its diagonal
     OUTER-blocks (OUTER = 4 * INNER): with E the rest of A inside the OUTER-blocks,
@@ -86,16 +117,7 @@ def _prepare_kernel(
     i_c = tl.program_id(0)
     i_hv = tl.program_id(1)
     i_h = i_hv // (HV // H)                                                 # GVA: the q/k head
-    if VARLEN:
-        i_n = tl.load(chunk_index + 2 * i_c).to(tl.int64)
-        c = tl.load(chunk_index + 2 * i_c + 1).to(tl.int64)
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    else:                                                                   # dense: NT chunks per sequence
-        i_n = (i_c // NT).to(tl.int64)
-        c = (i_c % NT).to(tl.int64)
-        bos = i_n * T
-        eos = bos + T
+    i_n, c, bos, eos = _chunk(chunk_index, cu_seqlens, i_c.to(tl.int64), T, NT, VARLEN)
     t0 = bos + c * BT                                                       # first token (int64)
     r = tl.arange(0, BT)
     m_t = r < eos - t0
@@ -171,30 +193,16 @@ def _scan_kernel(
     i_h = i_hv // (HV // H)                                                 # GVA: the q/k head
     if SEG == 0:
         i_n = i_p // HV
+        bos, eos, first_chunk = _sequence(cu_seqlens, chunk_start, i_n, T, NT, VARLEN)
         c_begin = 0
-        if VARLEN:
-            bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-            eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-            first_chunk = tl.load(chunk_start + i_n).to(tl.int64)
-        else:
-            bos = i_n * T
-            eos = bos + T
-            first_chunk = i_n * NT
         c_end = tl.cdiv(eos - bos, BT)
     else:
         i_s = i_p // HV                                                     # segment: (n, c0, chunks, last)
         i_n = tl.load(segments + 4 * i_s).to(tl.int64)
+        bos, eos, first_chunk = _sequence(cu_seqlens, chunk_start, i_n, T, NT, VARLEN)
         c_begin = tl.load(segments + 4 * i_s + 1).to(tl.int64)
         c_end = c_begin + tl.load(segments + 4 * i_s + 2)
         is_last = tl.load(segments + 4 * i_s + 3) != 0
-        if VARLEN:
-            bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-            eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-            first_chunk = tl.load(chunk_start + i_n).to(tl.int64)
-        else:
-            bos = i_n * T
-            eos = bos + T
-            first_chunk = i_n * NT
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)                                       # SEG 1: V + K columns
     m_k = o_k < K
@@ -321,16 +329,7 @@ def _output_kernel(
     zero = tl.zeros([1], dtype=tl.int64).sum()                             # int64 scalar
     for i_c32 in range(i_g * CPB, tl.minimum(i_g * CPB + CPB, total)):    # CPB chunks
         i_c = zero + i_c32
-        if VARLEN:
-            i_n = tl.load(chunk_index + 2 * i_c).to(tl.int64)
-            c = tl.load(chunk_index + 2 * i_c + 1).to(tl.int64)
-            bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-            eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-        else:
-            i_n = i_c // NT
-            c = i_c % NT
-            bos = i_n * T
-            eos = bos + T
+        i_n, c, bos, eos = _chunk(chunk_index, cu_seqlens, i_c, T, NT, VARLEN)
         t0 = bos + c * BT
         m_t = r < eos - t0
         m_tv = m_t[:, None] & m_v[None, :]
@@ -359,7 +358,7 @@ def _output_kernel(
 
 @dataclass(frozen=True)
 class ChunkConfig:
-    """Launch choices of the two kernels (measured: docs/notes/gdn-prefill.md)."""
+    """Launch choices of the kernels (measured: docs/notes/gdn-prefill.md)."""
     prepare_warps: int = 4
     scan_block_v: int = 32
     scan_warps: int = 4
@@ -388,40 +387,44 @@ def default_config(p: Problem) -> ChunkConfig:
     return ChunkConfig(scan_block_v=block_v, segment_chunks=0)
 
 
-class _VarlenIndex:
-    """Per distinct ``cu_seqlens`` (host copy) and device: the (sequence, chunk) pair of every
-    prepare program and each sequence's first chunk, built on the host once and kept, so that
-    repeated calls (and CUDA-graph capture after a warm-up call) copy nothing."""
+class _HostTables:
+    """Small index tensors built on the host once per key and kept (least recently used out), so
+    that repeated calls, and CUDA-graph capture after one eager call, copy nothing."""
 
     def __init__(self, limit: int = 64):
         self.limit = limit
         self.cache: OrderedDict = OrderedDict()
 
-    @staticmethod
-    def key(p: Problem):
-        return tuple(p.cu_seqlens_host), p.device
+    def cached(self, key) -> bool:
+        return key in self.cache
 
-    def cached(self, p: Problem) -> bool:
-        return self.key(p) in self.cache
-
-    def get(self, p: Problem):
-        key = self.key(p)
+    def get(self, key, build):
         hit = self.cache.get(key)
         if hit is None:
-            cu = key[0]
-            counts = [-(-(e - s) // BT) for s, e in zip(cu[:-1], cu[1:])]
-            starts = [0] + list(itertools.accumulate(counts))[:-1]
-            pairs = [(n, c) for n, count in enumerate(counts) for c in range(count)]
-            hit = (torch.tensor(pairs or [(0, 0)], dtype=torch.int32, device=p.device),
-                   torch.tensor(starts, dtype=torch.int64, device=p.device), len(pairs))
-            self.cache[key] = hit
+            hit = self.cache[key] = build()
             if len(self.cache) > self.limit:
                 self.cache.popitem(last=False)
         self.cache.move_to_end(key)
         return hit
 
 
-VARLEN_INDEX = _VarlenIndex()
+HOST_TABLES = _HostTables()
+
+
+def _varlen_key(p: Problem):
+    return "chunks", tuple(p.cu_seqlens_host), p.device
+
+
+def _varlen_index(p: Problem):
+    """(the (sequence, chunk) pair of every prepare/output program [chunks, 2] int32, each
+    sequence's first chunk [N] int64, the number of chunks)."""
+    def build():
+        counts = _chunk_counts(p)
+        starts = [0] + list(itertools.accumulate(counts))[:-1]
+        pairs = [(n, c) for n, count in enumerate(counts) for c in range(count)]
+        return (torch.tensor(pairs or [(0, 0)], dtype=torch.int32, device=p.device),
+                torch.tensor(starts, dtype=torch.int64, device=p.device), len(pairs))
+    return HOST_TABLES.get(_varlen_key(p), build)
 
 MIN_SEGMENT_CHUNKS = 8          # shortest segment considered
 PROGRAMS_PER_SM = 2             # scan programs resident per SM (registers and shared memory)
@@ -460,36 +463,22 @@ def segment_length(p: Problem, lanes: int, tiles: int, summary_tiles: int, chunk
     return best
 
 
-class _SegmentPlans(_VarlenIndex):
-    """Per (sequence offsets, segment length, device): the segment table ``[n_seg, 4]`` (sequence,
-    first chunk, chunks, is-last) and each sequence's ``[first segment, segments]``, cached."""
-
-    @staticmethod
-    def key(p: Problem, counts: tuple[int, ...], length: int):
-        return counts, length, p.device
-
-    def cached(self, p: Problem, counts: tuple[int, ...] = (), length: int = 0) -> bool:
-        return self.key(p, counts, length) in self.cache
-
-    def get(self, p: Problem, counts: tuple[int, ...] = (), length: int = 0):
-        key = self.key(p, counts, length)
-        hit = self.cache.get(key)
-        if hit is None:
-            rows, per_seq = [], []
-            for n, count in enumerate(counts):
-                per_seq.append((len(rows), -(-count // length)))
-                for c0 in range(0, count, length):
-                    rows.append((n, c0, min(length, count - c0), int(c0 + length >= count)))
-            hit = (torch.tensor(rows or [(0, 0, 0, 1)], dtype=torch.int32, device=p.device),
-                   torch.tensor(per_seq, dtype=torch.int32, device=p.device), len(rows))
-            self.cache[key] = hit
-            if len(self.cache) > self.limit:
-                self.cache.popitem(last=False)
-        self.cache.move_to_end(key)
-        return hit
+def _segment_key(p: Problem, counts: tuple[int, ...], length: int):
+    return "segments", counts, length, p.device
 
 
-SEGMENT_PLANS = _SegmentPlans()
+def _segment_plan(p: Problem, counts: tuple[int, ...], length: int):
+    """(the segment table [segments, 4] int32: sequence, first chunk, chunks, is-last; each
+    sequence's [first segment, segments] [N, 2] int32; the number of segments)."""
+    def build():
+        rows, per_seq = [], []
+        for n, count in enumerate(counts):
+            per_seq.append((len(rows), -(-count // length)))
+            for c0 in range(0, count, length):
+                rows.append((n, c0, min(length, count - c0), int(c0 + length >= count)))
+        return (torch.tensor(rows or [(0, 0, 0, 1)], dtype=torch.int32, device=p.device),
+                torch.tensor(per_seq, dtype=torch.int32, device=p.device), len(rows))
+    return HOST_TABLES.get(_segment_key(p, counts, length), build)
 
 
 def _chunk_counts(p: Problem) -> tuple[int, ...]:
@@ -515,7 +504,7 @@ def supports(p: Problem) -> str | None:
         if p.cu_seqlens_host is None:
             return "needs the sequence offsets on the host (pass cu_seqlens_cpu)"
         capturing = p.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        if capturing and not VARLEN_INDEX.cached(p):
+        if capturing and not HOST_TABLES.cached(_varlen_key(p)):
             return "a first call with these cu_seqlens must come before CUDA-graph capture (it builds the chunk index)"
     if p.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         config = default_config(p)
@@ -524,7 +513,7 @@ def supports(p: Problem) -> str | None:
         length = config.segment_chunks
         if length is None:
             length = segment_length(p, p.N * p.HV, triton.cdiv(p.V, BV), triton.cdiv(p.V + p.K, BV), list(counts))
-        if length and max(counts, default=0) > length and not SEGMENT_PLANS.cached(p, counts, length):
+        if length and max(counts, default=0) > length and not HOST_TABLES.cached(_segment_key(p, counts, length)):
             return "a first call with this shape must come before CUDA-graph capture (it builds the segment table)"
     tensors = [p.q, p.k, p.v, p.g, p.beta, p.initial_state, p.A_log, p.dt_bias]
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors):
@@ -541,7 +530,7 @@ def run(p: Problem, config: ChunkConfig | None = None):
     varlen = p.cu_seqlens is not None
     NT = triton.cdiv(T, BT)
     if varlen:
-        chunk_index, chunk_start, total = VARLEN_INDEX.get(p)
+        chunk_index, chunk_start, total = _varlen_index(p)
         cu = p.cu_seqlens
     else:
         total = B * NT
@@ -593,7 +582,7 @@ def run(p: Problem, config: ChunkConfig | None = None):
     args = (keys, w, u, gcum, v_new, h0 if h0 is not None else o, ht if ht is not None else o, h_chunks,
             cu if varlen else dummy, chunk_start if varlen else dummy)
     if length and max(counts, default=0) > length:
-        segments, seq_segments, n_seg = SEGMENT_PLANS.get(p, counts, length)
+        segments, seq_segments, n_seg = _segment_plan(p, counts, length)
         summary = torch.empty(n_seg, HV, K, V + K, dtype=torch.float32, device=dev)
         seg_start = torch.empty(n_seg, HV, K, V, dtype=torch.float32, device=dev)
         _scan_kernel[(n_seg * HV, triton.cdiv(V + K, BV))](*args, segments, summary, T, NT, BV=BV, SEG=1, **common)
