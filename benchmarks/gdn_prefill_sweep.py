@@ -117,7 +117,7 @@ def main() -> int:
             print(f"{shape:28s} {name:16s} {us:9.1f} us (prepare {prep:8.1f}, scan {scan:8.1f}) FLA {fla_us or 0:9.1f} "
                   f"{speed} | vs first {err_first:.1e} vs FLA {err_fla if err_fla is None else f'{err_fla:.1e}'}",
                   flush=True)
-        del inputs, kw, fla_o, first
+        inputs = kw = fla_o = first = None                                 # free before the next shape
         torch.cuda.empty_cache()
     with open(os.path.join(args.out, "gdn_prefill_sweep.json"), "w") as f:
         json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
