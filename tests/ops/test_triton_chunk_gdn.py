@@ -173,3 +173,25 @@ def test_segment_heuristic():
     assert plan(16, [128]) == 0                     # 1x8k HV16: the split does not pay
     assert plan(8, [12]) == 0                       # too short
     assert plan(8, [512]) % chunk_delta.MIN_SEGMENT_CHUNKS == 0
+
+
+@pytest.mark.parametrize("segments", [0, 1])
+def test_empty_sequence_keeps_its_initial_state(segments, monkeypatch):
+    """An empty sequence in a varlen batch: zero output rows, final state = its initial state,
+    with and without the segment split (an empty sequence gets one empty segment)."""
+    from fastla.backends.triton import chunk_delta
+    monkeypatch.setattr(chunk_delta, "default_config", lambda p: chunk_delta.ChunkConfig(segment_chunks=segments))
+    lengths = [130, 0, 65]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
+    t = make_inputs(SPEC, B=1, T=sum(lengths), H=1, HV=2, K=16, V=16, N=len(lengths))
+    check(t, cu_seqlens=cu, cu_seqlens_cpu=cu)
+
+
+def test_tables_used_in_a_graph_capture_are_never_evicted():
+    from fastla.backends.triton.chunk_delta import _HostTables
+    tables = _HostTables(limit=4)
+    kept = tables.get("captured", lambda: torch.arange(3), pin=True)
+    for i in range(10):
+        tables.get(i, lambda: torch.zeros(1))
+    assert tables.cached("captured") and tables.get("captured", lambda: None) is kept
+    assert len(tables.cache) == 4 and not tables.cached(0)

@@ -389,26 +389,38 @@ def default_config(p: Problem) -> ChunkConfig:
 
 class _HostTables:
     """Small index tensors built on the host once per key and kept (least recently used out), so
-    that repeated calls, and CUDA-graph capture after one eager call, copy nothing."""
+    that repeated calls, and CUDA-graph capture after one eager call, copy nothing. Tables used
+    while a graph is being captured are pinned: the graph keeps their addresses, so they are
+    never evicted."""
 
     def __init__(self, limit: int = 64):
         self.limit = limit
         self.cache: OrderedDict = OrderedDict()
+        self.pinned: dict = {}
 
     def cached(self, key) -> bool:
-        return key in self.cache
+        return key in self.cache or key in self.pinned
 
-    def get(self, key, build):
+    def get(self, key, build, pin: bool = False):
+        hit = self.pinned.get(key)
+        if hit is not None:
+            return hit
         hit = self.cache.get(key)
         if hit is None:
             hit = self.cache[key] = build()
             if len(self.cache) > self.limit:
                 self.cache.popitem(last=False)
         self.cache.move_to_end(key)
+        if pin:
+            self.pinned[key] = self.cache.pop(key)
         return hit
 
 
 HOST_TABLES = _HostTables()
+
+
+def _capturing(p: Problem) -> bool:
+    return p.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _varlen_key(p: Problem):
@@ -424,7 +436,7 @@ def _varlen_index(p: Problem):
         pairs = [(n, c) for n, count in enumerate(counts) for c in range(count)]
         return (torch.tensor(pairs or [(0, 0)], dtype=torch.int32, device=p.device),
                 torch.tensor(starts, dtype=torch.int64, device=p.device), len(pairs))
-    return HOST_TABLES.get(_varlen_key(p), build)
+    return HOST_TABLES.get(_varlen_key(p), build, pin=_capturing(p))
 
 MIN_SEGMENT_CHUNKS = 8          # shortest segment considered
 PROGRAMS_PER_SM = 2             # scan programs resident per SM (registers and shared memory)
@@ -469,16 +481,26 @@ def _segment_key(p: Problem, counts: tuple[int, ...], length: int):
 
 def _segment_plan(p: Problem, counts: tuple[int, ...], length: int):
     """(the segment table [segments, 4] int32: sequence, first chunk, chunks, is-last; each
-    sequence's [first segment, segments] [N, 2] int32; the number of segments)."""
+    sequence's [first segment, segments] [N, 2] int32; the number of segments). An empty
+    sequence gets one empty segment, which carries its initial state to its final state."""
     def build():
         rows, per_seq = [], []
         for n, count in enumerate(counts):
-            per_seq.append((len(rows), -(-count // length)))
-            for c0 in range(0, count, length):
+            per_seq.append((len(rows), max(1, -(-count // length))))
+            for c0 in range(0, max(count, 1), length):
                 rows.append((n, c0, min(length, count - c0), int(c0 + length >= count)))
         return (torch.tensor(rows or [(0, 0, 0, 1)], dtype=torch.int32, device=p.device),
                 torch.tensor(per_seq, dtype=torch.int32, device=p.device), len(rows))
-    return HOST_TABLES.get(_segment_key(p, counts, length), build)
+    return HOST_TABLES.get(_segment_key(p, counts, length), build, pin=_capturing(p))
+
+
+def _segments(p: Problem, config: ChunkConfig, counts: tuple[int, ...]) -> int:
+    """The segment length the scan runs with under ``config``, 0 for whole sequences."""
+    BV = min(config.scan_block_v, max(16, triton.next_power_of_2(p.V)))
+    length = config.segment_chunks
+    if length is None:
+        length = segment_length(p, p.N * p.HV, triton.cdiv(p.V, BV), triton.cdiv(p.V + p.K, BV), list(counts))
+    return length if length and max(counts, default=0) > length else 0
 
 
 def _chunk_counts(p: Problem) -> tuple[int, ...]:
@@ -500,20 +522,14 @@ def supports(p: Problem) -> str | None:
         return "head dims above 128"
     if p.q.dtype == torch.float64:
         return "float64 inputs are served by the torch tier"
-    if p.cu_seqlens is not None:
-        if p.cu_seqlens_host is None:
-            return "needs the sequence offsets on the host (pass cu_seqlens_cpu)"
-        capturing = p.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        if capturing and not HOST_TABLES.cached(_varlen_key(p)):
+    if p.cu_seqlens is not None and p.cu_seqlens_host is None:
+        return "needs the sequence offsets on the host (pass cu_seqlens_cpu)"
+    if _capturing(p):
+        if p.cu_seqlens is not None and not HOST_TABLES.cached(_varlen_key(p)):
             return "a first call with these cu_seqlens must come before CUDA-graph capture (it builds the chunk index)"
-    if p.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        config = default_config(p)
-        BV = min(config.scan_block_v, max(16, triton.next_power_of_2(p.V)))
         counts = _chunk_counts(p)
-        length = config.segment_chunks
-        if length is None:
-            length = segment_length(p, p.N * p.HV, triton.cdiv(p.V, BV), triton.cdiv(p.V + p.K, BV), list(counts))
-        if length and max(counts, default=0) > length and not HOST_TABLES.cached(_segment_key(p, counts, length)):
+        length = _segments(p, default_config(p), counts)
+        if length and not HOST_TABLES.cached(_segment_key(p, counts, length)):
             return "a first call with this shape must come before CUDA-graph capture (it builds the segment table)"
     tensors = [p.q, p.k, p.v, p.g, p.beta, p.initial_state, p.A_log, p.dt_bias]
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors):
@@ -573,15 +589,13 @@ def run(p: Problem, config: ChunkConfig | None = None):
     q, k = (p.q, p.k) if p.q.dtype == op_dtype or bf16 else (p.q.to(op_dtype), p.k.to(op_dtype))
     keys = kd if kd is not None else k
     counts = _chunk_counts(p)
-    length = config.segment_chunks
-    if length is None:
-        length = segment_length(p, N * HV, triton.cdiv(V, BV), triton.cdiv(V + K, BV), list(counts))
+    length = _segments(p, config, counts)
     common = dict(H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, SK=SK, SV=SV, DOT=dot, HAS_H0=h0 is not None,
                   STORE_FINAL=ht is not None, L2NORM=p.use_qk_l2norm, VARLEN=varlen, DECAYED_K=kd is not None,
                   num_warps=config.scan_warps, num_stages=config.scan_stages)
     args = (keys, w, u, gcum, v_new, h0 if h0 is not None else o, ht if ht is not None else o, h_chunks,
             cu if varlen else dummy, chunk_start if varlen else dummy)
-    if length and max(counts, default=0) > length:
+    if length:
         segments, seq_segments, n_seg = _segment_plan(p, counts, length)
         summary = torch.empty(n_seg, HV, K, V + K, dtype=torch.float32, device=dev)
         seg_start = torch.empty(n_seg, HV, K, V, dtype=torch.float32, device=dev)
