@@ -438,6 +438,7 @@ def _varlen_index(p: Problem):
                 torch.tensor(starts, dtype=torch.int64, device=p.device), len(pairs))
     return HOST_TABLES.get(_varlen_key(p), build, pin=_capturing(p))
 
+
 MIN_SEGMENT_CHUNKS = 8          # shortest segment considered
 PROGRAMS_PER_SM = 2             # scan programs resident per SM (registers and shared memory)
 # split only when the plan's predicted steps are below this fraction of the whole-sequence steps:
