@@ -37,43 +37,10 @@ import torch
 import triton
 import triton.language as tl
 
-from fastla.backends.triton import interpreting
+from fastla.backends.triton import chunk_prepare, interpreting
+from fastla.backends.triton.chunk_index import BT, _chunk, _sequence
 from fastla.backends.triton.recurrent import _softplus
 from fastla.core.problem import Problem
-
-BT = 64
-
-
-@triton.jit
-def _sequence(cu_seqlens, chunk_start, i_n, T, NT, VARLEN: tl.constexpr):
-    """Sequence i_n's token range [bos, eos) in the packed batch and the global index of its first
-    chunk (int64); dense batches: sequence i_n is batch row i_n."""
-    if VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-        first_chunk = tl.load(chunk_start + i_n).to(tl.int64)
-    else:
-        bos = i_n * T
-        eos = bos + T
-        first_chunk = i_n * NT
-    return bos, eos, first_chunk
-
-
-@triton.jit
-def _chunk(chunk_index, cu_seqlens, i_c, T, NT, VARLEN: tl.constexpr):
-    """Global chunk i_c (int64) -> its sequence, its index there, and the sequence's [bos, eos)."""
-    if VARLEN:
-        i_n = tl.load(chunk_index + 2 * i_c).to(tl.int64)
-        c = tl.load(chunk_index + 2 * i_c + 1).to(tl.int64)
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    else:
-        i_n = i_c // NT
-        c = i_c % NT
-        bos = i_n * T
-        eos = bos + T
-    return i_n, c, bos, eos
-
 
 @triton.jit
 def _merge_blocks(P, A, INNER: tl.constexpr, OUTER: tl.constexpr, BT: tl.constexpr):
@@ -359,7 +326,13 @@ def _output_kernel(
 @dataclass(frozen=True)
 class ChunkConfig:
     """Launch choices of the kernels (measured: docs/notes/gdn-prefill.md)."""
-    prepare_warps: int = 4
+    prepare: str = "split"              # "split": chunk_prepare's two kernels; "fused64": _prepare_kernel
+    prepare_warps: int = 4              # fused64
+    inverse_warps: int = 2
+    inverse_heads: int = 4              # value heads per inverse program (a divisor of HV / H up to this)
+    wu_warps: int = 4
+    wu_block: int = 64                  # columns per W / U product
+    wu_stages: int = 2
     scan_block_v: int = 32
     scan_warps: int = 4
     scan_stages: int = 2
@@ -567,7 +540,11 @@ def run(p: Problem, config: ChunkConfig | None = None):
     kd = torch.empty(B, T, HV, K, dtype=op_dtype, device=dev) if config.decayed_keys else None
     BK, BVF = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))   # tl.dot needs >= 16
     dummy = gcum
-    if total:
+    if total and config.prepare == "split":
+        inverse = torch.empty(B, T, HV, BT, dtype=op_dtype, device=dev)
+        chunk_prepare.launch(p, g, beta, beta_mode, total, (cu, chunk_index) if varlen else (None, None),
+                             w, u, gcum, kd, inverse, dot, config)
+    elif total:
         _prepare_kernel[(total, HV)](
             p.k, p.v, g, beta, p.A_log if p.A_log is not None else dummy,
             p.dt_bias if p.dt_bias is not None else dummy, w, u, gcum, kd if kd is not None else dummy,

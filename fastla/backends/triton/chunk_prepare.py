@@ -1,0 +1,308 @@
+"""Token-parallel prologue of the Triton GDN chunked forward: the WY factors of every 64-token chunk.
+
+Per chunk and value head, with G = cumsum(g) over the chunk and unit keys k / |k| (l2norm in
+the op) or raw keys:
+    A = strict_lower(beta_i (k_i . k_j) exp(G_i - G_j))   [BT, BT],   P = (I + A)^-1
+    W = P (beta e^G k)  [BT, K],   U = P (beta v)  [BT, V],   kd = e^(G_last - G) k  [BT, K]
+in two kernels, so that neither holds a 64x64 fp32 tensor and both run many CTAs per SM:
+
+``_inverse_kernel``, grid ``(chunks, HV / VPP)``: one chunk of VPP value heads that share a q/k
+head (GVA). The Gram matrix of the chunk's keys is formed once, as its ten lower [16, 16] blocks
+(bf16 products, fp32 accumulation, over K in slices of BK); for each value head the gate and beta
+make A's blocks, the four diagonal blocks are inverted by forward substitution (15 row steps,
+all four at once), and the six lower blocks follow by block forward substitution on tensor cores
+(tf32, exact: no series). Writes P ``[B, T, HV, BT]`` (lower block triangle only, rows of the
+chunk; the upper blocks are never read) in the product dtype and G ``[B, T, HV]`` in fp32.
+
+``_wu_kernel``, grid ``(chunks, HV)``: reads P, G, beta, k and v, writes W, U and kd (product
+dtype) with two P-products per column slice of BC (bf16 operands, fp32 accumulation, as FLA).
+
+Budgets (sm_90, K = V = 128, checked in tests/backends/test_triton_sm90.py): no spill; the
+inverse kernel holds ten [16, 16] Gram blocks and the P and A blocks of one value head. Traffic
+per token and value head: the inverse kernel writes 2 x 64 bytes of P; the W/U kernel reads P,
+k (shared by the GVA group through L2) and v and writes 3 x 256 bytes. Measurements:
+docs/notes/gdn-prefill.md.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from fastla.backends.triton.chunk_index import BT, _chunk
+from fastla.backends.triton.recurrent import _softplus
+
+
+@triton.jit
+def _activate_beta(b, mask, BETA: tl.constexpr):
+    """beta as the op defines it: raw (1), sigmoid (2), 2 x sigmoid (3, allow_neg_eigval); 0 off mask."""
+    b = b.to(tl.float32)
+    if BETA >= 2:
+        b = tl.where(mask, tl.sigmoid(b), 0.0)
+    if BETA == 3:
+        b = 2.0 * b
+    return b
+
+
+@triton.jit
+def _gate_block(g, beta, A_log, dt_bias, base, blk: tl.constexpr, n_left, i_hv, HV: tl.constexpr,
+                GATE: tl.constexpr, HAS_BIAS: tl.constexpr, BETA: tl.constexpr):
+    """Gate (after the GDN transform when GATE) and beta of the 16 tokens of block ``blk`` [16]; 0
+    from token n_left on. ``base`` is the chunk's first row in g / beta (element offset)."""
+    t = blk * 16 + tl.arange(0, 16)
+    m = t < n_left
+    b_g = tl.load(g + base + t * HV, mask=m, other=0.0).to(tl.float32)
+    if GATE:
+        if HAS_BIAS:
+            b_g = b_g + tl.load(dt_bias + i_hv).to(tl.float32)
+        b_g = tl.where(m, -tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * _softplus(b_g), 0.0)
+    b_beta = _activate_beta(tl.load(beta + base + t * HV, mask=m, other=0.0), m, BETA)
+    return b_g, b_beta
+
+
+@triton.jit
+def _key_block(k, base, blk: tl.constexpr, n_left, o_k, K: tl.constexpr, stride):
+    """Rows 16 blk .. 16 blk + 15 of the chunk's keys, columns o_k [16, BK]; 0 outside."""
+    t = blk * 16 + tl.arange(0, 16)
+    return tl.load(k + base + t[:, None] * stride + o_k[None, :], mask=(t < n_left)[:, None] & (o_k < K)[None, :],
+                   other=0.0)
+
+
+@triton.jit
+def _a_block(gram, rk_i, rk_j, beta_i, G_i, G_j, DIAG: tl.constexpr):
+    """Block of A from a Gram block [16, 16]: beta_i (k_i . k_j) / (|k_i| |k_j|) exp(G_i - G_j),
+    strictly lower on a diagonal block (the exponent is clamped where it is not used)."""
+    d = G_i[:, None] - G_j[None, :]
+    x = gram * (beta_i * rk_i)[:, None] * rk_j[None, :]
+    if DIAG:
+        r = tl.arange(0, 16)
+        lower = r[:, None] > r[None, :]
+        x = tl.where(lower, x * tl.exp(tl.where(lower, d, 0.0)), 0.0)
+    else:
+        x = x * tl.exp(d)
+    return x
+
+
+@triton.jit
+def _diag_inverse(A0, A1, A2, A3):
+    """(I + A_b)^-1 of four strictly lower [16, 16] blocks at once, by forward substitution:
+    row i of P_b is e_i - sum_{j<i} A_b[i, j] P_b[j, :] (rows j < i final). A's rows are read as
+    columns of its transpose, so each step's reductions need no layout change."""
+    r = tl.arange(0, 16)
+    eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    T0 = tl.trans(A0)
+    T1 = tl.trans(A1)
+    T2 = tl.trans(A2)
+    T3 = tl.trans(A3)
+    P0 = eye
+    P1 = eye
+    P2 = eye
+    P3 = eye
+    for i in range(1, 16):
+        col = r[None, :] == i
+        row = r[:, None] == i
+        P0 = tl.where(row, P0 - tl.sum(tl.sum(tl.where(col, T0, 0.0), 1)[:, None] * P0, 0)[None, :], P0)
+        P1 = tl.where(row, P1 - tl.sum(tl.sum(tl.where(col, T1, 0.0), 1)[:, None] * P1, 0)[None, :], P1)
+        P2 = tl.where(row, P2 - tl.sum(tl.sum(tl.where(col, T2, 0.0), 1)[:, None] * P2, 0)[None, :], P2)
+        P3 = tl.where(row, P3 - tl.sum(tl.sum(tl.where(col, T3, 0.0), 1)[:, None] * P3, 0)[None, :], P3)
+    return P0, P1, P2, P3
+
+
+@triton.jit
+def _mm(a, b):
+    """[16, 16] x [16, 16] on tensor cores, tf32 operands and fp32 accumulation (FLA's merge precision)."""
+    return tl.dot(a, b, input_precision="tf32")
+
+
+@triton.jit
+def _store_block(out, row0, X, bi: tl.constexpr, bj: tl.constexpr, n_left, stride, BT: tl.constexpr):
+    """Block (bi, bj) [16, 16] of a chunk's [BT, BT] matrix stored at out + row0 (row stride
+    ``stride``), rows of the chunk only."""
+    r = tl.arange(0, 16)
+    t = bi * 16 + r
+    tl.store(out + row0 + t[:, None] * stride + (bj * 16 + r)[None, :], X.to(out.dtype.element_ty),
+             mask=(t < n_left)[:, None])
+
+
+@triton.jit
+def _inverse_kernel(
+    k, g, beta, A_log, dt_bias, p_out, gcum, cu_seqlens, chunk_index, T, NT,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    VPP: tl.constexpr, DOT: tl.constexpr, L2NORM: tl.constexpr, GATE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BETA: tl.constexpr, VARLEN: tl.constexpr,
+):
+    tl.static_assert(BT == 64, "four 16-token blocks")
+    i_c = tl.program_id(0)
+    hv0 = tl.program_id(1) * VPP                                            # VPP value heads of one q/k head
+    i_h = hv0 // (HV // H)
+    i_n, c, bos, eos = _chunk(chunk_index, cu_seqlens, i_c.to(tl.int64), T, NT, VARLEN)
+    t0 = bos + c * BT                                                       # first token (int64)
+    n_left = eos - t0                                                       # tokens of the chunk from t0, >= 1
+    k_row0 = (t0 * H + i_h) * K
+
+    # Gram blocks K_b K_c^T [16, 16] (b >= c) and squared key norms [16], over K in slices of BK
+    z = tl.zeros([16, 16], dtype=tl.float32)
+    g00, g10, g11, g20, g21, g22, g30, g31, g32, g33 = z, z, z, z, z, z, z, z, z, z
+    s0 = tl.zeros([16], dtype=tl.float32)
+    s1, s2, s3 = s0, s0, s0
+    for j in range(0, tl.cdiv(K, BK)):
+        o_k = j * BK + tl.arange(0, BK)
+        k0 = _key_block(k, k_row0, 0, n_left, o_k, K, H * K)                                 # [16, BK]
+        k1 = _key_block(k, k_row0, 1, n_left, o_k, K, H * K)
+        k2 = _key_block(k, k_row0, 2, n_left, o_k, K, H * K)
+        k3 = _key_block(k, k_row0, 3, n_left, o_k, K, H * K)
+        if L2NORM:
+            s0 += tl.sum(k0.to(tl.float32) * k0.to(tl.float32), 1)
+            s1 += tl.sum(k1.to(tl.float32) * k1.to(tl.float32), 1)
+            s2 += tl.sum(k2.to(tl.float32) * k2.to(tl.float32), 1)
+            s3 += tl.sum(k3.to(tl.float32) * k3.to(tl.float32), 1)
+        k0, k1, k2, k3 = k0.to(DOT), k1.to(DOT), k2.to(DOT), k3.to(DOT)
+        g00 = tl.dot(k0, tl.trans(k0), g00)
+        g10 = tl.dot(k1, tl.trans(k0), g10)
+        g11 = tl.dot(k1, tl.trans(k1), g11)
+        g20 = tl.dot(k2, tl.trans(k0), g20)
+        g21 = tl.dot(k2, tl.trans(k1), g21)
+        g22 = tl.dot(k2, tl.trans(k2), g22)
+        g30 = tl.dot(k3, tl.trans(k0), g30)
+        g31 = tl.dot(k3, tl.trans(k1), g31)
+        g32 = tl.dot(k3, tl.trans(k2), g32)
+        g33 = tl.dot(k3, tl.trans(k3), g33)
+    # 1 / |k| per row, for both sides of the Gram blocks (rows and columns: two layouts)
+    if L2NORM:
+        r0, r1, r2, r3 = tl.rsqrt(s0 + 1e-6), tl.rsqrt(s1 + 1e-6), tl.rsqrt(s2 + 1e-6), tl.rsqrt(s3 + 1e-6)
+    else:
+        r0 = tl.full([16], 1.0, tl.float32)
+        r1, r2, r3 = r0, r0, r0
+
+    for jv in range(VPP):
+        i_hv = hv0 + jv
+        base = t0 * HV + i_hv                                               # chunk row 0 in g, beta, gcum
+        x0, b0 = _gate_block(g, beta, A_log, dt_bias, base, 0, n_left, i_hv, HV, GATE, HAS_BIAS, BETA)
+        x1, b1 = _gate_block(g, beta, A_log, dt_bias, base, 1, n_left, i_hv, HV, GATE, HAS_BIAS, BETA)
+        x2, b2 = _gate_block(g, beta, A_log, dt_bias, base, 2, n_left, i_hv, HV, GATE, HAS_BIAS, BETA)
+        x3, b3 = _gate_block(g, beta, A_log, dt_bias, base, 3, n_left, i_hv, HV, GATE, HAS_BIAS, BETA)
+        G0 = tl.cumsum(x0, 0)                                                                  # [16] each
+        G1 = tl.cumsum(x1, 0) + tl.sum(x0, 0)
+        G2 = tl.cumsum(x2, 0) + (tl.sum(x0, 0) + tl.sum(x1, 0))
+        G3 = tl.cumsum(x3, 0) + (tl.sum(x0, 0) + tl.sum(x1, 0) + tl.sum(x2, 0))
+        r16 = tl.arange(0, 16)
+        tl.store(gcum + base + r16 * HV, G0, mask=r16 < n_left)
+        tl.store(gcum + base + (16 + r16) * HV, G1, mask=16 + r16 < n_left)
+        tl.store(gcum + base + (32 + r16) * HV, G2, mask=32 + r16 < n_left)
+        tl.store(gcum + base + (48 + r16) * HV, G3, mask=48 + r16 < n_left)
+
+        a00 = _a_block(g00, r0, r0, b0, G0, G0, True)
+        a11 = _a_block(g11, r1, r1, b1, G1, G1, True)
+        a22 = _a_block(g22, r2, r2, b2, G2, G2, True)
+        a33 = _a_block(g33, r3, r3, b3, G3, G3, True)
+        p00, p11, p22, p33 = _diag_inverse(a00, a11, a22, a33)
+        a10 = _a_block(g10, r1, r0, b1, G1, G0, False)
+        a21 = _a_block(g21, r2, r1, b2, G2, G1, False)
+        a32 = _a_block(g32, r3, r2, b3, G3, G2, False)
+        # block forward substitution: P_bc = -P_bb sum_{c <= d < b} A_bd P_dc
+        p10 = -_mm(p11, _mm(a10, p00))
+        p21 = -_mm(p22, _mm(a21, p11))
+        p32 = -_mm(p33, _mm(a32, p22))
+        a20 = _a_block(g20, r2, r0, b2, G2, G0, False)
+        a31 = _a_block(g31, r3, r1, b3, G3, G1, False)
+        p20 = -_mm(p22, _mm(a20, p00) + _mm(a21, p10))
+        p31 = -_mm(p33, _mm(a31, p11) + _mm(a32, p21))
+        a30 = _a_block(g30, r3, r0, b3, G3, G0, False)
+        p30 = -_mm(p33, _mm(a30, p00) + _mm(a31, p10) + _mm(a32, p20))
+
+        row0 = base * BT
+        _store_block(p_out, row0, p00, 0, 0, n_left, HV * BT, BT)
+        _store_block(p_out, row0, p10, 1, 0, n_left, HV * BT, BT)
+        _store_block(p_out, row0, p11, 1, 1, n_left, HV * BT, BT)
+        _store_block(p_out, row0, p20, 2, 0, n_left, HV * BT, BT)
+        _store_block(p_out, row0, p21, 2, 1, n_left, HV * BT, BT)
+        _store_block(p_out, row0, p22, 2, 2, n_left, HV * BT, BT)
+        _store_block(p_out, row0, p30, 3, 0, n_left, HV * BT, BT)
+        _store_block(p_out, row0, p31, 3, 1, n_left, HV * BT, BT)
+        _store_block(p_out, row0, p32, 3, 2, n_left, HV * BT, BT)
+        _store_block(p_out, row0, p33, 3, 3, n_left, HV * BT, BT)
+
+
+@triton.jit
+def _wu_kernel(
+    k, v, beta, p_in, gcum, w, u, kd, cu_seqlens, chunk_index, T, NT,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+    BC: tl.constexpr, DOT: tl.constexpr, L2NORM: tl.constexpr, BETA: tl.constexpr,
+    VARLEN: tl.constexpr, STORE_KD: tl.constexpr,
+):
+    i_c = tl.program_id(0)
+    i_hv = tl.program_id(1)
+    i_h = i_hv // (HV // H)                                                 # GVA: the q/k head
+    i_n, c, bos, eos = _chunk(chunk_index, cu_seqlens, i_c.to(tl.int64), T, NT, VARLEN)
+    t0 = bos + c * BT
+    n_left = eos - t0
+    r = tl.arange(0, BT)
+    m_t = r < n_left
+    base = t0 * HV + i_hv
+    k_row0 = (t0 * H + i_h) * K
+    o_c = tl.arange(0, BC)
+
+    b_P = tl.load(p_in + base * BT + r[:, None] * (HV * BT) + r[None, :],
+                  mask=m_t[:, None] & (r[None, :] // 16 <= r[:, None] // 16), other=0.0).to(DOT)        # [BT, BT]
+    b_G = tl.load(gcum + base + r * HV, mask=m_t, other=0.0)                                           # [BT]
+    b_Gl = tl.sum(tl.where(r == tl.minimum(n_left, BT) - 1, b_G, 0.0))
+    b_beta = _activate_beta(tl.load(beta + base + r * HV, mask=m_t, other=0.0), m_t, BETA)             # [BT]
+    rk = tl.full([BT], 1.0, tl.float32)
+    if L2NORM:
+        ss = tl.zeros([BT], dtype=tl.float32)
+        for j in range(0, tl.cdiv(K, BC)):
+            o = j * BC + o_c
+            x = tl.load(k + k_row0 + r[:, None] * (H * K) + o[None, :], mask=m_t[:, None] & (o < K)[None, :],
+                        other=0.0).to(tl.float32)
+            ss += tl.sum(x * x, 1)
+        rk = tl.rsqrt(ss + 1e-6)
+    e_w = rk * b_beta * tl.exp(b_G)                                         # row scales of W's keys
+    e_d = tl.where(m_t, rk * tl.exp(b_Gl - b_G), 0.0)                       # of the scan's decayed keys
+    for j in range(0, tl.cdiv(K, BC)):
+        o = j * BC + o_c
+        m = m_t[:, None] & (o < K)[None, :]
+        x = tl.load(k + k_row0 + r[:, None] * (H * K) + o[None, :], mask=m, other=0.0).to(tl.float32)  # [BT, BC]
+        if STORE_KD:
+            tl.store(kd + base * K + r[:, None] * (HV * K) + o[None, :], (x * e_d[:, None]).to(kd.dtype.element_ty),
+                     mask=m)
+        b_w = tl.dot(b_P, (x * e_w[:, None]).to(DOT))                                                 # [BT, BC]
+        tl.store(w + base * K + r[:, None] * (HV * K) + o[None, :], b_w.to(w.dtype.element_ty), mask=m)
+    for j in range(0, tl.cdiv(V, BC)):
+        o = j * BC + o_c
+        m = m_t[:, None] & (o < V)[None, :]
+        x = tl.load(v + base * V + r[:, None] * (HV * V) + o[None, :], mask=m, other=0.0).to(tl.float32)
+        b_u = tl.dot(b_P, (x * b_beta[:, None]).to(DOT))                                              # [BT, BC]
+        tl.store(u + base * V + r[:, None] * (HV * V) + o[None, :], b_u.to(u.dtype.element_ty), mask=m)
+
+
+def values_per_program(ratio: int, limit: int) -> int:
+    """Value heads per inverse program: the largest divisor of the GVA ratio HV / H up to ``limit``
+    (their Gram blocks are shared)."""
+    return max(d for d in range(1, min(ratio, limit) + 1) if ratio % d == 0)
+
+
+def launch(p, g, beta, beta_mode: int, total: int, tables, w, u, gcum, kd, inverse, dot, config) -> None:
+    """Runs both kernels for ``total`` chunks: g and beta as the kernels read them (raw),
+    ``tables`` = (cu_seqlens, chunk index) or Nones (dense); ``inverse`` receives P
+    ``[B, T, HV, BT]``, w / u / gcum / kd as ``chunk_delta.run`` allocates them."""
+    T, H, HV, K, V = p.T, p.H, p.HV, p.K, p.V
+    NT = triton.cdiv(T, BT)
+    cu, chunk_index = tables
+    varlen = cu is not None
+    dummy = gcum
+    vpp = values_per_program(HV // H, config.inverse_heads)
+    BK = min(64, max(16, triton.next_power_of_2(K)))
+    _inverse_kernel[(total, HV // vpp)](
+        p.k, g, beta, p.A_log if p.A_log is not None else dummy, p.dt_bias if p.dt_bias is not None else dummy,
+        inverse, gcum, cu if varlen else dummy, chunk_index if varlen else dummy, T, NT,
+        H=H, HV=HV, K=K, BT=BT, BK=BK, VPP=vpp, DOT=dot, L2NORM=p.use_qk_l2norm, GATE=p.gate_in_op == "gdn",
+        HAS_BIAS=p.dt_bias is not None, BETA=beta_mode, VARLEN=varlen,
+        num_warps=config.inverse_warps, num_stages=1,
+    )
+    BC = min(config.wu_block, max(16, triton.next_power_of_2(max(K, V))))
+    _wu_kernel[(total, HV)](
+        p.k, p.v, beta, inverse, gcum, w, u, kd if kd is not None else dummy,
+        cu if varlen else dummy, chunk_index if varlen else dummy, T, NT,
+        H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, DOT=dot, L2NORM=p.use_qk_l2norm, BETA=beta_mode, VARLEN=varlen,
+        STORE_KD=kd is not None, num_warps=config.wu_warps, num_stages=config.wu_stages,
+    )
+
