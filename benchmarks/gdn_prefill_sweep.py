@@ -27,8 +27,14 @@ from fastla.ops.gated_delta_rule import chunk_gated_delta_rule
 
 VARIANTS = {
     "default": None,                       # chunk_delta.default_config(p)
-    "prep-2w": dict(prepare_warps=2),
-    "prep-8w": dict(prepare_warps=8),
+    "fused64": dict(prepare="fused64"),
+    "inv-1w": dict(inverse_warps=1),
+    "inv-4w": dict(inverse_warps=4),
+    "inv-vpp1": dict(inverse_heads=1),
+    "inv-vpp2": dict(inverse_heads=2),
+    "wu-8w": dict(wu_warps=8),
+    "wu-bc128": dict(wu_block=128),
+    "wu-1stage": dict(wu_stages=1),
     "no-segments": dict(segment_chunks=0),
     "scan-bv64": dict(scan_block_v=64),
     "scan-bv32": dict(scan_block_v=32),
@@ -88,6 +94,9 @@ def main() -> int:
         if fla_op is not None:
             fla_o = fla_op(**kw)[0]
             fla_us = 1e3 * do_bench_cudagraph(lambda: fla_op(**kw), rep=100)
+            fla_split = kernel_split(lambda: fla_op(**kw))
+            print(f"{shape:28s} FLA {fla_us:9.1f} us: " + ", ".join(f"{k} {v:.0f}" for k, v in fla_split.items()),
+                  flush=True)
         first = None
         for name in names:
             over = VARIANTS[name]
@@ -109,14 +118,14 @@ def main() -> int:
                 continue
             finally:
                 chunk_delta.default_config = original
-            prep = sum(v for k, v in split.items() if "prepare" in k)
+            prep = sum(v for k, v in split.items() if any(n in k for n in ("prepare", "inverse", "wu_kernel")))
             scan = sum(v for k, v in split.items() if "scan" in k)
             rows.append(dict(shape=shape, variant=name, config=dataclasses.asdict(variant(problem_of(kw))), us=us, prepare_us=prep,
-                             scan_us=scan, err_vs_first=err_first, err_vs_fla=err_fla, fla_us=fla_us))
+                             scan_us=scan, kernels=split, err_vs_first=err_first, err_vs_fla=err_fla, fla_us=fla_us))
             speed = f"{fla_us / us:5.2f}x" if fla_us else "  -  "
             print(f"{shape:28s} {name:16s} {us:9.1f} us (prepare {prep:8.1f}, scan {scan:8.1f}) FLA {fla_us or 0:9.1f} "
-                  f"{speed} | vs first {err_first:.1e} vs FLA {err_fla if err_fla is None else f'{err_fla:.1e}'}",
-                  flush=True)
+                  f"{speed} | vs first {err_first:.1e} vs FLA {err_fla if err_fla is None else f'{err_fla:.1e}'} | "
+                  + ", ".join(f"{k.split('(')[0][-24:]} {v:.0f}" for k, v in split.items()), flush=True)
         inputs = kw = fla_o = first = None                                 # free before the next shape
         torch.cuda.empty_cache()
     with open(os.path.join(args.out, "gdn_prefill_sweep.json"), "w") as f:

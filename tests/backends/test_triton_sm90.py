@@ -88,6 +88,14 @@ GDN_KERNELS = {
                 {"g": "*bf16", "beta": "*bf16", "A_log": "*fp32", "dt_bias": "*fp32", "gcum": "*fp32", "k": "*bf16",
                  "v": "*bf16", "w": "*bf16", "u": "*bf16", "kd": "*bf16", "cu_seqlens": "*i64", "chunk_index": "*i32"},
                 dict(BVF=128, GATE=True, HAS_BIAS=True, BETA=2, STORE_KD=True), 4, 1),
+    "inverse": ("chunk_prepare._inverse_kernel",
+                {"k": "*bf16", "g": "*bf16", "beta": "*bf16", "A_log": "*fp32", "dt_bias": "*fp32", "p_out": "*bf16",
+                 "gcum": "*fp32", "cu_seqlens": "*i64", "chunk_index": "*i32"},
+                dict(BK=64, VPP=4, GATE=True, HAS_BIAS=True, BETA=2), 2, 1),
+    "wu": ("chunk_prepare._wu_kernel",
+           {"k": "*bf16", "v": "*bf16", "beta": "*bf16", "p_in": "*bf16", "gcum": "*fp32", "w": "*bf16",
+            "u": "*bf16", "kd": "*bf16", "cu_seqlens": "*i64", "chunk_index": "*i32"},
+           dict(BC=64, BETA=2, STORE_KD=True), 4, 2),
     "scan": ("chunk_delta._scan_kernel",
              {"gcum": "*fp32", "h0": "*fp32", "ht": "*fp32", "k": "*bf16", "w": "*bf16", "u": "*bf16",
               "v_new": "*bf16", "h_chunks": "*bf16", "cu_seqlens": "*i64", "chunk_start": "*i64", "segments": "*i32",
@@ -112,8 +120,9 @@ def _child_gdn(name: str, folder: str) -> None:
     kname, ptrs, extra, warps, stages = GDN_KERNELS[name]
     module, attr = kname.split(".")
     kern = getattr(importlib.import_module(f"fastla.backends.triton.{module}"), attr)
-    consts = dict(H=16, HV=32, K=128, V=128, BT=64, BK=128, DOT=tl.bfloat16, L2NORM=True, VARLEN=False, **extra)
+    consts = {**dict(H=16, HV=32, K=128, V=128, BT=64, BK=128, DOT=tl.bfloat16, L2NORM=True, VARLEN=False), **extra}
     names = kern.arg_names
+    consts = {n: c for n, c in consts.items() if n in names}
     sig = {n: ptrs.get(n) or ("constexpr" if n in consts else ("i32" if n in ("T", "NT", "total") else "fp32"))
            for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ptrs}
@@ -139,7 +148,7 @@ def _run_child(call: str, tmp_path) -> dict:
 
 
 # the prepare kernel's known spill (docs/notes/gdn-prefill.md) must not grow; the others must not spill
-GDN_STACK_LIMIT = {"prepare": 128, "scan": 0, "output": 0}
+GDN_STACK_LIMIT = {"prepare": 128, "inverse": 0, "wu": 0, "scan": 0, "output": 0}
 
 
 @pytest.mark.parametrize("name", list(GDN_KERNELS))
