@@ -39,6 +39,7 @@ import triton.language as tl
 
 from fastla.backends.triton import chunk_prepare, interpreting
 from fastla.backends.triton.chunk_index import BT, _chunk, _sequence
+from fastla.backends.triton.chunk_prepare import _activate_beta
 from fastla.backends.triton.recurrent import _softplus
 from fastla.core.problem import Problem
 
@@ -142,18 +143,21 @@ def _prepare_kernel(
 
 @triton.jit
 def _scan_kernel(
-    k, w, u, gcum, v_new, h0, ht, h_chunks, cu_seqlens, chunk_start, segments, seg_state, T, NT,
+    k, w, u, gcum, v_new, h0, ht, h_chunks, cu_seqlens, chunk_start, segments, seg_state,
+    p_in, v, beta, rk, T, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     SK: tl.constexpr, SV: tl.constexpr, DOT: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, L2NORM: tl.constexpr,
-    VARLEN: tl.constexpr, DECAYED_K: tl.constexpr, SEG: tl.constexpr,
+    VARLEN: tl.constexpr, DECAYED_K: tl.constexpr, SEG: tl.constexpr, WY: tl.constexpr, BETA: tl.constexpr,
 ):
     """SEG 0: program (sequence x value head, V tile) runs a whole sequence from h0.
     SEG 1 (segment summary): program (segment x value head, tile of the V + K columns) runs one
     segment from a zero state in the V columns and from the identity in the K extra columns:
     it ends with [E | Phi], the segment's end state from zero and its exact transition.
-    SEG 2 (segment replay): as SEG 0 over one segment, from its start state in ``seg_state``."""
+    SEG 2 (segment replay): as SEG 0 over one segment, from its start state in ``seg_state``.
+    WY: instead of W, U and the decayed keys, read P = (I + A)^-1, the raw keys k, v, beta and
+    1 / |k| (rk) and form V_new = P diag(beta) (v - diag(rk e^G) k S) (three products per chunk)."""
     i_p = tl.program_id(0).to(tl.int64)                                    # axis 0: up to 2^31 - 1 programs
     i_v = tl.program_id(1)
     i_hv = i_p % HV
@@ -194,6 +198,9 @@ def _scan_kernel(
     else:
         off_kt = o_k[:, None] + r[None, :] * (H * K)                        # k [.., H, K]
     off_w = r[:, None] * (HV * K) + o_k[None, :]                            # [BT, BK] in w
+    off_kr = r[:, None] * (H * K) + o_k[None, :]                            # [BT, BK] in k
+    off_p = r[:, None] * (HV * BT) + r[None, :]                             # [BT, BT] in P
+    lower_blocks = r[None, :] // 16 <= r[:, None] // 16
     off_v = r[:, None] * (HV * V) + o_v[None, :]                            # [BT, BV]
     for c in range(c_begin, c_end):
         if SEG != 1:
@@ -212,25 +219,41 @@ def _scan_kernel(
             m_tv = m_t[:, None]
         else:
             m_tv = m_t[:, None] & m_v[None, :]
-        b_w = tl.load(w + base * K + off_w, mask=m_tk, other=0.0)                                 # [BT, BK]
-        b_u = tl.load(u + base * V + off_v, mask=m_tv, other=0.0)                                 # [BT, BV]
         last = tl.minimum(eos - bos - c * BT, BT) - 1
         b_Gl = tl.load(gcum + base + last * HV)                             # G at the chunk's last token
-        if DECAYED_K:
-            b_kt = tl.load(k + base * K + off_kt, mask=m_kt, other=0.0)                           # [BK, BT]
-        else:
-            b_kt = tl.load(k + (t0 * H + i_h) * K + off_kt, mask=m_kt, other=0.0)                # [BK, BT]
+        if WY:
             b_G = tl.load(gcum + base + r * HV, mask=m_t, other=0.0)                              # [BT]
-            b_kt = b_kt.to(tl.float32)
+            b_rk = tl.full([BT], 1.0, tl.float32)
             if L2NORM:
-                b_kt = b_kt * tl.rsqrt(tl.sum(b_kt * b_kt, 0) + 1e-6)[None, :]
-            b_kt = b_kt * tl.where(m_t, tl.exp(b_Gl - b_G), 0.0)[None, :]
-        b_kt = b_kt.to(DOT)
-
-        b_vn = b_u.to(tl.float32) - tl.dot(b_w, b_S.to(DOT))                                      # [BT, BV]
-        if SEG != 1:
-            tl.store(v_new + base * V + off_v, b_vn.to(v_new.dtype.element_ty), mask=m_tv)
-        b_S = b_S * tl.exp(b_Gl) + tl.dot(b_kt, b_vn.to(DOT))                # S <- e^G_last S + kd^T V_new
+                b_rk = tl.load(rk + t0 * H + i_h + r * H, mask=m_t, other=0.0)
+            b_beta = _activate_beta(tl.load(beta + base + r * HV, mask=m_t, other=0.0), m_t, BETA)
+            b_P = tl.load(p_in + base * BT + off_p, mask=m_t[:, None] & lower_blocks, other=0.0).to(DOT)  # [BT, BT]
+            b_k = tl.load(k + (t0 * H + i_h) * K + off_kr, mask=m_tk, other=0.0).to(DOT)         # [BT, BK]
+            b_v = tl.load(v + base * V + off_v, mask=m_t[:, None] & (o_v < V)[None, :], other=0.0).to(tl.float32)
+            b_x = tl.dot(b_k, b_S.to(DOT))                                                        # [BT, BV]: k S
+            b_y = b_beta[:, None] * (b_v - (b_rk * tl.exp(b_G))[:, None] * b_x)
+            b_vn = tl.dot(b_P, b_y.to(DOT))                                                       # [BT, BV]
+            if SEG != 1:
+                tl.store(v_new + base * V + off_v, b_vn.to(v_new.dtype.element_ty), mask=m_tv)
+            b_vd = b_vn * tl.where(m_t, b_rk * tl.exp(b_Gl - b_G), 0.0)[:, None]
+            b_S = b_S * tl.exp(b_Gl) + tl.dot(tl.trans(b_k), b_vd.to(DOT))
+        else:
+            b_w = tl.load(w + base * K + off_w, mask=m_tk, other=0.0)                             # [BT, BK]
+            b_u = tl.load(u + base * V + off_v, mask=m_tv, other=0.0)                             # [BT, BV]
+            if DECAYED_K:
+                b_kt = tl.load(k + base * K + off_kt, mask=m_kt, other=0.0)                       # [BK, BT]
+            else:
+                b_kt = tl.load(k + (t0 * H + i_h) * K + off_kt, mask=m_kt, other=0.0)            # [BK, BT]
+                b_G = tl.load(gcum + base + r * HV, mask=m_t, other=0.0)                          # [BT]
+                b_kt = b_kt.to(tl.float32)
+                if L2NORM:
+                    b_kt = b_kt * tl.rsqrt(tl.sum(b_kt * b_kt, 0) + 1e-6)[None, :]
+                b_kt = b_kt * tl.where(m_t, tl.exp(b_Gl - b_G), 0.0)[None, :]
+            b_kt = b_kt.to(DOT)
+            b_vn = b_u.to(tl.float32) - tl.dot(b_w, b_S.to(DOT))                                  # [BT, BV]
+            if SEG != 1:
+                tl.store(v_new + base * V + off_v, b_vn.to(v_new.dtype.element_ty), mask=m_tv)
+            b_S = b_S * tl.exp(b_Gl) + tl.dot(b_kt, b_vn.to(DOT))            # S <- e^G_last S + kd^T V_new
 
     if SEG == 1:
         tl.store(seg_state + (i_s * HV + i_hv) * K * (V + K) + o_k[:, None] * (V + K) + o_v[None, :], b_S,
@@ -328,10 +351,12 @@ class ChunkConfig:
     """Launch choices of the kernels (measured: docs/notes/gdn-prefill.md)."""
     prepare: str = "split"              # "split": chunk_prepare's two kernels; "fused64": _prepare_kernel
     prepare_warps: int = 4              # fused64
-    inverse_warps: int = 2
+    inverse_warps: int = 1
+    inverse_stages: int = 1
     inverse_heads: int = 4              # value heads per inverse program (a divisor of HV / H up to this)
     wu_warps: int = 4
-    wu_block: int = 64                  # columns per W / U product
+    wu_block: int = 128                 # columns per W / U product
+    wy_in_scan: bool = False            # the scan reads P, k, v (no W / U / kd): three products per chunk
     wu_stages: int = 2
     scan_block_v: int = 32
     scan_warps: int = 4
@@ -534,16 +559,22 @@ def run(p: Problem, config: ChunkConfig | None = None):
     g = p.g if p.g is not None else p.q.new_zeros(B, T, HV, dtype=torch.float32)
     beta = p.beta if p.beta is not None else p.q.new_ones(B, T, HV, dtype=torch.float32)
     beta_mode = 1 if p.beta is None or not p.beta_sigmoid else (3 if p.allow_neg_eigval else 2)
-    w = torch.empty(B, T, HV, K, dtype=op_dtype, device=dev)
-    u = torch.empty(B, T, HV, V, dtype=op_dtype, device=dev)
+    fused_wy = config.wy_in_scan and config.prepare == "split"
     gcum = torch.empty(B, T, HV, dtype=torch.float32, device=dev)
-    kd = torch.empty(B, T, HV, K, dtype=op_dtype, device=dev) if config.decayed_keys else None
+    if fused_wy:
+        w = u = kd = None
+    else:
+        w = torch.empty(B, T, HV, K, dtype=op_dtype, device=dev)
+        u = torch.empty(B, T, HV, V, dtype=op_dtype, device=dev)
+        kd = torch.empty(B, T, HV, K, dtype=op_dtype, device=dev) if config.decayed_keys else None
     BK, BVF = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))   # tl.dot needs >= 16
     dummy = gcum
+    inverse = rk = None
     if total and config.prepare == "split":
         inverse = torch.empty(B, T, HV, BT, dtype=op_dtype, device=dev)
+        rk = torch.empty(B, T, H, dtype=torch.float32, device=dev) if fused_wy and p.use_qk_l2norm else None
         chunk_prepare.launch(p, g, beta, beta_mode, total, (cu, chunk_index) if varlen else (None, None),
-                             w, u, gcum, kd, inverse, dot, config)
+                             w, u, gcum, kd, inverse, rk, dot, config)
     elif total:
         _prepare_kernel[(total, HV)](
             p.k, p.v, g, beta, p.A_log if p.A_log is not None else dummy,
@@ -570,20 +601,23 @@ def run(p: Problem, config: ChunkConfig | None = None):
     length = _segments(p, config, counts)
     common = dict(H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, SK=SK, SV=SV, DOT=dot, HAS_H0=h0 is not None,
                   STORE_FINAL=ht is not None, L2NORM=p.use_qk_l2norm, VARLEN=varlen, DECAYED_K=kd is not None,
-                  num_warps=config.scan_warps, num_stages=config.scan_stages)
-    args = (keys, w, u, gcum, v_new, h0 if h0 is not None else o, ht if ht is not None else o, h_chunks,
+                  WY=fused_wy, BETA=beta_mode, num_warps=config.scan_warps, num_stages=config.scan_stages)
+    args = (keys, w if w is not None else dummy, u if u is not None else dummy, gcum, v_new,
+            h0 if h0 is not None else o, ht if ht is not None else o, h_chunks,
             cu if varlen else dummy, chunk_start if varlen else dummy)
+    wy = (inverse if inverse is not None else dummy, p.v, beta, rk if rk is not None else dummy)
     if length:
         segments, seq_segments, n_seg = _segment_plan(p, counts, length)
         summary = torch.empty(n_seg, HV, K, V + K, dtype=torch.float32, device=dev)
         seg_start = torch.empty(n_seg, HV, K, V, dtype=torch.float32, device=dev)
-        _scan_kernel[(n_seg * HV, triton.cdiv(V + K, BV))](*args, segments, summary, T, NT, BV=BV, SEG=1, **common)
+        _scan_kernel[(n_seg * HV, triton.cdiv(V + K, BV))](*args, segments, summary, *wy, T, NT, BV=BV, SEG=1,
+                                                             **common)
         _segment_combine_kernel[(N * HV, triton.cdiv(V, BV))](
             summary, seg_start, h0 if h0 is not None else o, seq_segments, HV=HV, K=K, V=V, BK=BK, BV=BV,
             SK=SK, SV=SV, HAS_H0=h0 is not None, num_warps=4, num_stages=1)
-        _scan_kernel[(n_seg * HV, triton.cdiv(V, BV))](*args, segments, seg_start, T, NT, BV=BV, SEG=2, **common)
+        _scan_kernel[(n_seg * HV, triton.cdiv(V, BV))](*args, segments, seg_start, *wy, T, NT, BV=BV, SEG=2, **common)
     else:
-        _scan_kernel[(N * HV, triton.cdiv(V, BV))](*args, dummy, dummy, T, NT, BV=BV, SEG=0, **common)
+        _scan_kernel[(N * HV, triton.cdiv(V, BV))](*args, dummy, dummy, *wy, T, NT, BV=BV, SEG=0, **common)
     if total:
         BVO = min(config.output_block_v, BVF)
         CPB = config.output_chunks

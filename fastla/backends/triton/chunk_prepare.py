@@ -125,10 +125,10 @@ def _store_block(out, row0, X, bi: tl.constexpr, bj: tl.constexpr, n_left, strid
 
 @triton.jit
 def _inverse_kernel(
-    k, g, beta, A_log, dt_bias, p_out, gcum, cu_seqlens, chunk_index, T, NT,
+    k, g, beta, A_log, dt_bias, p_out, gcum, rk_out, cu_seqlens, chunk_index, T, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     VPP: tl.constexpr, DOT: tl.constexpr, L2NORM: tl.constexpr, GATE: tl.constexpr,
-    HAS_BIAS: tl.constexpr, BETA: tl.constexpr, VARLEN: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BETA: tl.constexpr, VARLEN: tl.constexpr, STORE_RK: tl.constexpr,
 ):
     tl.static_assert(BT == 64, "four 16-token blocks")
     i_c = tl.program_id(0)
@@ -172,6 +172,14 @@ def _inverse_kernel(
     else:
         r0 = tl.full([16], 1.0, tl.float32)
         r1, r2, r3 = r0, r0, r0
+    if STORE_RK:                                                            # [B, T, H], once per q/k head
+        if hv0 % (HV // H) == 0:
+            r16 = tl.arange(0, 16)
+            rk_row0 = t0 * H + i_h
+            tl.store(rk_out + rk_row0 + r16 * H, r0, mask=r16 < n_left)
+            tl.store(rk_out + rk_row0 + (16 + r16) * H, r1, mask=16 + r16 < n_left)
+            tl.store(rk_out + rk_row0 + (32 + r16) * H, r2, mask=32 + r16 < n_left)
+            tl.store(rk_out + rk_row0 + (48 + r16) * H, r3, mask=48 + r16 < n_left)
 
     for jv in range(VPP):
         i_hv = hv0 + jv
@@ -280,10 +288,11 @@ def values_per_program(ratio: int, limit: int) -> int:
     return max(d for d in range(1, min(ratio, limit) + 1) if ratio % d == 0)
 
 
-def launch(p, g, beta, beta_mode: int, total: int, tables, w, u, gcum, kd, inverse, dot, config) -> None:
-    """Runs both kernels for ``total`` chunks: g and beta as the kernels read them (raw),
+def launch(p, g, beta, beta_mode: int, total: int, tables, w, u, gcum, kd, inverse, rk, dot, config) -> None:
+    """Runs the kernels for ``total`` chunks: g and beta as the kernels read them (raw),
     ``tables`` = (cu_seqlens, chunk index) or Nones (dense); ``inverse`` receives P
-    ``[B, T, HV, BT]``, w / u / gcum / kd as ``chunk_delta.run`` allocates them."""
+    ``[B, T, HV, BT]``, ``rk`` (or None) 1 / |k| ``[B, T, H]``; w / u / gcum / kd as
+    ``chunk_delta.run`` allocates them, the W/U kernel runs only when w is given."""
     T, H, HV, K, V = p.T, p.H, p.HV, p.K, p.V
     NT = triton.cdiv(T, BT)
     cu, chunk_index = tables
@@ -293,11 +302,13 @@ def launch(p, g, beta, beta_mode: int, total: int, tables, w, u, gcum, kd, inver
     BK = min(64, max(16, triton.next_power_of_2(K)))
     _inverse_kernel[(total, HV // vpp)](
         p.k, g, beta, p.A_log if p.A_log is not None else dummy, p.dt_bias if p.dt_bias is not None else dummy,
-        inverse, gcum, cu if varlen else dummy, chunk_index if varlen else dummy, T, NT,
-        H=H, HV=HV, K=K, BT=BT, BK=BK, VPP=vpp, DOT=dot, L2NORM=p.use_qk_l2norm, GATE=p.gate_in_op == "gdn",
-        HAS_BIAS=p.dt_bias is not None, BETA=beta_mode, VARLEN=varlen,
-        num_warps=config.inverse_warps, num_stages=1,
+        inverse, gcum, rk if rk is not None else dummy, cu if varlen else dummy, chunk_index if varlen else dummy,
+        T, NT, H=H, HV=HV, K=K, BT=BT, BK=BK, VPP=vpp, DOT=dot, L2NORM=p.use_qk_l2norm, GATE=p.gate_in_op == "gdn",
+        HAS_BIAS=p.dt_bias is not None, BETA=beta_mode, VARLEN=varlen, STORE_RK=rk is not None,
+        num_warps=config.inverse_warps, num_stages=config.inverse_stages,
     )
+    if w is None:
+        return
     BC = min(config.wu_block, max(16, triton.next_power_of_2(max(K, V))))
     _wu_kernel[(total, HV)](
         p.k, p.v, beta, inverse, gcum, w, u, kd if kd is not None else dummy,
