@@ -129,7 +129,7 @@ def test_small_head_dim():
 
 @pytest.mark.parametrize("variant", ["one_chunk_per_program", "wide_tiles", "keys_decayed_in_scan",
                                      "segments_of_one_chunk", "segments_of_two_chunks", "wy_in_scan",
-                                     "wy_in_scan_segments", "fused64_prepare"])
+                                     "wy_in_scan_segments", "fused64_prepare", "state_every_chunk"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_launch_variants(variant, device, monkeypatch):
     """The non-default launch variants the GPU sweep times compute the same function."""
@@ -141,7 +141,8 @@ def test_launch_variants(variant, device, monkeypatch):
               "segments_of_two_chunks": chunk_delta.ChunkConfig(segment_chunks=2, scan_block_v=16),
               "wy_in_scan": chunk_delta.ChunkConfig(wy_in_scan=True),
               "wy_in_scan_segments": chunk_delta.ChunkConfig(wy_in_scan=True, segment_chunks=2, scan_block_v=16),
-              "fused64_prepare": chunk_delta.ChunkConfig(prepare="fused64")}[variant]
+              "fused64_prepare": chunk_delta.ChunkConfig(prepare="fused64"),
+              "state_every_chunk": chunk_delta.ChunkConfig(state_stride=1)}[variant]
     monkeypatch.setattr(chunk_delta, "default_config", lambda p: config)
     lengths = [1, 63, 64, 65, 130]
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
