@@ -27,26 +27,17 @@ from fastla.ops.gated_delta_rule import chunk_gated_delta_rule
 
 VARIANTS = {
     "default": None,                       # chunk_delta.default_config(p)
-    "fused64": dict(prepare="fused64"),
+    "fused64": dict(prepare="fused64", wy_in_scan=False),
+    "nowy": dict(wy_in_scan=False),
+    "nowy-bv64-s3": dict(wy_in_scan=False, scan_block_v=64, scan_stages=3),
+    "norms-scan": dict(norms_in_scan=True),
+    "bv16": dict(scan_block_v=16),
+    "bv64": dict(scan_block_v=64),
+    "s3": dict(scan_stages=3),
+    "out-bv128": dict(output_block_v=128, output_warps=8),
+    "out-cpb4": dict(output_chunks=4),
     "inv-2w": dict(inverse_warps=2),
-    "inv-s3": dict(inverse_stages=3),
-    "wu-s3": dict(wu_stages=3),
-    "wu-bc64": dict(wu_block=64),
-    "scan-s3": dict(scan_stages=3),
-    "scan-s4": dict(scan_stages=4),
-    "bv64-s3": dict(scan_block_v=64, scan_stages=3),
-    "bv64-s4": dict(scan_block_v=64, scan_stages=4),
-    "wy": dict(wy_in_scan=True),
-    "wy-s3": dict(wy_in_scan=True, scan_stages=3),
-    "wy-bv64-s3": dict(wy_in_scan=True, scan_block_v=64, scan_stages=3),
-    "wy-bv64-s4": dict(wy_in_scan=True, scan_block_v=64, scan_stages=4),
-    "stride1": dict(state_stride=1),
-    "out-bv32": dict(output_block_v=32),
-    "out-8w": dict(output_warps=8),
-    "wy-s3-bv32out": dict(wy_in_scan=True, scan_stages=3, output_block_v=32),
     "no-segments": dict(segment_chunks=0),
-    "scan-bv64": dict(scan_block_v=64),
-    "scan-bv32": dict(scan_block_v=32),
 }
 SHAPES = "gdn/h16-hv64/1x32768,gdn/h2-hv8/1x32768,gdn/h16-hv32/4x8192,gdn/h16-hv64/varlen9x16384"
 

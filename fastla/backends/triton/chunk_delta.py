@@ -150,7 +150,7 @@ def _scan_kernel(
     SK: tl.constexpr, SV: tl.constexpr, DOT: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, L2NORM: tl.constexpr,
     VARLEN: tl.constexpr, DECAYED_K: tl.constexpr, SEG: tl.constexpr, WY: tl.constexpr, BETA: tl.constexpr,
-    HSTRIDE: tl.constexpr,
+    NORMS_IN_SCAN: tl.constexpr,
 ):
     """SEG 0: program (sequence x value head, V tile) runs a whole sequence from h0.
     SEG 1 (segment summary): program (segment x value head, tile of the V + K columns) runs one
@@ -158,9 +158,8 @@ def _scan_kernel(
     it ends with [E | Phi], the segment's end state from zero and its exact transition.
     SEG 2 (segment replay): as SEG 0 over one segment, from its start state in ``seg_state``.
     WY: instead of W, U and the decayed keys, read P = (I + A)^-1, the raw keys k, v, beta and
-    1 / |k| (rk) and form V_new = P diag(beta) (v - diag(rk e^G) k S) (three products per chunk).
-    The start state of every HSTRIDE-th chunk of a sequence is stored (the output kernel spans the
-    chunks in between)."""
+    1 / |k| (rk, or computed here from the keys: NORMS_IN_SCAN) and form
+    V_new = P diag(beta) (v - diag(rk e^G) k S) (three products per chunk)."""
     i_p = tl.program_id(0).to(tl.int64)                                    # axis 0: up to 2^31 - 1 programs
     i_v = tl.program_id(1)
     i_hv = i_p % HV
@@ -208,7 +207,7 @@ def _scan_kernel(
     for c in range(c_begin, c_end):
         if SEG != 1:
             tl.store(h_chunks + (first_chunk + c) * HV * K * V + state + p_tile,
-                     b_S.to(h_chunks.dtype.element_ty), mask=m_h & (c % HSTRIDE == 0))   # the chunk's start state
+                     b_S.to(h_chunks.dtype.element_ty), mask=m_h)             # the chunk's start state
         t0 = bos + c * BT
         base = t0 * HV + i_hv                                               # int64 chunk base
         m_t = r < eos - t0
@@ -226,12 +225,16 @@ def _scan_kernel(
         b_Gl = tl.load(gcum + base + last * HV)                             # G at the chunk's last token
         if WY:
             b_G = tl.load(gcum + base + r * HV, mask=m_t, other=0.0)                              # [BT]
-            b_rk = tl.full([BT], 1.0, tl.float32)
-            if L2NORM:
-                b_rk = tl.load(rk + t0 * H + i_h + r * H, mask=m_t, other=0.0)
             b_beta = _activate_beta(tl.load(beta + base + r * HV, mask=m_t, other=0.0), m_t, BETA)
             b_P = tl.load(p_in + base * BT + off_p, mask=m_t[:, None] & lower_blocks, other=0.0).to(DOT)  # [BT, BT]
-            b_k = tl.load(k + (t0 * H + i_h) * K + off_kr, mask=m_tk, other=0.0).to(DOT)         # [BT, BK]
+            b_k = tl.load(k + (t0 * H + i_h) * K + off_kr, mask=m_tk, other=0.0)                  # [BT, BK]
+            b_rk = tl.full([BT], 1.0, tl.float32)
+            if L2NORM:
+                if NORMS_IN_SCAN:
+                    b_rk = tl.rsqrt(tl.sum(b_k.to(tl.float32) * b_k.to(tl.float32), 1) + 1e-6)
+                else:
+                    b_rk = tl.load(rk + t0 * H + i_h + r * H, mask=m_t, other=0.0)
+            b_k = b_k.to(DOT)
             b_v = tl.load(v + base * V + off_v, mask=m_t[:, None] & (o_v < V)[None, :], other=0.0).to(tl.float32)
             b_x = tl.dot(b_k, b_S.to(DOT))                                                        # [BT, BV]: k S
             b_y = b_beta[:, None] * (b_v - (b_rk * tl.exp(b_G))[:, None] * b_x)
@@ -305,13 +308,7 @@ def _output_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, CPB: tl.constexpr,
     SK: tl.constexpr, SV: tl.constexpr, DOT: tl.constexpr, L2NORM: tl.constexpr, VARLEN: tl.constexpr,
-    HSTRIDE: tl.constexpr,
 ):
-    """HSTRIDE 2: only even chunks (of each sequence) have a stored start state; an odd chunk c
-    starts from S_{c-1} and adds chunk c-1's part through its keys and corrected values:
-        O_c = scale (e^(G_last' + G) (q S_{c-1}) + (q k'^T e^(G_last' + G_i - G'_j)) V_new' + intra)
-    (primes: chunk c-1, full, so G_last' is its token 63). Even chunks run the same code with
-    the previous chunk's loads masked off."""
     i_g = tl.program_id(0)
     i_h = tl.program_id(1)                                                  # q/k head: its HV // H value heads
     i_v = tl.program_id(2)
@@ -342,29 +339,15 @@ def _output_kernel(
             b_kt = b_kt * tl.rsqrt(tl.sum(b_kt * b_kt, 0) + 1e-6)[None, :]
         b_q = b_q.to(DOT)
         b_qk = tl.dot(b_q, b_kt.to(DOT))                                    # [BT, BT], shared by the group
-        odd = c % HSTRIDE != 0                                              # the state is chunk c-1's
-        if HSTRIDE == 2:
-            b_kpt = tl.load(k + base_qk - BT * H * K + off_kt, mask=m_k[:, None] & odd, other=0.0)  # [BK, BT]
-            if L2NORM:
-                b_kpt = b_kpt.to(tl.float32)
-                b_kpt = b_kpt * tl.rsqrt(tl.sum(b_kpt * b_kpt, 0) + 1e-6)[None, :]
-            b_qkp = tl.dot(b_q, b_kpt.to(DOT))                              # [BT, BT] with chunk c-1's keys
         for j in range(HV // H):                                            # value heads of this q/k head
             i_hv = i_h * (HV // H) + j
             base = t0 * HV + i_hv
-            b_h = tl.load(h_chunks + ((i_c - odd.to(tl.int64)) * HV + i_hv) * K * V + p_tile,
+            b_h = tl.load(h_chunks + (i_c * HV + i_hv) * K * V + p_tile,
                           mask=m_k[:, None] & m_v[None, :], other=0.0).to(DOT)                      # [BK, BV]
             b_G = tl.load(gcum + base + r * HV, mask=m_t, other=0.0)                              # [BT]
             b_vn = tl.load(v_new + base * V + off_v, mask=m_tv, other=0.0).to(DOT)              # [BT, BV]
             b_A = tl.where(causal, b_qk * tl.exp(tl.where(causal, b_G[:, None] - b_G[None, :], 0.0)), 0.0)
-            if HSTRIDE == 2:
-                b_Gp = tl.load(gcum + base - BT * HV + r * HV, mask=(r < BT) & odd, other=0.0)    # [BT] chunk c-1
-                b_Ge = b_G + tl.sum(tl.where(r == BT - 1, b_Gp, 0.0))       # G from chunk c-1's start
-                b_vnp = tl.load(v_new + (base - BT * HV) * V + off_v, mask=m_v[None, :] & odd, other=0.0).to(DOT)
-                b_o = tl.dot(b_q, b_h) * tl.exp(b_Ge)[:, None]
-                b_o = tl.dot((b_qkp * tl.exp(b_Ge[:, None] - b_Gp[None, :])).to(DOT), b_vnp, b_o)
-            else:
-                b_o = tl.dot(b_q, b_h) * tl.exp(b_G)[:, None]                                     # [BT, BV]
+            b_o = tl.dot(b_q, b_h) * tl.exp(b_G)[:, None]                                         # [BT, BV]
             b_o = (b_o + tl.dot(b_A.to(DOT), b_vn)) * scale
             tl.store(o + base * V + off_v, b_o.to(o.dtype.element_ty), mask=m_tv)
 
@@ -379,8 +362,8 @@ class ChunkConfig:
     inverse_heads: int = 4              # value heads per inverse program (a divisor of HV / H up to this)
     wu_warps: int = 4
     wu_block: int = 128                 # columns per W / U product
-    wy_in_scan: bool = False            # the scan reads P, k, v (no W / U / kd): three products per chunk
-    state_stride: int = 2               # chunk states stored for every 1st / 2nd chunk (1 with intermediate states)
+    wy_in_scan: bool = True             # the scan reads P, k, v (no W / U / kd): three products per chunk
+    norms_in_scan: bool = False         # wy_in_scan: the scan computes 1 / |k| (else the inverse kernel stores it)
     wu_stages: int = 2
     scan_block_v: int = 32
     scan_warps: int = 4
@@ -596,7 +579,8 @@ def run(p: Problem, config: ChunkConfig | None = None):
     inverse = rk = None
     if total and config.prepare == "split":
         inverse = torch.empty(B, T, HV, BT, dtype=op_dtype, device=dev)
-        rk = torch.empty(B, T, H, dtype=torch.float32, device=dev) if fused_wy and p.use_qk_l2norm else None
+        stored_norms = fused_wy and p.use_qk_l2norm and not config.norms_in_scan
+        rk = torch.empty(B, T, H, dtype=torch.float32, device=dev) if stored_norms else None
         chunk_prepare.launch(p, g, beta, beta_mode, total, (cu, chunk_index) if varlen else (None, None),
                              w, u, gcum, kd, inverse, rk, dot, config)
     elif total:
@@ -621,13 +605,11 @@ def run(p: Problem, config: ChunkConfig | None = None):
     h0 = p.initial_state
     q, k = (p.q, p.k) if p.q.dtype == op_dtype or bf16 else (p.q.to(op_dtype), p.k.to(op_dtype))
     keys = kd if kd is not None else k
-    hstride = 1 if p.return_intermediate_states else config.state_stride
     counts = _chunk_counts(p)
     length = _segments(p, config, counts)
     common = dict(H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, SK=SK, SV=SV, DOT=dot, HAS_H0=h0 is not None,
                   STORE_FINAL=ht is not None, L2NORM=p.use_qk_l2norm, VARLEN=varlen, DECAYED_K=kd is not None,
-                  WY=fused_wy, BETA=beta_mode, HSTRIDE=hstride, num_warps=config.scan_warps,
-                  num_stages=config.scan_stages)
+                  WY=fused_wy, BETA=beta_mode, NORMS_IN_SCAN=config.norms_in_scan, num_warps=config.scan_warps, num_stages=config.scan_stages)
     args = (keys, w if w is not None else dummy, u if u is not None else dummy, gcum, v_new,
             h0 if h0 is not None else o, ht if ht is not None else o, h_chunks,
             cu if varlen else dummy, chunk_start if varlen else dummy)
@@ -650,8 +632,7 @@ def run(p: Problem, config: ChunkConfig | None = None):
         _output_kernel[(triton.cdiv(total, CPB), H, triton.cdiv(V, BVO))](
             q, k, v_new, gcum, h_chunks, o, cu if varlen else dummy, chunk_index if varlen else dummy, T, NT,
             total, p.scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BVO, CPB=CPB, SK=SK, SV=SV, DOT=dot,
-            L2NORM=p.use_qk_l2norm, VARLEN=varlen, HSTRIDE=hstride, num_warps=config.output_warps,
-            num_stages=config.output_stages,
+            L2NORM=p.use_qk_l2norm, VARLEN=varlen, num_warps=config.output_warps, num_stages=config.output_stages,
         )
     if p.return_intermediate_states:
         h = h_chunks[None] if varlen else h_chunks.view(B, NT, *state_shape)
