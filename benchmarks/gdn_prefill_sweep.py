@@ -27,7 +27,6 @@ from fastla.ops.gated_delta_rule import chunk_gated_delta_rule
 
 VARIANTS = {
     "default": None,                       # chunk_delta.default_config(p)
-    "fused64": dict(prepare="fused64", wy_in_scan=False),
     "nowy": dict(wy_in_scan=False),
     "nowy-bv64-s3": dict(wy_in_scan=False, scan_block_v=64, scan_stages=3),
     "norms-scan": dict(norms_in_scan=True),

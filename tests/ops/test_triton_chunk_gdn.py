@@ -130,7 +130,7 @@ def test_small_head_dim():
 
 @pytest.mark.parametrize("variant", ["one_chunk_per_program", "wide_tiles", "keys_decayed_in_scan",
                                      "segments_of_one_chunk", "segments_of_two_chunks", "w_u_stored",
-                                     "w_u_stored_segments", "fused64_prepare", "norms_in_scan"])
+                                     "w_u_stored_segments", "norms_in_scan"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_launch_variants(variant, device, monkeypatch):
     """The non-default launch variants the GPU sweep times compute the same function."""
@@ -142,7 +142,6 @@ def test_launch_variants(variant, device, monkeypatch):
               "segments_of_two_chunks": chunk_delta.ChunkConfig(segment_chunks=2, scan_block_v=16),
               "w_u_stored": chunk_delta.ChunkConfig(wy_in_scan=False),
               "w_u_stored_segments": chunk_delta.ChunkConfig(wy_in_scan=False, segment_chunks=2, scan_block_v=16),
-              "fused64_prepare": chunk_delta.ChunkConfig(prepare="fused64"),
               "norms_in_scan": chunk_delta.ChunkConfig(norms_in_scan=True)}[variant]
     monkeypatch.setattr(chunk_delta, "default_config", lambda p: config)
     lengths = [1, 63, 64, 65, 130]

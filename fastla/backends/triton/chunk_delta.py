@@ -7,24 +7,25 @@ or the beta sigmoid is computed in the op); the l2norm of q and k, the GDN gate
 Dense batches need no index tensors; varlen batches use a host-built chunk index, cached per
 ``cu_seqlens`` (so graph capture after one eager call copies nothing).
 
-Prepare, ``_prepare_kernel``, grid ``(chunks, HV)``, one 64-token chunk of one value head; the
-64x64 inverse on tensor cores by exact block merges (``_unit_lower_inverse``):
-    G = cumsum(g),  A = strict_lower(beta_i (k_i . k_j) exp(G_i - G_j)),  P = (I + A)^-1
-    W = P (beta e^G k)  [BT, K],  U = P (beta v)  [BT, V],  kd = e^(G_last - G) k / |k|  [BT, K]
+Prologue (chunk_prepare.py): per chunk and value head G = cumsum(g), 1 / |k| and
+    P = (I + A)^-1,  A = strict_lower(beta_i (k_i . k_j) exp(G_i - G_j))  [BT, BT] (bf16)
+  and, unless the scan forms them (``wy_in_scan``, the default), W = P (beta e^G k) [BT, K],
+  U = P (beta v) [BT, V] and the decayed keys kd = e^(G_last - G) k / |k| [BT, K].
 Scan, ``_scan_kernel``, grid ``(N * HV, V / BV)``: the state slab ``S [K, BV]`` (fp32) in
-registers, per chunk
-    store S (the chunk-start state),  V_new = U - W S (stored),  S = e^G_last S + kd^T V_new
-  and the final state. With segments (sequence parallelism, ``segment_length``) the same
-  kernel runs a summary pass (SEG 1) and a replay pass (SEG 2) around
+registers, per chunk: store S (the chunk-start state), then
+    WY (default):  V_new = P diag(beta) (v - diag(rk e^G) k S),  S = e^G_last S + k^T (rk e^(G_last - G) V_new)
+    stored W / U:  V_new = U - W S,                              S = e^G_last S + kd^T V_new
+  storing V_new, and the final state. With segments (sequence parallelism, ``segment_length``)
+  the same kernel runs a summary pass (SEG 1) and a replay pass (SEG 2) around
   ``_segment_combine_kernel``.
 Output, ``_output_kernel``, grid ``(chunk groups, H, V / BV)``: ``q k^T`` once per q/k head,
 then for each of its value heads
     O = scale (e^G (q S) + causal(q k^T e^(G_i - G_j)) V_new)
 
 Precision as FLA's chunk kernels: bf16 operands with fp32 accumulation for the products with
-the state and the scores (bf16 inputs; fp32 operands otherwise), tf32 for the inverse merges
-and W/U, fp32 state. Budget (K = V = 128, sm_90, checked in tests/backends/test_triton_sm90.py):
-scan at BV 32 / 4 warps 134 registers, BV 64 238, no spill, <= 98 KB shared; output 4 warps
+the state, the scores and P (bf16 inputs; fp32 operands otherwise), tf32 for the inverse's
+block merges, fp32 state. Budget (K = V = 128, sm_90, checked in tests/backends/test_triton_sm90.py):
+WY scan at BV 32 / 4 warps 162 registers, BV 64 244, no spill, <= 83 KB shared; output 4 warps
 no spill. Measurements: docs/notes/gdn-prefill.md.
 """
 from __future__ import annotations
@@ -40,106 +41,7 @@ import triton.language as tl
 from fastla.backends.triton import chunk_prepare, interpreting
 from fastla.backends.triton.chunk_index import BT, _chunk, _sequence
 from fastla.backends.triton.chunk_prepare import _activate_beta
-from fastla.backends.triton.recurrent import _softplus
 from fastla.core.problem import Problem
-
-@triton.jit
-def _merge_blocks(P, A, INNER: tl.constexpr, OUTER: tl.constexpr, BT: tl.constexpr):
-    """Given P = (I + A_inner)^-1 for the diagonal INNER-blocks of A, the inverse for its diagonal
-    OUTER-blocks (OUTER = 4 * INNER): with E the rest of A inside the OUTER-blocks,
-    I + A_outer = (I + A_inner)(I + M), M = P E, and M is block-strictly-lower with 4 blocks, so
-    M^4 = 0 and (I + M)^-1 = I - M + M^2 - M^3 exactly (at most three factors of M: bounded
-    terms, unlike powers of the whole 64x64 A, which cancel catastrophically)."""
-    r = tl.arange(0, BT)
-    rows, cols = r[:, None], r[None, :]
-    E = tl.where((rows // OUTER == cols // OUTER) & (rows // INNER != cols // INNER), A, 0.0)
-    if INNER == 1:
-        M = E                                                                                  # P = I
-    else:
-        M = tl.dot(P, E, input_precision="tf32")                                              # [BT, BT]
-    M2 = tl.dot(M, M, input_precision="tf32")
-    S = tl.where(rows == cols, 1.0, 0.0) - M + M2 - tl.dot(M, M2, input_precision="tf32")
-    if INNER == 1:
-        return S
-    return tl.dot(S, P, input_precision="tf32")
-
-
-@triton.jit
-def _unit_lower_inverse(A, BT: tl.constexpr):
-    """(I + A)^-1 for a strictly lower-triangular A [64, 64] (fp32) on tensor cores: three exact
-    merges, 1 -> 4 -> 16 -> 64, ten dependent 64x64x64 tf32 products (FLA's merges are tf32
-    too) instead of 63 dependent row steps."""
-    P = _merge_blocks(A, A, 1, 4, BT)
-    P = _merge_blocks(P, A, 4, 16, BT)
-    return _merge_blocks(P, A, 16, 64, BT)
-
-
-@triton.jit
-def _prepare_kernel(
-    k, v, g, beta, A_log, dt_bias, w, u, gcum, kd, cu_seqlens, chunk_index, T, NT,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, DOT: tl.constexpr,
-    L2NORM: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr, BETA: tl.constexpr,
-    VARLEN: tl.constexpr, STORE_KD: tl.constexpr,
-):
-    i_c = tl.program_id(0)
-    i_hv = tl.program_id(1)
-    i_h = i_hv // (HV // H)                                                 # GVA: the q/k head
-    i_n, c, bos, eos = _chunk(chunk_index, cu_seqlens, i_c.to(tl.int64), T, NT, VARLEN)
-    t0 = bos + c * BT                                                       # first token (int64)
-    r = tl.arange(0, BT)
-    m_t = r < eos - t0
-    o_k = tl.arange(0, BK)
-    o_v = tl.arange(0, BVF)
-    m_tk = m_t[:, None] & (o_k < K)[None, :]
-    m_tv = m_t[:, None] & (o_v < V)[None, :]
-    # 64-bit chunk bases, 32-bit offsets inside the tile
-    off_k = r[:, None] * (H * K) + o_k[None, :]                             # [BT, BK] in q/k
-    off_v = r[:, None] * (HV * V) + o_v[None, :]                            # [BT, BVF] in v, w, u
-    off_w = r[:, None] * (HV * K) + o_k[None, :]                            # [BT, BK] in w
-    base = t0 * HV + i_hv
-
-    p_k = k + (t0 * H + i_h) * K + off_k
-    p_v = v + base * V + off_v
-    b_k = tl.load(p_k, mask=m_tk, other=0.0).to(tl.float32)                                   # [BT, BK]
-    b_rk = tl.full([BT], 1.0, tl.float32)                                                      # 1 / |k| or 1
-    if L2NORM:
-        b_rk = tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-6)
-    b_kd = (b_k * b_rk[:, None]).to(DOT)
-    b_g = tl.load(g + base + r * HV, mask=m_t, other=0.0).to(tl.float32)                     # [BT]
-    if GATE:
-        if HAS_BIAS:
-            b_g = b_g + tl.load(dt_bias + i_hv).to(tl.float32)
-        b_g = -tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * _softplus(b_g)
-        b_g = tl.where(m_t, b_g, 0.0)
-    b_beta = tl.load(beta + base + r * HV, mask=m_t, other=0.0).to(tl.float32)               # [BT]
-    if BETA >= 2:
-        b_beta = tl.where(m_t, tl.sigmoid(b_beta), 0.0)
-    if BETA == 3:
-        b_beta = 2.0 * b_beta
-    b_G = tl.cumsum(b_g, 0)                                                                    # [BT]
-
-    lower = r[:, None] > r[None, :]
-    decay = tl.exp(tl.where(lower, b_G[:, None] - b_G[None, :], 0.0))                          # <= 1
-    b_kk = tl.dot(b_kd, tl.trans(b_kd))                                                        # [BT, BT] fp32 acc
-    b_A = tl.where(lower, b_beta[:, None] * b_kk * decay, 0.0)
-
-    b_P = _unit_lower_inverse(b_A, BT)                                                         # [BT, BT] fp32
-
-    # k and v are read again (from cache) rather than kept live through the inverse
-    b_k = tl.load(p_k, mask=m_tk, other=0.0).to(tl.float32) * b_rk[:, None]                   # [BT, BK] unit rows
-    if STORE_KD:                                                            # the scan's decayed keys
-        last = tl.minimum(eos - t0, BT) - 1
-        b_Gl = tl.sum(tl.where(r == last, b_G, 0.0))
-        b_kdec = b_k * tl.where(m_t, tl.exp(b_Gl - b_G), 0.0)[:, None]
-        tl.store(kd + base * K + off_w, b_kdec.to(kd.dtype.element_ty), mask=m_tk)
-    b_w = tl.dot(b_P, b_k * (b_beta * tl.exp(b_G))[:, None], input_precision="tf32")          # [BT, BK]
-    b_v = tl.load(p_v, mask=m_tv, other=0.0).to(tl.float32) * b_beta[:, None]                 # [BT, BVF]
-    b_u = tl.dot(b_P, b_v, input_precision="tf32")                                            # [BT, BVF]
-    tl.store(w + base * K + off_w, b_w.to(w.dtype.element_ty), mask=m_tk)
-    tl.store(u + base * V + off_v, b_u.to(u.dtype.element_ty), mask=m_tv)
-    tl.store(gcum + base + r * HV, b_G, mask=m_t)
-
 
 @triton.jit
 def _scan_kernel(
@@ -355,8 +257,6 @@ def _output_kernel(
 @dataclass(frozen=True)
 class ChunkConfig:
     """Launch choices of the kernels (measured: docs/notes/gdn-prefill.md)."""
-    prepare: str = "split"              # "split": chunk_prepare's two kernels; "fused64": _prepare_kernel
-    prepare_warps: int = 4              # fused64
     inverse_warps: int = 1
     inverse_stages: int = 1
     inverse_heads: int = 4              # value heads per inverse program (a divisor of HV / H up to this)
@@ -372,7 +272,7 @@ class ChunkConfig:
     output_warps: int = 4
     output_chunks: int = 2              # chunks per output program (each: its HV // H value heads)
     output_stages: int = 3
-    decayed_keys: bool = True           # prepare writes exp(G_last - G) k / |k| for the scan
+    decayed_keys: bool = True           # stored W / U: the prologue writes exp(G_last - G) k / |k| too
     segment_chunks: int | None = None   # sequence parallelism: chunks per segment (None: heuristic, 0: off)
 
 
@@ -566,7 +466,7 @@ def run(p: Problem, config: ChunkConfig | None = None):
     g = p.g if p.g is not None else p.q.new_zeros(B, T, HV, dtype=torch.float32)
     beta = p.beta if p.beta is not None else p.q.new_ones(B, T, HV, dtype=torch.float32)
     beta_mode = 1 if p.beta is None or not p.beta_sigmoid else (3 if p.allow_neg_eigval else 2)
-    fused_wy = config.wy_in_scan and config.prepare == "split"
+    fused_wy = config.wy_in_scan
     gcum = torch.empty(B, T, HV, dtype=torch.float32, device=dev)
     if fused_wy:
         w = u = kd = None
@@ -577,22 +477,12 @@ def run(p: Problem, config: ChunkConfig | None = None):
     BK, BVF = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))   # tl.dot needs >= 16
     dummy = gcum
     inverse = rk = None
-    if total and config.prepare == "split":
+    if total:
         inverse = torch.empty(B, T, HV, BT, dtype=op_dtype, device=dev)
         stored_norms = fused_wy and p.use_qk_l2norm and not config.norms_in_scan
         rk = torch.empty(B, T, H, dtype=torch.float32, device=dev) if stored_norms else None
         chunk_prepare.launch(p, g, beta, beta_mode, total, (cu, chunk_index) if varlen else (None, None),
                              w, u, gcum, kd, inverse, rk, dot, config)
-    elif total:
-        _prepare_kernel[(total, HV)](
-            p.k, p.v, g, beta, p.A_log if p.A_log is not None else dummy,
-            p.dt_bias if p.dt_bias is not None else dummy, w, u, gcum, kd if kd is not None else dummy,
-            cu if varlen else dummy, chunk_index if varlen else dummy, T, NT,
-            H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BVF=BVF, DOT=dot,
-            L2NORM=p.use_qk_l2norm, GATE=p.gate_in_op == "gdn", HAS_BIAS=p.dt_bias is not None, BETA=beta_mode,
-            VARLEN=varlen, STORE_KD=kd is not None,
-            num_warps=config.prepare_warps, num_stages=1,
-        )
 
     o = torch.empty(B, T, HV, V, dtype=p.o_dtype, device=dev)
     state_shape = (HV, V, K) if p.state_v_first else (HV, K, V)
