@@ -116,11 +116,13 @@ def _run_text(cmd: list[str], cwd: Path | None = None) -> str | None:
 
 
 def fastla_commit() -> str:
-    """``git rev-parse HEAD`` of the checkout (``-dirty`` when it has changes), else
-    ``$FASTLA_COMMIT``, else ``unknown``."""
+    """``$FASTLA_COMMIT`` when set (a copied working tree may carry stale git metadata), else
+    ``git rev-parse HEAD`` of the checkout (``-dirty`` when it has changes), else ``unknown``."""
+    if os.environ.get("FASTLA_COMMIT"):
+        return os.environ["FASTLA_COMMIT"]
     head = _run_text(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT)
     if head is None:
-        return os.environ.get("FASTLA_COMMIT", "unknown")
+        return "unknown"
     dirty = _run_text(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT)
     return f"{head}-dirty" if dirty else head
 

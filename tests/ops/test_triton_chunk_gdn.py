@@ -57,11 +57,7 @@ def test_state_v_first_and_no_state():
     check(make_inputs(SPEC, B=2, T=70, H=1, HV=2, K=32, V=16, h0=False))
 
 
-@pytest.mark.parametrize("wy_in_scan,norms_in_scan", [(False, False), (True, False), (True, True)])
-def test_everything_in_op(wy_in_scan, norms_in_scan, monkeypatch):
-    from fastla.backends.triton import chunk_delta
-    config = chunk_delta.ChunkConfig(wy_in_scan=wy_in_scan, norms_in_scan=norms_in_scan)
-    monkeypatch.setattr(chunk_delta, "default_config", lambda p: config)
+def test_everything_in_op():
     B, T, H, HV, K, V = 1, 90, 2, 4, 32, 32
     t = dict(q=torch.randn(B, T, H, K), k=torch.randn(B, T, H, K), v=torch.randn(B, T, HV, V),
              g=torch.randn(B, T, HV), beta=torch.randn(B, T, HV), initial_state=torch.randn(B, HV, K, V))
@@ -128,21 +124,17 @@ def test_small_head_dim():
     check(make_inputs(SPEC, B=1, T=40, H=1, K=8, V=8))
 
 
-@pytest.mark.parametrize("variant", ["one_chunk_per_program", "wide_tiles", "keys_decayed_in_scan",
-                                     "segments_of_one_chunk", "segments_of_two_chunks", "w_u_stored",
-                                     "w_u_stored_segments", "norms_in_scan"])
+@pytest.mark.parametrize("variant", ["one_chunk_per_program", "wide_tiles", "segments_of_one_chunk",
+                                     "segments_of_two_chunks", "inverse_per_value_head"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_launch_variants(variant, device, monkeypatch):
     """The non-default launch variants the GPU sweep times compute the same function."""
     from fastla.backends.triton import chunk_delta
     config = {"one_chunk_per_program": chunk_delta.ChunkConfig(output_chunks=1, output_stages=1),
               "wide_tiles": chunk_delta.ChunkConfig(scan_block_v=64, output_block_v=128),
-              "keys_decayed_in_scan": chunk_delta.ChunkConfig(wy_in_scan=False, decayed_keys=False),
               "segments_of_one_chunk": chunk_delta.ChunkConfig(segment_chunks=1),
               "segments_of_two_chunks": chunk_delta.ChunkConfig(segment_chunks=2, scan_block_v=16),
-              "w_u_stored": chunk_delta.ChunkConfig(wy_in_scan=False),
-              "w_u_stored_segments": chunk_delta.ChunkConfig(wy_in_scan=False, segment_chunks=2, scan_block_v=16),
-              "norms_in_scan": chunk_delta.ChunkConfig(norms_in_scan=True)}[variant]
+              "inverse_per_value_head": chunk_delta.ChunkConfig(inverse_heads=1, inverse_warps=2)}[variant]
     monkeypatch.setattr(chunk_delta, "default_config", lambda p: config)
     lengths = [1, 63, 64, 65, 130]
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())

@@ -8,16 +8,14 @@ Dense batches need no index tensors; varlen batches use a host-built chunk index
 ``cu_seqlens`` (so graph capture after one eager call copies nothing).
 
 Prologue (chunk_prepare.py): per chunk and value head G = cumsum(g), 1 / |k| and
-    P = (I + A)^-1,  A = strict_lower(beta_i (k_i . k_j) exp(G_i - G_j))  [BT, BT] (bf16)
-  and, unless the scan forms them (``wy_in_scan``, the default), W = P (beta e^G k) [BT, K],
-  U = P (beta v) [BT, V] and the decayed keys kd = e^(G_last - G) k / |k| [BT, K].
+    P = (I + A)^-1,  A = strict_lower(beta_i (k_i . k_j) exp(G_i - G_j))  [BT, BT] (bf16).
 Scan, ``_scan_kernel``, grid ``(N * HV, V / BV)``: the state slab ``S [K, BV]`` (fp32) in
-registers, per chunk: store S (the chunk-start state), then
-    WY (default):  V_new = P diag(beta) (v - diag(rk e^G) k S),  S = e^G_last S + k^T (rk e^(G_last - G) V_new)
-    stored W / U:  V_new = U - W S,                              S = e^G_last S + kd^T V_new
-  storing V_new, and the final state. With segments (sequence parallelism, ``segment_length``)
-  the same kernel runs a summary pass (SEG 1) and a replay pass (SEG 2) around
-  ``_segment_combine_kernel``.
+registers, per chunk: store S (the chunk-start state), then three products
+    V_new = P diag(beta) (v - diag(rk e^G) k S)    (stored),
+    S = e^G_last S + k^T diag(rk e^(G_last - G)) V_new
+  so W = P (beta e^G k) and U = P (beta v) of the WY form never reach HBM; and the final state.
+  With segments (sequence parallelism, ``segment_length``) the same kernel runs a summary pass
+  (SEG 1) and a replay pass (SEG 2) around ``_segment_combine_kernel``.
 Output, ``_output_kernel``, grid ``(chunk groups, H, V / BV)``: ``q k^T`` once per q/k head,
 then for each of its value heads
     O = scale (e^G (q S) + causal(q k^T e^(G_i - G_j)) V_new)
@@ -45,23 +43,20 @@ from fastla.core.problem import Problem
 
 @triton.jit
 def _scan_kernel(
-    k, w, u, gcum, v_new, h0, ht, h_chunks, cu_seqlens, chunk_start, segments, seg_state,
-    p_in, v, beta, rk, T, NT,
+    k, v, beta, p_in, rk, gcum, v_new, h0, ht, h_chunks, cu_seqlens, chunk_start, segments, seg_state, T, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     SK: tl.constexpr, SV: tl.constexpr, DOT: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, L2NORM: tl.constexpr,
-    VARLEN: tl.constexpr, DECAYED_K: tl.constexpr, SEG: tl.constexpr, WY: tl.constexpr, BETA: tl.constexpr,
-    NORMS_IN_SCAN: tl.constexpr,
+    VARLEN: tl.constexpr, SEG: tl.constexpr, BETA: tl.constexpr,
 ):
     """SEG 0: program (sequence x value head, V tile) runs a whole sequence from h0.
     SEG 1 (segment summary): program (segment x value head, tile of the V + K columns) runs one
     segment from a zero state in the V columns and from the identity in the K extra columns:
     it ends with [E | Phi], the segment's end state from zero and its exact transition.
     SEG 2 (segment replay): as SEG 0 over one segment, from its start state in ``seg_state``.
-    WY: instead of W, U and the decayed keys, read P = (I + A)^-1, the raw keys k, v, beta and
-    1 / |k| (rk, or computed here from the keys: NORMS_IN_SCAN) and form
-    V_new = P diag(beta) (v - diag(rk e^G) k S) (three products per chunk)."""
+    Per chunk, from P = (I + A)^-1, the raw keys k, v, beta and 1 / |k| (rk):
+    V_new = P diag(beta) (v - diag(rk e^G) k S), S = e^G_last S + k^T diag(rk e^(G_last - G)) V_new."""
     i_p = tl.program_id(0).to(tl.int64)                                    # axis 0: up to 2^31 - 1 programs
     i_v = tl.program_id(1)
     i_hv = i_p % HV
@@ -97,11 +92,6 @@ def _scan_kernel(
             b_S = tl.load(h0 + i_n * HV * K * V + state + p_tile, mask=m_h, other=0.0).to(tl.float32)
 
     r = tl.arange(0, BT)
-    if DECAYED_K:                                                           # [BK, BT]: keys read transposed
-        off_kt = o_k[:, None] + r[None, :] * (HV * K)                       # kd [.., HV, K]
-    else:
-        off_kt = o_k[:, None] + r[None, :] * (H * K)                        # k [.., H, K]
-    off_w = r[:, None] * (HV * K) + o_k[None, :]                            # [BT, BK] in w
     off_kr = r[:, None] * (H * K) + o_k[None, :]                            # [BT, BK] in k
     off_p = r[:, None] * (HV * BT) + r[None, :]                             # [BT, BT] in P
     lower_blocks = r[None, :] // 16 <= r[:, None] // 16
@@ -115,53 +105,29 @@ def _scan_kernel(
         m_t = r < eos - t0
         if K == BK:
             m_tk = m_t[:, None]                                             # rows only: [BT, 1]
-            m_kt = m_t[None, :]
         else:
             m_tk = m_t[:, None] & m_k[None, :]
-            m_kt = m_k[:, None] & m_t[None, :]
         if V % BV == 0 and SEG != 1:
             m_tv = m_t[:, None]
         else:
             m_tv = m_t[:, None] & m_v[None, :]
         last = tl.minimum(eos - bos - c * BT, BT) - 1
         b_Gl = tl.load(gcum + base + last * HV)                             # G at the chunk's last token
-        if WY:
-            b_G = tl.load(gcum + base + r * HV, mask=m_t, other=0.0)                              # [BT]
-            b_beta = _activate_beta(tl.load(beta + base + r * HV, mask=m_t, other=0.0), m_t, BETA)
-            b_P = tl.load(p_in + base * BT + off_p, mask=m_t[:, None] & lower_blocks, other=0.0).to(DOT)  # [BT, BT]
-            b_k = tl.load(k + (t0 * H + i_h) * K + off_kr, mask=m_tk, other=0.0)                  # [BT, BK]
-            b_rk = tl.full([BT], 1.0, tl.float32)
-            if L2NORM:
-                if NORMS_IN_SCAN:
-                    b_rk = tl.rsqrt(tl.sum(b_k.to(tl.float32) * b_k.to(tl.float32), 1) + 1e-6)
-                else:
-                    b_rk = tl.load(rk + t0 * H + i_h + r * H, mask=m_t, other=0.0)
-            b_k = b_k.to(DOT)
-            b_v = tl.load(v + base * V + off_v, mask=m_t[:, None] & (o_v < V)[None, :], other=0.0).to(tl.float32)
-            b_x = tl.dot(b_k, b_S.to(DOT))                                                        # [BT, BV]: k S
-            b_y = b_beta[:, None] * (b_v - (b_rk * tl.exp(b_G))[:, None] * b_x)
-            b_vn = tl.dot(b_P, b_y.to(DOT))                                                       # [BT, BV]
-            if SEG != 1:
-                tl.store(v_new + base * V + off_v, b_vn.to(v_new.dtype.element_ty), mask=m_tv)
-            b_vd = b_vn * tl.where(m_t, b_rk * tl.exp(b_Gl - b_G), 0.0)[:, None]
-            b_S = b_S * tl.exp(b_Gl) + tl.dot(tl.trans(b_k), b_vd.to(DOT))
-        else:
-            b_w = tl.load(w + base * K + off_w, mask=m_tk, other=0.0)                             # [BT, BK]
-            b_u = tl.load(u + base * V + off_v, mask=m_tv, other=0.0)                             # [BT, BV]
-            if DECAYED_K:
-                b_kt = tl.load(k + base * K + off_kt, mask=m_kt, other=0.0)                       # [BK, BT]
-            else:
-                b_kt = tl.load(k + (t0 * H + i_h) * K + off_kt, mask=m_kt, other=0.0)            # [BK, BT]
-                b_G = tl.load(gcum + base + r * HV, mask=m_t, other=0.0)                          # [BT]
-                b_kt = b_kt.to(tl.float32)
-                if L2NORM:
-                    b_kt = b_kt * tl.rsqrt(tl.sum(b_kt * b_kt, 0) + 1e-6)[None, :]
-                b_kt = b_kt * tl.where(m_t, tl.exp(b_Gl - b_G), 0.0)[None, :]
-            b_kt = b_kt.to(DOT)
-            b_vn = b_u.to(tl.float32) - tl.dot(b_w, b_S.to(DOT))                                  # [BT, BV]
-            if SEG != 1:
-                tl.store(v_new + base * V + off_v, b_vn.to(v_new.dtype.element_ty), mask=m_tv)
-            b_S = b_S * tl.exp(b_Gl) + tl.dot(b_kt, b_vn.to(DOT))            # S <- e^G_last S + kd^T V_new
+        b_G = tl.load(gcum + base + r * HV, mask=m_t, other=0.0)                                  # [BT]
+        b_beta = _activate_beta(tl.load(beta + base + r * HV, mask=m_t, other=0.0), m_t, BETA)
+        b_P = tl.load(p_in + base * BT + off_p, mask=m_t[:, None] & lower_blocks, other=0.0).to(DOT)  # [BT, BT]
+        b_k = tl.load(k + (t0 * H + i_h) * K + off_kr, mask=m_tk, other=0.0).to(DOT)             # [BT, BK]
+        b_rk = tl.full([BT], 1.0, tl.float32)
+        if L2NORM:
+            b_rk = tl.load(rk + t0 * H + i_h + r * H, mask=m_t, other=0.0)
+        b_v = tl.load(v + base * V + off_v, mask=m_t[:, None] & (o_v < V)[None, :], other=0.0).to(tl.float32)
+        b_x = tl.dot(b_k, b_S.to(DOT))                                                            # [BT, BV]: k S
+        b_y = b_beta[:, None] * (b_v - (b_rk * tl.exp(b_G))[:, None] * b_x)
+        b_vn = tl.dot(b_P, b_y.to(DOT))                                                           # [BT, BV]
+        if SEG != 1:
+            tl.store(v_new + base * V + off_v, b_vn.to(v_new.dtype.element_ty), mask=m_tv)
+        b_vd = b_vn * tl.where(m_t, b_rk * tl.exp(b_Gl - b_G), 0.0)[:, None]
+        b_S = b_S * tl.exp(b_Gl) + tl.dot(tl.trans(b_k), b_vd.to(DOT))    # [BK, BV]
 
     if SEG == 1:
         tl.store(seg_state + (i_s * HV + i_hv) * K * (V + K) + o_k[:, None] * (V + K) + o_v[None, :], b_S,
@@ -260,11 +226,6 @@ class ChunkConfig:
     inverse_warps: int = 1
     inverse_stages: int = 1
     inverse_heads: int = 4              # value heads per inverse program (a divisor of HV / H up to this)
-    wu_warps: int = 4
-    wu_block: int = 128                 # columns per W / U product
-    wy_in_scan: bool = True             # the scan reads P, k, v (no W / U / kd): three products per chunk
-    norms_in_scan: bool = False         # wy_in_scan: the scan computes 1 / |k| (else the inverse kernel stores it)
-    wu_stages: int = 2
     scan_block_v: int = 32
     scan_warps: int = 4
     scan_stages: int = 2
@@ -272,7 +233,6 @@ class ChunkConfig:
     output_warps: int = 4
     output_chunks: int = 2              # chunks per output program (each: its HV // H value heads)
     output_stages: int = 3
-    decayed_keys: bool = True           # stored W / U: the prologue writes exp(G_last - G) k / |k| too
     segment_chunks: int | None = None   # sequence parallelism: chunks per segment (None: heuristic, 0: off)
 
 
@@ -466,23 +426,14 @@ def run(p: Problem, config: ChunkConfig | None = None):
     g = p.g if p.g is not None else p.q.new_zeros(B, T, HV, dtype=torch.float32)
     beta = p.beta if p.beta is not None else p.q.new_ones(B, T, HV, dtype=torch.float32)
     beta_mode = 1 if p.beta is None or not p.beta_sigmoid else (3 if p.allow_neg_eigval else 2)
-    fused_wy = config.wy_in_scan
     gcum = torch.empty(B, T, HV, dtype=torch.float32, device=dev)
-    if fused_wy:
-        w = u = kd = None
-    else:
-        w = torch.empty(B, T, HV, K, dtype=op_dtype, device=dev)
-        u = torch.empty(B, T, HV, V, dtype=op_dtype, device=dev)
-        kd = torch.empty(B, T, HV, K, dtype=op_dtype, device=dev) if config.decayed_keys else None
+    inverse = torch.empty(B, T, HV, BT, dtype=op_dtype, device=dev)
+    rk = torch.empty(B, T, H, dtype=torch.float32, device=dev) if p.use_qk_l2norm else None
     BK, BVF = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))   # tl.dot needs >= 16
     dummy = gcum
-    inverse = rk = None
     if total:
-        inverse = torch.empty(B, T, HV, BT, dtype=op_dtype, device=dev)
-        stored_norms = fused_wy and p.use_qk_l2norm and not config.norms_in_scan
-        rk = torch.empty(B, T, H, dtype=torch.float32, device=dev) if stored_norms else None
         chunk_prepare.launch(p, g, beta, beta_mode, total, (cu, chunk_index) if varlen else (None, None),
-                             w, u, gcum, kd, inverse, rk, dot, config)
+                             gcum, inverse, rk, dot, config)
 
     o = torch.empty(B, T, HV, V, dtype=p.o_dtype, device=dev)
     state_shape = (HV, V, K) if p.state_v_first else (HV, K, V)
@@ -494,28 +445,26 @@ def run(p: Problem, config: ChunkConfig | None = None):
     BV = min(config.scan_block_v, BVF)
     h0 = p.initial_state
     q, k = (p.q, p.k) if p.q.dtype == op_dtype or bf16 else (p.q.to(op_dtype), p.k.to(op_dtype))
-    keys = kd if kd is not None else k
     counts = _chunk_counts(p)
     length = _segments(p, config, counts)
     common = dict(H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, SK=SK, SV=SV, DOT=dot, HAS_H0=h0 is not None,
-                  STORE_FINAL=ht is not None, L2NORM=p.use_qk_l2norm, VARLEN=varlen, DECAYED_K=kd is not None,
-                  WY=fused_wy, BETA=beta_mode, NORMS_IN_SCAN=config.norms_in_scan, num_warps=config.scan_warps, num_stages=config.scan_stages)
-    args = (keys, w if w is not None else dummy, u if u is not None else dummy, gcum, v_new,
+                  STORE_FINAL=ht is not None, L2NORM=p.use_qk_l2norm, VARLEN=varlen, BETA=beta_mode,
+                  num_warps=config.scan_warps, num_stages=config.scan_stages)
+    args = (k, p.v, beta, inverse, rk if rk is not None else dummy, gcum, v_new,
             h0 if h0 is not None else o, ht if ht is not None else o, h_chunks,
             cu if varlen else dummy, chunk_start if varlen else dummy)
-    wy = (inverse if inverse is not None else dummy, p.v, beta, rk if rk is not None else dummy)
     if length:
         segments, seq_segments, n_seg = _segment_plan(p, counts, length)
         summary = torch.empty(n_seg, HV, K, V + K, dtype=torch.float32, device=dev)
         seg_start = torch.empty(n_seg, HV, K, V, dtype=torch.float32, device=dev)
-        _scan_kernel[(n_seg * HV, triton.cdiv(V + K, BV))](*args, segments, summary, *wy, T, NT, BV=BV, SEG=1,
+        _scan_kernel[(n_seg * HV, triton.cdiv(V + K, BV))](*args, segments, summary, T, NT, BV=BV, SEG=1,
                                                              **common)
         _segment_combine_kernel[(N * HV, triton.cdiv(V, BV))](
             summary, seg_start, h0 if h0 is not None else o, seq_segments, HV=HV, K=K, V=V, BK=BK, BV=BV,
             SK=SK, SV=SV, HAS_H0=h0 is not None, num_warps=4, num_stages=1)
-        _scan_kernel[(n_seg * HV, triton.cdiv(V, BV))](*args, segments, seg_start, *wy, T, NT, BV=BV, SEG=2, **common)
+        _scan_kernel[(n_seg * HV, triton.cdiv(V, BV))](*args, segments, seg_start, T, NT, BV=BV, SEG=2, **common)
     else:
-        _scan_kernel[(N * HV, triton.cdiv(V, BV))](*args, dummy, dummy, *wy, T, NT, BV=BV, SEG=0, **common)
+        _scan_kernel[(N * HV, triton.cdiv(V, BV))](*args, dummy, dummy, T, NT, BV=BV, SEG=0, **common)
     if total:
         BVO = min(config.output_block_v, BVF)
         CPB = config.output_chunks

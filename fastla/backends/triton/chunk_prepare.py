@@ -1,27 +1,21 @@
-"""Token-parallel prologue of the Triton GDN chunked forward: the WY factors of every 64-token chunk.
-
-Per chunk and value head, with G = cumsum(g) over the chunk and unit keys k / |k| (l2norm in
-the op) or raw keys:
-    A = strict_lower(beta_i (k_i . k_j) exp(G_i - G_j))   [BT, BT],   P = (I + A)^-1
-    W = P (beta e^G k)  [BT, K],   U = P (beta v)  [BT, V],   kd = e^(G_last - G) k  [BT, K]
-in two kernels, so that neither holds a 64x64 fp32 tensor and both run many CTAs per SM:
+"""Token-parallel prologue of the Triton GDN chunked forward: the WY factor of every 64-token chunk.
 
 ``_inverse_kernel``, grid ``(chunks, HV / VPP)``: one chunk of VPP value heads that share a q/k
-head (GVA). The Gram matrix of the chunk's keys is formed once, as its ten lower [16, 16] blocks
-(bf16 products, fp32 accumulation, over K in slices of BK); for each value head the gate and beta
-make A's blocks, the four diagonal blocks are inverted by forward substitution (15 row steps,
-all four at once), and the six lower blocks follow by block forward substitution on tensor cores
-(tf32, exact: no series). Writes P ``[B, T, HV, BT]`` (lower block triangle only, rows of the
-chunk; the upper blocks are never read) in the product dtype and G ``[B, T, HV]`` in fp32.
+head (GVA). With G = cumsum(g) over the chunk and unit keys (l2norm in the op) or raw keys:
+    A = strict_lower(beta_i (k_i . k_j) exp(G_i - G_j))   [BT, BT],   P = (I + A)^-1
+The Gram matrix of the chunk's keys is formed once per program, as its ten lower [16, 16] blocks
+(bf16 products, fp32 accumulation, over K in slices of BK; the key norms from the same loads,
+applied to the blocks afterwards); for each value head the gate and beta make A's blocks, the four
+diagonal blocks are inverted by forward substitution (15 row steps, all four at once), and the
+six lower blocks follow by block forward substitution on tensor cores (tf32, exact: no series).
+Writes P ``[B, T, HV, BT]`` (the lower block triangle, rows of the chunk; the upper blocks are
+never read) in the product dtype, G ``[B, T, HV]`` and 1 / |k| ``[B, T, H]`` in fp32. The scan
+(chunk_delta.py) forms W = P (beta e^G k) and U = P (beta v) implicitly, so they never reach HBM.
 
-``_wu_kernel``, grid ``(chunks, HV)``: reads P, G, beta, k and v, writes W, U and kd (product
-dtype) with two P-products per column slice of BC (bf16 operands, fp32 accumulation, as FLA).
-
-Budgets (sm_90, K = V = 128, checked in tests/backends/test_triton_sm90.py): no spill; the
-inverse kernel holds ten [16, 16] Gram blocks and the P and A blocks of one value head. Traffic
-per token and value head: the inverse kernel writes 2 x 64 bytes of P; the W/U kernel reads P,
-k (shared by the GVA group through L2) and v and writes 3 x 256 bytes. Measurements:
-docs/notes/gdn-prefill.md.
+Budgets (sm_90, K = V = 128, checked in tests/backends/test_triton_sm90.py): one warp, 255
+registers, no spill, mma.sync for the 16x16 products (too small for a warpgroup). Traffic per
+token and value head: 128 bytes of P written (bf16), the keys read once per GVA group.
+Measurements: docs/notes/gdn-prefill.md.
 """
 from __future__ import annotations
 
@@ -128,7 +122,7 @@ def _inverse_kernel(
     k, g, beta, A_log, dt_bias, p_out, gcum, rk_out, cu_seqlens, chunk_index, T, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     VPP: tl.constexpr, DOT: tl.constexpr, L2NORM: tl.constexpr, GATE: tl.constexpr,
-    HAS_BIAS: tl.constexpr, BETA: tl.constexpr, VARLEN: tl.constexpr, STORE_RK: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BETA: tl.constexpr, VARLEN: tl.constexpr,
 ):
     tl.static_assert(BT == 64, "four 16-token blocks")
     i_c = tl.program_id(0)
@@ -172,7 +166,7 @@ def _inverse_kernel(
     else:
         r0 = tl.full([16], 1.0, tl.float32)
         r1, r2, r3 = r0, r0, r0
-    if STORE_RK:                                                            # [B, T, H], once per q/k head
+    if L2NORM:                                                              # [B, T, H], once per q/k head
         if hv0 % (HV // H) == 0:
             r16 = tl.arange(0, 16)
             rk_row0 = t0 * H + i_h
@@ -230,70 +224,17 @@ def _inverse_kernel(
         _store_block(p_out, row0, p33, 3, 3, n_left, HV * BT, BT)
 
 
-@triton.jit
-def _wu_kernel(
-    k, v, beta, p_in, gcum, w, u, kd, cu_seqlens, chunk_index, T, NT,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-    BC: tl.constexpr, DOT: tl.constexpr, L2NORM: tl.constexpr, BETA: tl.constexpr,
-    VARLEN: tl.constexpr, STORE_KD: tl.constexpr,
-):
-    i_c = tl.program_id(0)
-    i_hv = tl.program_id(1)
-    i_h = i_hv // (HV // H)                                                 # GVA: the q/k head
-    i_n, c, bos, eos = _chunk(chunk_index, cu_seqlens, i_c.to(tl.int64), T, NT, VARLEN)
-    t0 = bos + c * BT
-    n_left = eos - t0
-    r = tl.arange(0, BT)
-    m_t = r < n_left
-    base = t0 * HV + i_hv
-    k_row0 = (t0 * H + i_h) * K
-    o_c = tl.arange(0, BC)
-
-    b_P = tl.load(p_in + base * BT + r[:, None] * (HV * BT) + r[None, :],
-                  mask=m_t[:, None] & (r[None, :] // 16 <= r[:, None] // 16), other=0.0).to(DOT)        # [BT, BT]
-    b_G = tl.load(gcum + base + r * HV, mask=m_t, other=0.0)                                           # [BT]
-    b_Gl = tl.sum(tl.where(r == tl.minimum(n_left, BT) - 1, b_G, 0.0))
-    b_beta = _activate_beta(tl.load(beta + base + r * HV, mask=m_t, other=0.0), m_t, BETA)             # [BT]
-    rk = tl.full([BT], 1.0, tl.float32)
-    if L2NORM:
-        ss = tl.zeros([BT], dtype=tl.float32)
-        for j in range(0, tl.cdiv(K, BC)):
-            o = j * BC + o_c
-            x = tl.load(k + k_row0 + r[:, None] * (H * K) + o[None, :], mask=m_t[:, None] & (o < K)[None, :],
-                        other=0.0).to(tl.float32)
-            ss += tl.sum(x * x, 1)
-        rk = tl.rsqrt(ss + 1e-6)
-    e_w = rk * b_beta * tl.exp(b_G)                                         # row scales of W's keys
-    e_d = tl.where(m_t, rk * tl.exp(b_Gl - b_G), 0.0)                       # of the scan's decayed keys
-    for j in range(0, tl.cdiv(K, BC)):
-        o = j * BC + o_c
-        m = m_t[:, None] & (o < K)[None, :]
-        x = tl.load(k + k_row0 + r[:, None] * (H * K) + o[None, :], mask=m, other=0.0).to(tl.float32)  # [BT, BC]
-        if STORE_KD:
-            tl.store(kd + base * K + r[:, None] * (HV * K) + o[None, :], (x * e_d[:, None]).to(kd.dtype.element_ty),
-                     mask=m)
-        b_w = tl.dot(b_P, (x * e_w[:, None]).to(DOT))                                                 # [BT, BC]
-        tl.store(w + base * K + r[:, None] * (HV * K) + o[None, :], b_w.to(w.dtype.element_ty), mask=m)
-    for j in range(0, tl.cdiv(V, BC)):
-        o = j * BC + o_c
-        m = m_t[:, None] & (o < V)[None, :]
-        x = tl.load(v + base * V + r[:, None] * (HV * V) + o[None, :], mask=m, other=0.0).to(tl.float32)
-        b_u = tl.dot(b_P, (x * b_beta[:, None]).to(DOT))                                              # [BT, BC]
-        tl.store(u + base * V + r[:, None] * (HV * V) + o[None, :], b_u.to(u.dtype.element_ty), mask=m)
-
-
 def values_per_program(ratio: int, limit: int) -> int:
     """Value heads per inverse program: the largest divisor of the GVA ratio HV / H up to ``limit``
     (their Gram blocks are shared)."""
     return max(d for d in range(1, min(ratio, limit) + 1) if ratio % d == 0)
 
 
-def launch(p, g, beta, beta_mode: int, total: int, tables, w, u, gcum, kd, inverse, rk, dot, config) -> None:
-    """Runs the kernels for ``total`` chunks: g and beta as the kernels read them (raw),
-    ``tables`` = (cu_seqlens, chunk index) or Nones (dense); ``inverse`` receives P
-    ``[B, T, HV, BT]``, ``rk`` (or None) 1 / |k| ``[B, T, H]``; w / u / gcum / kd as
-    ``chunk_delta.run`` allocates them, the W/U kernel runs only when w is given."""
-    T, H, HV, K, V = p.T, p.H, p.HV, p.K, p.V
+def launch(p, g, beta, beta_mode: int, total: int, tables, gcum, inverse, rk, dot, config) -> None:
+    """Runs the inverse kernel for ``total`` chunks: g and beta as the kernels read them (raw),
+    ``tables`` = (cu_seqlens, chunk index) or Nones (dense); writes G into ``gcum`` ``[B, T, HV]``,
+    P into ``inverse`` ``[B, T, HV, BT]`` and, with the l2norm, 1 / |k| into ``rk`` ``[B, T, H]``."""
+    T, H, HV, K = p.T, p.H, p.HV, p.K
     NT = triton.cdiv(T, BT)
     cu, chunk_index = tables
     varlen = cu is not None
@@ -304,16 +245,6 @@ def launch(p, g, beta, beta_mode: int, total: int, tables, w, u, gcum, kd, inver
         p.k, g, beta, p.A_log if p.A_log is not None else dummy, p.dt_bias if p.dt_bias is not None else dummy,
         inverse, gcum, rk if rk is not None else dummy, cu if varlen else dummy, chunk_index if varlen else dummy,
         T, NT, H=H, HV=HV, K=K, BT=BT, BK=BK, VPP=vpp, DOT=dot, L2NORM=p.use_qk_l2norm, GATE=p.gate_in_op == "gdn",
-        HAS_BIAS=p.dt_bias is not None, BETA=beta_mode, VARLEN=varlen, STORE_RK=rk is not None,
+        HAS_BIAS=p.dt_bias is not None, BETA=beta_mode, VARLEN=varlen,
         num_warps=config.inverse_warps, num_stages=config.inverse_stages,
     )
-    if w is None:
-        return
-    BC = min(config.wu_block, max(16, triton.next_power_of_2(max(K, V))))
-    _wu_kernel[(total, HV)](
-        p.k, p.v, beta, inverse, gcum, w, u, kd if kd is not None else dummy,
-        cu if varlen else dummy, chunk_index if varlen else dummy, T, NT,
-        H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, DOT=dot, L2NORM=p.use_qk_l2norm, BETA=beta_mode, VARLEN=varlen,
-        STORE_KD=kd is not None, num_warps=config.wu_warps, num_stages=config.wu_stages,
-    )
-
