@@ -240,16 +240,20 @@ def default_config(p: Problem) -> ChunkConfig:
     """Measured on the H200 (docs/notes/gdn-prefill.md, benchmarks/results/gdn_prefill_sweep*.json).
     The scan runs 64-column state tiles (2 programs per SM) unless 32-column tiles still fit in one
     wave, which halves each program's serial work (1x32k HV64: 1.16 ms at BV 32 vs 1.41 at BV 64;
-    4x8k HV32, two waves at BV 32: 0.49 ms at BV 64 vs 0.67). Sequences are split into segments
-    when the plan predicts a gain (1x32k HV8: 0.37 ms vs 0.60)."""
+    4x8k HV32, two waves at BV 32: 0.49 ms at BV 64 vs 0.67). The 32-column scan prefetches two
+    chunks ahead (three stages: 1x32k HV64 1.29 ms vs 1.50, 1x32k HV32 1.10 vs 1.22, 4x8k HV8 0.25
+    vs 0.29); with 64-column tiles or segments two stages are faster (4x8k HV32 0.51 vs 0.76,
+    1x32k HV8 split 0.29 vs 0.34). Sequences are split into segments when the plan predicts a
+    gain (1x32k HV8: 0.37 ms vs 0.60)."""
     counts = list(_chunk_counts(p))
     resident = PROGRAMS_PER_SM * _sm_count(p.device)
     tiles64 = triton.cdiv(p.V, 64)
     length = segment_length(p, p.N * p.HV, tiles64, triton.cdiv(p.V + p.K, 64), counts)
     if length:
         return ChunkConfig(scan_block_v=64, segment_chunks=length)
-    block_v = 32 if p.N * p.HV * triton.cdiv(p.V, 32) <= resident else 64
-    return ChunkConfig(scan_block_v=block_v, segment_chunks=0)
+    if p.N * p.HV * triton.cdiv(p.V, 32) <= resident:
+        return ChunkConfig(scan_block_v=32, scan_stages=3, segment_chunks=0)
+    return ChunkConfig(scan_block_v=64, segment_chunks=0)
 
 
 class _HostTables:
