@@ -163,11 +163,7 @@ def test_sequence_parallel_segments(v_first, h0, monkeypatch):
 def test_segment_heuristic():
     """Split only when lanes leave SMs idle and the sequence is long (cost model in chunk_delta)."""
     from fastla.backends.triton import chunk_delta
-    from fastla.core.validation import build_problem
-    t = make_inputs(SPEC, B=1, T=8, H=1)
-    p = build_problem("chunk_gated_delta_rule", q=t["q"], k=t["k"], v=t["v"], g=t["g"], beta=t["beta"],
-                      delta=True, gva=True)
-    plan = lambda lanes, counts: chunk_delta.segment_length(p, lanes, 2, 4, counts)  # noqa: E731  (BV 64, K = V = 128)
+    plan = lambda lanes, counts: chunk_delta.segment_length(lanes, 2, 4, counts, 132)  # noqa: E731  (BV 64, K = V = 128, H200)
     assert plan(8, [512]) == 32                     # 1x32k HV8: 16 segments per head
     assert plan(64, [512]) == 0                     # HV64: the grid is already full
     assert plan(16, [128]) == 0                     # 1x8k HV16: the split does not pay

@@ -28,6 +28,7 @@ no spill. Measurements: docs/notes/gdn-prefill.md.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -244,14 +245,18 @@ def default_config(p: Problem) -> ChunkConfig:
     chunks ahead (three stages: 1x32k HV64 1.29 ms vs 1.50, 1x32k HV32 1.10 vs 1.22, 4x8k HV8 0.25
     vs 0.29); with 64-column tiles or segments two stages are faster (4x8k HV32 0.51 vs 0.76,
     1x32k HV8 split 0.29 vs 0.34). Sequences are split into segments when the plan predicts a
-    gain (1x32k HV8: 0.37 ms vs 0.60)."""
-    counts = list(_chunk_counts(p))
-    resident = PROGRAMS_PER_SM * _sm_count(p.device)
-    tiles64 = triton.cdiv(p.V, 64)
-    length = segment_length(p, p.N * p.HV, tiles64, triton.cdiv(p.V + p.K, 64), counts)
+    gain (1x32k HV8: 0.37 ms vs 0.60). The plan is cached per (chunk counts, heads, head dims, SMs):
+    the split's search is host work that grows with the number of sequences."""
+    return _planned_config(_chunk_counts(p), p.HV, p.V, p.K, _sm_count(p.device))
+
+
+@functools.lru_cache(maxsize=1024)
+def _planned_config(counts: tuple[int, ...], HV: int, V: int, K: int, sms: int) -> ChunkConfig:
+    resident = PROGRAMS_PER_SM * sms
+    length = segment_length(len(counts) * HV, triton.cdiv(V, 64), triton.cdiv(V + K, 64), counts, sms)
     if length:
         return ChunkConfig(scan_block_v=64, segment_chunks=length)
-    if p.N * p.HV * triton.cdiv(p.V, 32) <= resident:
+    if len(counts) * HV * triton.cdiv(V, 32) <= resident:
         return ChunkConfig(scan_block_v=32, scan_stages=3, segment_chunks=0)
     return ChunkConfig(scan_block_v=64, segment_chunks=0)
 
@@ -319,19 +324,25 @@ SEGMENT_GAIN = 0.4
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 132                                                          # the interpreter: H200's count
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def segment_length(p: Problem, lanes: int, tiles: int, summary_tiles: int, chunk_counts: list[int]) -> int:
+@functools.lru_cache(maxsize=None)
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def segment_length(lanes: int, tiles: int, summary_tiles: int, chunk_counts, sms: int) -> int:
     """Chunks per segment for intra-card sequence parallelism, or 0 for none.
 
     Cost model in chunk-steps of one scan program, with R = PROGRAMS_PER_SM x SMs programs
     resident: whole sequences take ceil(lanes x tiles / R) waves of the longest sequence; segments
     of L chunks take ceil(n x summary_tiles / R) + ceil(n x tiles / R) waves of L steps (summary
     over the V + K columns, then replay; n = segments x value heads), plus one step per segment
-    of the longest sequence for the combine. ``lanes`` = sequences x value heads."""
+    of the longest sequence for the combine. ``lanes`` = sequences x value heads, ``sms`` the
+    GPU's SM count."""
     longest = max(chunk_counts, default=0)
-    resident = PROGRAMS_PER_SM * _sm_count(p.device)
+    resident = PROGRAMS_PER_SM * sms
     heads = lanes // max(len(chunk_counts), 1)
     whole = -(-lanes * tiles // resident) * longest
     best, best_cost = 0, SEGMENT_GAIN * whole
@@ -369,7 +380,8 @@ def _segments(p: Problem, config: ChunkConfig, counts: tuple[int, ...]) -> int:
     BV = min(config.scan_block_v, max(16, triton.next_power_of_2(p.V)))
     length = config.segment_chunks
     if length is None:
-        length = segment_length(p, p.N * p.HV, triton.cdiv(p.V, BV), triton.cdiv(p.V + p.K, BV), list(counts))
+        length = segment_length(p.N * p.HV, triton.cdiv(p.V, BV), triton.cdiv(p.V + p.K, BV), counts,
+                                _sm_count(p.device))
     return length if length and max(counts, default=0) > length else 0
 
 
