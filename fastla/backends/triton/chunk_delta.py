@@ -40,6 +40,7 @@ import triton.language as tl
 from fastla.backends.triton import chunk_prepare, interpreting
 from fastla.backends.triton.chunk_index import BT, _chunk, _sequence
 from fastla.backends.triton.chunk_prepare import _activate_beta
+from fastla.backends.triton.recurrent import BETA_GIVEN, BETA_SIGMOID, BETA_SIGMOID2
 from fastla.core.problem import Problem
 
 @triton.jit
@@ -441,7 +442,10 @@ def run(p: Problem, config: ChunkConfig | None = None):
     dot = tl.bfloat16 if bf16 else tl.float32
     g = p.g if p.g is not None else p.q.new_zeros(B, T, HV, dtype=torch.float32)
     beta = p.beta if p.beta is not None else p.q.new_ones(B, T, HV, dtype=torch.float32)
-    beta_mode = 1 if p.beta is None or not p.beta_sigmoid else (3 if p.allow_neg_eigval else 2)
+    if p.beta is None or not p.beta_sigmoid:
+        beta_mode = BETA_GIVEN                                              # beta omitted: the ones above
+    else:
+        beta_mode = BETA_SIGMOID2 if p.allow_neg_eigval else BETA_SIGMOID
     gcum = torch.empty(B, T, HV, dtype=torch.float32, device=dev)
     inverse = torch.empty(B, T, HV, BT, dtype=op_dtype, device=dev)
     rk = torch.empty(B, T, H, dtype=torch.float32, device=dev) if p.use_qk_l2norm else None

@@ -28,7 +28,8 @@ from fastla.backends.triton.recurrent import _softplus
 
 @triton.jit
 def _activate_beta(b, mask, BETA: tl.constexpr):
-    """beta as the op defines it: raw (1), sigmoid (2), 2 x sigmoid (3, allow_neg_eigval); 0 off mask."""
+    """beta as the op defines it, BETA as recurrent.py numbers the modes: raw (BETA_GIVEN, 1),
+    sigmoid (BETA_SIGMOID, 2), 2 x sigmoid (BETA_SIGMOID2, 3: allow_neg_eigval); 0 off mask."""
     b = b.to(tl.float32)
     if BETA >= 2:
         b = tl.where(mask, tl.sigmoid(b), 0.0)
@@ -160,13 +161,9 @@ def _inverse_kernel(
         g31 = tl.dot(k3, tl.trans(k1), g31)
         g32 = tl.dot(k3, tl.trans(k2), g32)
         g33 = tl.dot(k3, tl.trans(k3), g33)
-    # 1 / |k| per row, for both sides of the Gram blocks (rows and columns: two layouts)
+    # 1 / |k| per row, for both sides of the Gram blocks; stored [B, T, H] once per q/k head
     if L2NORM:
         r0, r1, r2, r3 = tl.rsqrt(s0 + 1e-6), tl.rsqrt(s1 + 1e-6), tl.rsqrt(s2 + 1e-6), tl.rsqrt(s3 + 1e-6)
-    else:
-        r0 = tl.full([16], 1.0, tl.float32)
-        r1, r2, r3 = r0, r0, r0
-    if L2NORM:                                                              # [B, T, H], once per q/k head
         if hv0 % (HV // H) == 0:
             r16 = tl.arange(0, 16)
             rk_row0 = t0 * H + i_h
@@ -174,6 +171,9 @@ def _inverse_kernel(
             tl.store(rk_out + rk_row0 + (16 + r16) * H, r1, mask=16 + r16 < n_left)
             tl.store(rk_out + rk_row0 + (32 + r16) * H, r2, mask=32 + r16 < n_left)
             tl.store(rk_out + rk_row0 + (48 + r16) * H, r3, mask=48 + r16 < n_left)
+    else:
+        r0 = tl.full([16], 1.0, tl.float32)
+        r1, r2, r3 = r0, r0, r0
 
     for jv in range(VPP):
         i_hv = hv0 + jv
