@@ -27,12 +27,13 @@ from fastla.ops.gated_delta_rule import chunk_gated_delta_rule
 
 VARIANTS = {
     "default": None,                       # chunk_delta.default_config(p)
-    "bv16": dict(scan_block_v=16),
-    "bv64": dict(scan_block_v=64),
-    "s3": dict(scan_stages=3),
-    "out-bv128": dict(output_block_v=128, output_warps=8),
-    "out-cpb4": dict(output_chunks=4),
-    "inv-2w": dict(inverse_warps=2),
+    "unfused": dict(output_in_scan=False),
+    "bv16": dict(scan_block_v=16, scan_stages=2, scan_warps=4),
+    "bv32s2": dict(scan_block_v=32, scan_stages=2, scan_warps=4),
+    "bv32s3": dict(scan_block_v=32, scan_stages=3, scan_warps=4),
+    "bv64w4": dict(scan_block_v=64, scan_stages=2, scan_warps=4),
+    "bv64w8": dict(scan_block_v=64, scan_stages=2, scan_warps=8),
+    "scores-8w": dict(scores_warps=8),
     "inv-vpp1": dict(inverse_heads=1),
     "no-segments": dict(segment_chunks=0),
 }

@@ -79,17 +79,28 @@ def _child(name: str, folder: str) -> None:
     print(json.dumps(res))
 
 
+SCAN_POINTERS = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "beta": "*bf16", "p_in": "*bf16", "a_in": "*bf16",
+                 "rq": "*fp32", "rk": "*fp32", "gcum": "*fp32", "v_new": "*bf16", "o": "*bf16", "h0": "*fp32",
+                 "ht": "*fp32", "h_chunks": "*bf16", "cu_seqlens": "*i64", "chunk_start": "*i64", "segments": "*i32",
+                 "seg_state": "*fp32"}
 GDN_KERNELS = {
     # name: (module.kernel, pointers, constexprs, warps, stages) as launched (K = V = 128, bf16)
     "inverse": ("chunk_prepare._inverse_kernel",
                 {"k": "*bf16", "g": "*bf16", "beta": "*bf16", "A_log": "*fp32", "dt_bias": "*fp32", "p_out": "*bf16",
-                 "gcum": "*fp32", "rk_out": "*fp32", "cu_seqlens": "*i64", "chunk_index": "*i32"},
+                 "gcum": "*fp32", "cu_seqlens": "*i64", "chunk_index": "*i32"},
                 dict(BK=64, VPP=4, GATE=True, HAS_BIAS=True, BETA=2), 1, 1),
-    "scan": ("chunk_delta._scan_kernel",
-             {"gcum": "*fp32", "h0": "*fp32", "ht": "*fp32", "k": "*bf16", "v_new": "*bf16", "h_chunks": "*bf16",
-              "cu_seqlens": "*i64", "chunk_start": "*i64", "segments": "*i32", "seg_state": "*fp32", "p_in": "*bf16",
-              "v": "*bf16", "beta": "*bf16", "rk": "*fp32"},
-             dict(BV=64, SK=128, SV=1, HAS_H0=True, STORE_FINAL=True, SEG=0, BETA=2), 4, 2),
+    "scores": ("chunk_prepare._scores_kernel",
+               {"q": "*bf16", "k": "*bf16", "gcum": "*fp32", "a_out": "*bf16", "rq_out": "*fp32", "rk_out": "*fp32",
+                "cu_seqlens": "*i64", "chunk_index": "*i32"}, {}, 4, 1),
+    "scan": ("chunk_delta._scan_kernel", SCAN_POINTERS,
+             dict(BV=32, SK=128, SV=1, HAS_H0=True, STORE_FINAL=True, SEG=0, BETA=2, OUTPUT=True, STORE_STATES=False),
+             4, 2),
+    "scan-wide": ("chunk_delta._scan_kernel", SCAN_POINTERS,
+                  dict(BV=64, SK=128, SV=1, HAS_H0=True, STORE_FINAL=True, SEG=2, BETA=2, OUTPUT=True,
+                       STORE_STATES=False), 8, 2),
+    "scan-summary": ("chunk_delta._scan_kernel", SCAN_POINTERS,
+                     dict(BV=64, SK=128, SV=1, HAS_H0=True, STORE_FINAL=True, SEG=1, BETA=2, OUTPUT=False,
+                          STORE_STATES=False), 8, 2),
     "output": ("chunk_delta._output_kernel",
                {"gcum": "*fp32", "q": "*bf16", "k": "*bf16", "v_new": "*bf16", "h_chunks": "*bf16", "o": "*bf16",
                 "cu_seqlens": "*i64", "chunk_index": "*i32"},

@@ -45,12 +45,14 @@ from fastla.core.problem import Problem
 
 @triton.jit
 def _scan_kernel(
-    k, v, beta, p_in, rk, gcum, v_new, h0, ht, h_chunks, cu_seqlens, chunk_start, segments, seg_state, T, NT,
+    q, k, v, beta, p_in, a_in, rq, rk, gcum, v_new, o, h0, ht, h_chunks, cu_seqlens, chunk_start, segments, seg_state,
+    T, NT, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     SK: tl.constexpr, SV: tl.constexpr, DOT: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, L2NORM: tl.constexpr,
     VARLEN: tl.constexpr, SEG: tl.constexpr, BETA: tl.constexpr,
+    OUTPUT: tl.constexpr, STORE_STATES: tl.constexpr,
 ):
     """SEG 0: program (sequence x value head, V tile) runs a whole sequence from h0.
     SEG 1 (segment summary): program (segment x value head, tile of the V + K columns) runs one
@@ -58,7 +60,12 @@ def _scan_kernel(
     it ends with [E | Phi], the segment's end state from zero and its exact transition.
     SEG 2 (segment replay): as SEG 0 over one segment, from its start state in ``seg_state``.
     Per chunk, from P = (I + A)^-1, the raw keys k, v, beta and 1 / |k| (rk):
-    V_new = P diag(beta) (v - diag(rk e^G) k S), S = e^G_last S + k^T diag(rk e^(G_last - G)) V_new."""
+    V_new = P diag(beta) (v - diag(rk e^G) k S), S = e^G_last S + k^T diag(rk e^(G_last - G)) V_new.
+    OUTPUT (SEG 0 and 2): the output too, from the raw queries, 1 / |q| (rq) and the causal scores
+    A = scale diag(rq) q k^T diag(rk) e^(G_i - G_j) of the prologue,
+    O = scale diag(rq e^G) q S + A V_new, so neither
+    V_new nor the chunk states reach HBM (STORE_STATES: the chunk-start states are stored all the
+    same, for return_intermediate_states or the output kernel)."""
     i_p = tl.program_id(0).to(tl.int64)                                    # axis 0: up to 2^31 - 1 programs
     i_v = tl.program_id(1)
     i_hv = i_p % HV
@@ -99,7 +106,7 @@ def _scan_kernel(
     lower_blocks = r[None, :] // 16 <= r[:, None] // 16
     off_v = r[:, None] * (HV * V) + o_v[None, :]                            # [BT, BV]
     for c in range(c_begin, c_end):
-        if SEG != 1:
+        if STORE_STATES:
             tl.store(h_chunks + (first_chunk + c) * HV * K * V + state + p_tile,
                      b_S.to(h_chunks.dtype.element_ty), mask=m_h)             # the chunk's start state
         t0 = bos + c * BT
@@ -123,13 +130,24 @@ def _scan_kernel(
         if L2NORM:
             b_rk = tl.load(rk + t0 * H + i_h + r * H, mask=m_t, other=0.0)
         b_v = tl.load(v + base * V + off_v, mask=m_t[:, None] & (o_v < V)[None, :], other=0.0).to(tl.float32)
-        b_x = tl.dot(b_k, b_S.to(DOT))                                                            # [BT, BV]: k S
+        b_Sd = b_S.to(DOT)
+        b_x = tl.dot(b_k, b_Sd)                                                                   # [BT, BV]: k S
+        if OUTPUT:
+            b_q = tl.load(q + (t0 * H + i_h) * K + off_kr, mask=m_tk, other=0.0).to(DOT)           # [BT, BK]
+            b_qs = tl.dot(b_q, b_Sd)                                                              # [BT, BV]: q S
         b_y = b_beta[:, None] * (b_v - (b_rk * tl.exp(b_G))[:, None] * b_x)
         b_vn = tl.dot(b_P, b_y.to(DOT))                                                           # [BT, BV]
-        if SEG != 1:
+        if not OUTPUT and SEG != 1:
             tl.store(v_new + base * V + off_v, b_vn.to(v_new.dtype.element_ty), mask=m_tv)
         b_vd = b_vn * tl.where(m_t, b_rk * tl.exp(b_Gl - b_G), 0.0)[:, None]
         b_S = b_S * tl.exp(b_Gl) + tl.dot(tl.trans(b_k), b_vd.to(DOT))    # [BK, BV]
+        if OUTPUT:
+            b_rq = tl.full([BT], 1.0, tl.float32)
+            if L2NORM:
+                b_rq = tl.load(rq + t0 * H + i_h + r * H, mask=m_t, other=0.0)
+            b_A = tl.load(a_in + base * BT + off_p, mask=m_t[:, None], other=0.0).to(DOT)          # [BT, BT]
+            b_o = (scale * b_rq * tl.exp(b_G))[:, None] * b_qs + tl.dot(b_A, b_vn.to(DOT))
+            tl.store(o + base * V + off_v, b_o.to(o.dtype.element_ty), mask=m_tv)
 
     if SEG == 1:
         tl.store(seg_state + (i_s * HV + i_hv) * K * (V + K) + o_k[:, None] * (V + K) + o_v[None, :], b_S,
@@ -236,6 +254,8 @@ class ChunkConfig:
     output_chunks: int = 2              # chunks per output program (each: its HV // H value heads)
     output_stages: int = 3
     segment_chunks: int | None = None   # sequence parallelism: chunks per segment (None: heuristic, 0: off)
+    output_in_scan: bool = True         # the scan writes the output (else: V_new, chunk states, output kernel)
+    scores_warps: int = 4
 
 
 def default_config(p: Problem) -> ChunkConfig:
@@ -256,10 +276,10 @@ def _planned_config(counts: tuple[int, ...], HV: int, V: int, K: int, sms: int) 
     resident = PROGRAMS_PER_SM * sms
     length = segment_length(len(counts) * HV, triton.cdiv(V, 64), triton.cdiv(V + K, 64), counts, sms)
     if length:
-        return ChunkConfig(scan_block_v=64, segment_chunks=length)
+        return ChunkConfig(scan_block_v=64, scan_warps=8, segment_chunks=length)
     if len(counts) * HV * triton.cdiv(V, 32) <= resident:
-        return ChunkConfig(scan_block_v=32, scan_stages=3, segment_chunks=0)
-    return ChunkConfig(scan_block_v=64, segment_chunks=0)
+        return ChunkConfig(scan_block_v=32, scan_stages=2, segment_chunks=0)
+    return ChunkConfig(scan_block_v=64, scan_warps=8, segment_chunks=0)
 
 
 class _HostTables:
@@ -448,44 +468,51 @@ def run(p: Problem, config: ChunkConfig | None = None):
         beta_mode = BETA_SIGMOID2 if p.allow_neg_eigval else BETA_SIGMOID
     gcum = torch.empty(B, T, HV, dtype=torch.float32, device=dev)
     inverse = torch.empty(B, T, HV, BT, dtype=op_dtype, device=dev)
-    rk = torch.empty(B, T, H, dtype=torch.float32, device=dev) if p.use_qk_l2norm else None
+    scores = torch.empty(B, T, HV, BT, dtype=op_dtype, device=dev)
+    rq, rk = (torch.empty(B, T, H, dtype=torch.float32, device=dev) for _ in range(2))
     BK, BVF = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))   # tl.dot needs >= 16
     dummy = gcum
+    q, k = (p.q, p.k) if p.q.dtype == op_dtype or bf16 else (p.q.to(op_dtype), p.k.to(op_dtype))
     if total:
-        chunk_prepare.launch(p, g, beta, beta_mode, total, (cu, chunk_index) if varlen else (None, None),
-                             gcum, inverse, rk, dot, config)
+        tables = (cu, chunk_index) if varlen else (None, None)
+        chunk_prepare.launch(p, g, beta, beta_mode, total, tables, gcum, inverse, dot, config)
+        chunk_prepare.launch_scores(p, q, k, total, tables, gcum, scores, rq, rk, dot, config)
 
     o = torch.empty(B, T, HV, V, dtype=p.o_dtype, device=dev)
     state_shape = (HV, V, K) if p.state_v_first else (HV, K, V)
     SK, SV = (1, K) if p.state_v_first else (V, 1)
     ht = torch.empty(N, *state_shape, dtype=torch.float32, device=dev) if p.output_final_state else None
+    fused = config.output_in_scan
+    store_states = p.return_intermediate_states or not fused
     h_dtype = p.k.dtype if p.return_intermediate_states else op_dtype
-    h_chunks = torch.empty(total, *state_shape, dtype=h_dtype, device=dev)
-    v_new = torch.empty(B, T, HV, V, dtype=op_dtype, device=dev)
+    h_chunks = torch.empty(total, *state_shape, dtype=h_dtype, device=dev) if store_states else dummy
+    v_new = dummy if fused else torch.empty(B, T, HV, V, dtype=op_dtype, device=dev)
     BV = min(config.scan_block_v, BVF)
     h0 = p.initial_state
-    q, k = (p.q, p.k) if p.q.dtype == op_dtype or bf16 else (p.q.to(op_dtype), p.k.to(op_dtype))
     counts = _chunk_counts(p)
     length = _segments(p, config, counts)
     common = dict(H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, SK=SK, SV=SV, DOT=dot, HAS_H0=h0 is not None,
                   STORE_FINAL=ht is not None, L2NORM=p.use_qk_l2norm, VARLEN=varlen, BETA=beta_mode,
                   num_warps=config.scan_warps, num_stages=config.scan_stages)
-    args = (k, p.v, beta, inverse, rk if rk is not None else dummy, gcum, v_new,
+    pass_args = dict(OUTPUT=fused, STORE_STATES=store_states)         # the passes that run the sequence
+    args = (q, k, p.v, beta, inverse, scores, rq, rk, gcum, v_new, o,
             h0 if h0 is not None else o, ht if ht is not None else o, h_chunks,
             cu if varlen else dummy, chunk_start if varlen else dummy)
     if length:
         segments, seq_segments, n_seg = _segment_plan(p, counts, length)
         summary = torch.empty(n_seg, HV, K, V + K, dtype=torch.float32, device=dev)
         seg_start = torch.empty(n_seg, HV, K, V, dtype=torch.float32, device=dev)
-        _scan_kernel[(n_seg * HV, triton.cdiv(V + K, BV))](*args, segments, summary, T, NT, BV=BV, SEG=1,
-                                                             **common)
+        _scan_kernel[(n_seg * HV, triton.cdiv(V + K, BV))](*args, segments, summary, T, NT, p.scale, BV=BV, SEG=1,
+                                                             OUTPUT=False, STORE_STATES=False, **common)
         _segment_combine_kernel[(N * HV, triton.cdiv(V, BV))](
             summary, seg_start, h0 if h0 is not None else o, seq_segments, HV=HV, K=K, V=V, BK=BK, BV=BV,
             SK=SK, SV=SV, HAS_H0=h0 is not None, num_warps=4, num_stages=1)
-        _scan_kernel[(n_seg * HV, triton.cdiv(V, BV))](*args, segments, seg_start, T, NT, BV=BV, SEG=2, **common)
+        _scan_kernel[(n_seg * HV, triton.cdiv(V, BV))](*args, segments, seg_start, T, NT, p.scale, BV=BV, SEG=2,
+                                                         **pass_args, **common)
     else:
-        _scan_kernel[(N * HV, triton.cdiv(V, BV))](*args, dummy, dummy, T, NT, BV=BV, SEG=0, **common)
-    if total:
+        _scan_kernel[(N * HV, triton.cdiv(V, BV))](*args, dummy, dummy, T, NT, p.scale, BV=BV, SEG=0,
+                                                     **pass_args, **common)
+    if total and not fused:
         BVO = min(config.output_block_v, BVF)
         CPB = config.output_chunks
         _output_kernel[(triton.cdiv(total, CPB), H, triton.cdiv(V, BVO))](

@@ -120,7 +120,7 @@ def _store_block(out, row0, X, bi: tl.constexpr, bj: tl.constexpr, n_left, strid
 
 @triton.jit
 def _inverse_kernel(
-    k, g, beta, A_log, dt_bias, p_out, gcum, rk_out, cu_seqlens, chunk_index, T, NT,
+    k, g, beta, A_log, dt_bias, p_out, gcum, cu_seqlens, chunk_index, T, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     VPP: tl.constexpr, DOT: tl.constexpr, L2NORM: tl.constexpr, GATE: tl.constexpr,
     HAS_BIAS: tl.constexpr, BETA: tl.constexpr, VARLEN: tl.constexpr,
@@ -161,16 +161,9 @@ def _inverse_kernel(
         g31 = tl.dot(k3, tl.trans(k1), g31)
         g32 = tl.dot(k3, tl.trans(k2), g32)
         g33 = tl.dot(k3, tl.trans(k3), g33)
-    # 1 / |k| per row, for both sides of the Gram blocks; stored [B, T, H] once per q/k head
+    # 1 / |k| per row, for both sides of the Gram blocks
     if L2NORM:
         r0, r1, r2, r3 = tl.rsqrt(s0 + 1e-6), tl.rsqrt(s1 + 1e-6), tl.rsqrt(s2 + 1e-6), tl.rsqrt(s3 + 1e-6)
-        if hv0 % (HV // H) == 0:
-            r16 = tl.arange(0, 16)
-            rk_row0 = t0 * H + i_h
-            tl.store(rk_out + rk_row0 + r16 * H, r0, mask=r16 < n_left)
-            tl.store(rk_out + rk_row0 + (16 + r16) * H, r1, mask=16 + r16 < n_left)
-            tl.store(rk_out + rk_row0 + (32 + r16) * H, r2, mask=32 + r16 < n_left)
-            tl.store(rk_out + rk_row0 + (48 + r16) * H, r3, mask=48 + r16 < n_left)
     else:
         r0 = tl.full([16], 1.0, tl.float32)
         r1, r2, r3 = r0, r0, r0
@@ -224,16 +217,52 @@ def _inverse_kernel(
         _store_block(p_out, row0, p33, 3, 3, n_left, HV * BT, BT)
 
 
+@triton.jit
+def _scores_kernel(
+    q, k, gcum, a_out, rq_out, rk_out, cu_seqlens, chunk_index, T, NT, scale,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    DOT: tl.constexpr, L2NORM: tl.constexpr, VARLEN: tl.constexpr,
+):
+    """Program (chunk, q/k head): q k^T [BT, BT] once, then for each of the head's HV / H value
+    heads the causal scores scale diag(rq) q k^T diag(rk) e^(G_i - G_j) (bf16, diagonal included);
+    with the l2norm also 1 / |q| and 1 / |k| per token."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_n, c, bos, eos = _chunk(chunk_index, cu_seqlens, i_c.to(tl.int64), T, NT, VARLEN)
+    t0 = bos + c * BT
+    r = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    m_t = r < eos - t0
+    m_k = o_k < K
+    row0 = (t0 * H + i_h) * K
+    b_q = tl.load(q + row0 + r[:, None] * (H * K) + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+    b_kt = tl.load(k + row0 + o_k[:, None] + r[None, :] * (H * K), mask=m_k[:, None] & m_t[None, :], other=0.0)
+    b_qk = tl.dot(b_q.to(DOT), b_kt.to(DOT)) * scale                                       # [BT, BT]
+    if L2NORM:
+        b_rq = tl.rsqrt(tl.sum(b_q.to(tl.float32) * b_q.to(tl.float32), 1) + 1e-6)            # [BT]
+        b_rk = tl.rsqrt(tl.sum(b_kt.to(tl.float32) * b_kt.to(tl.float32), 0) + 1e-6)          # [BT]
+        tl.store(rq_out + (t0 + r) * H + i_h, b_rq, mask=m_t)
+        tl.store(rk_out + (t0 + r) * H + i_h, b_rk, mask=m_t)
+        b_qk = b_qk * b_rq[:, None] * b_rk[None, :]
+    causal = r[:, None] >= r[None, :]
+    for j in range(HV // H):                                                # the value heads of this q/k head
+        base = t0 * HV + i_h * (HV // H) + j                                # chunk row 0 in gcum
+        b_G = tl.load(gcum + base + r * HV, mask=m_t, other=0.0)
+        b_A = tl.where(causal, b_qk * tl.exp(tl.where(causal, b_G[:, None] - b_G[None, :], 0.0)), 0.0)
+        tl.store(a_out + base * BT + r[:, None] * (HV * BT) + r[None, :], b_A.to(a_out.dtype.element_ty),
+                 mask=m_t[:, None])
+
+
 def values_per_program(ratio: int, limit: int) -> int:
     """Value heads per inverse program: the largest divisor of the GVA ratio HV / H up to ``limit``
     (their Gram blocks are shared)."""
     return max(d for d in range(1, min(ratio, limit) + 1) if ratio % d == 0)
 
 
-def launch(p, g, beta, beta_mode: int, total: int, tables, gcum, inverse, rk, dot, config) -> None:
+def launch(p, g, beta, beta_mode: int, total: int, tables, gcum, inverse, dot, config) -> None:
     """Runs the inverse kernel for ``total`` chunks: g and beta as the kernels read them (raw),
-    ``tables`` = (cu_seqlens, chunk index) or Nones (dense); writes G into ``gcum`` ``[B, T, HV]``,
-    P into ``inverse`` ``[B, T, HV, BT]`` and, with the l2norm, 1 / |k| into ``rk`` ``[B, T, H]``."""
+    ``tables`` = (cu_seqlens, chunk index) or Nones (dense); writes G into ``gcum`` ``[B, T, HV]``
+    and P into ``inverse`` ``[B, T, HV, BT]``."""
     T, H, HV, K = p.T, p.H, p.HV, p.K
     NT = triton.cdiv(T, BT)
     cu, chunk_index = tables
@@ -243,8 +272,23 @@ def launch(p, g, beta, beta_mode: int, total: int, tables, gcum, inverse, rk, do
     BK = min(64, max(16, triton.next_power_of_2(K)))
     _inverse_kernel[(total, HV // vpp)](
         p.k, g, beta, p.A_log if p.A_log is not None else dummy, p.dt_bias if p.dt_bias is not None else dummy,
-        inverse, gcum, rk if rk is not None else dummy, cu if varlen else dummy, chunk_index if varlen else dummy,
+        inverse, gcum, cu if varlen else dummy, chunk_index if varlen else dummy,
         T, NT, H=H, HV=HV, K=K, BT=BT, BK=BK, VPP=vpp, DOT=dot, L2NORM=p.use_qk_l2norm, GATE=p.gate_in_op == "gdn",
         HAS_BIAS=p.dt_bias is not None, BETA=beta_mode, VARLEN=varlen,
         num_warps=config.inverse_warps, num_stages=config.inverse_stages,
+    )
+
+
+def launch_scores(p, q, k, total: int, tables, gcum, scores, rq, rk, dot, config) -> None:
+    """Runs the scores kernel for ``total`` chunks after the inverse kernel (it reads G from
+    ``gcum``): writes the causal scores into ``scores`` ``[B, T, HV, BT]`` and, with the l2norm,
+    1 / |q| and 1 / |k| into ``rq``, ``rk`` ``[B, T, H]``."""
+    cu, chunk_index = tables
+    varlen = cu is not None
+    dummy = gcum
+    _scores_kernel[(total, p.H)](
+        q, k, gcum, scores, rq if rq is not None else dummy, rk if rk is not None else dummy,
+        cu if varlen else dummy, chunk_index if varlen else dummy, p.T, triton.cdiv(p.T, BT), p.scale,
+        H=p.H, HV=p.HV, K=p.K, BT=BT, BK=max(16, triton.next_power_of_2(p.K)), DOT=dot, L2NORM=p.use_qk_l2norm,
+        VARLEN=varlen, num_warps=config.scores_warps, num_stages=1,
     )
