@@ -36,6 +36,9 @@ VARIANTS = {
     "scores-8w": dict(scores_warps=8),
     "inv-vpp1": dict(inverse_heads=1),
     "no-segments": dict(segment_chunks=0),
+    "seg8": dict(segment_chunks=8),
+    "seg16": dict(segment_chunks=16),
+    "seg32": dict(segment_chunks=32),
 }
 SHAPES = "gdn/h16-hv64/1x32768,gdn/h2-hv8/1x32768,gdn/h16-hv32/4x8192,gdn/h16-hv64/varlen9x16384"
 

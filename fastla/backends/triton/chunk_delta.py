@@ -260,26 +260,25 @@ class ChunkConfig:
 
 def default_config(p: Problem) -> ChunkConfig:
     """Measured on the H200 (docs/notes/gdn-prefill.md, benchmarks/results/gdn_prefill_sweep*.json).
-    The scan runs 64-column state tiles (2 programs per SM) unless 32-column tiles still fit in one
-    wave, which halves each program's serial work (1x32k HV64: 1.16 ms at BV 32 vs 1.41 at BV 64;
-    4x8k HV32, two waves at BV 32: 0.49 ms at BV 64 vs 0.67). The 32-column scan prefetches two
-    chunks ahead (three stages: 1x32k HV64 1.29 ms vs 1.50, 1x32k HV32 1.10 vs 1.22, 4x8k HV8 0.25
-    vs 0.29); with 64-column tiles or segments two stages are faster (4x8k HV32 0.51 vs 0.76,
-    1x32k HV8 split 0.29 vs 0.34). Sequences are split into segments when the plan predicts a
-    gain (1x32k HV8: 0.37 ms vs 0.60). The plan is cached per (chunk counts, heads, head dims, SMs):
-    the split's search is host work that grows with the number of sequences."""
+    The scan (output fused) runs 32-column state tiles: 233 registers and 111 KB of shared memory
+    at two stages, two programs per SM. When one program per SM covers every lane, three stages
+    (165 KB, one program per SM) are faster (1x32k HV32: 1.25 ms vs 1.61, 1x8k HV16: 0.26 vs 0.34);
+    with more lanes two stages are (1x32k HV64: 1.80 ms vs 2.56). 64-column tiles spill at 4 warps
+    and lose at 8 (one program per SM: 1x32k HV64 2.34 ms). Sequences are split into segments
+    when the plan predicts a gain (1x32k HV8: 0.44 ms vs 1.99). The plan is cached per (chunk
+    counts, heads, head dims, SMs): the split's search is host work that grows with the number of
+    sequences."""
     return _planned_config(_chunk_counts(p), p.HV, p.V, p.K, _sm_count(p.device))
 
 
 @functools.lru_cache(maxsize=1024)
 def _planned_config(counts: tuple[int, ...], HV: int, V: int, K: int, sms: int) -> ChunkConfig:
-    resident = PROGRAMS_PER_SM * sms
     length = segment_length(len(counts) * HV, triton.cdiv(V, 64), triton.cdiv(V + K, 64), counts, sms)
     if length:
-        return ChunkConfig(scan_block_v=64, scan_warps=8, segment_chunks=length)
-    if len(counts) * HV * triton.cdiv(V, 32) <= resident:
-        return ChunkConfig(scan_block_v=32, scan_stages=2, segment_chunks=0)
-    return ChunkConfig(scan_block_v=64, scan_warps=8, segment_chunks=0)
+        return ChunkConfig(segment_chunks=length)
+    if len(counts) * HV * triton.cdiv(V, 32) <= sms:
+        return ChunkConfig(scan_stages=3, segment_chunks=0)
+    return ChunkConfig(segment_chunks=0)
 
 
 class _HostTables:
