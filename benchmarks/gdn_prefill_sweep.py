@@ -27,6 +27,7 @@ from fastla.ops.gated_delta_rule import chunk_gated_delta_rule
 
 VARIANTS = {
     "default": None,                       # chunk_delta.default_config(p)
+    "gluon": None,                         # the sm_90 tier (its scan, the Triton prologue), default plan
     "unfused": dict(output_in_scan=False),
     "bv16": dict(scan_block_v=16, scan_stages=2, scan_warps=4),
     "bv32s2": dict(scan_block_v=32, scan_stages=2, scan_warps=4),
@@ -105,7 +106,8 @@ def main() -> int:
                 original(p) if o is None else dataclasses.replace(original(p), **o))
             variant = chunk_delta.default_config
             try:
-                with use_tier("triton", strict=True), torch.no_grad():
+                tier = "gluon" if name.startswith("gluon") else "triton"
+                with use_tier(tier, strict=True), torch.no_grad():
                     call = lambda: chunk_gated_delta_rule(**kw)  # noqa: E731
                     o = call()[0]
                     err_first = rel(o, first) if first is not None else 0.0
@@ -120,7 +122,7 @@ def main() -> int:
             finally:
                 chunk_delta.default_config = original
             prep = sum(v for k, v in split.items() if "inverse" in k)
-            scan = sum(v for k, v in split.items() if "scan" in k)
+            scan = sum(v for k, v in split.items() if "scan" in k)                # both tiers' scan kernels
             rows.append(dict(shape=shape, variant=name, config=dataclasses.asdict(variant(problem_of(kw))), us=us, prepare_us=prep,
                              scan_us=scan, kernels=split, err_vs_first=err_first, err_vs_fla=err_fla, fla_us=fla_us))
             speed = f"{fla_us / us:5.2f}x" if fla_us else "  -  "

@@ -441,7 +441,35 @@ def supports(p: Problem) -> str | None:
     return None
 
 
-def run(p: Problem, config: ChunkConfig | None = None):
+@dataclass(frozen=True)
+class SequencePass:
+    """What a sequence pass of the scan (whole sequences, or segment replays) reads and writes,
+    for a tier that brings its own scan kernel (backends/gluon) and reuses the rest of ``run``."""
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    beta: torch.Tensor
+    beta_mode: int
+    inverse: torch.Tensor
+    scores: torch.Tensor
+    rq: torch.Tensor
+    rk: torch.Tensor
+    gcum: torch.Tensor
+    o: torch.Tensor
+    h0: torch.Tensor | None
+    ht: torch.Tensor | None
+    h_chunks: torch.Tensor | None
+    cu_seqlens: torch.Tensor | None
+    chunk_start: torch.Tensor | None
+    T: int
+    NT: int
+    dummy: torch.Tensor
+
+
+def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None):
+    """The chunked forward. ``sequence_scan(p, SequencePass, seg, segments, seg_state, programs)``,
+    when given, launches the sequence passes (seg 0 or 2) instead of the Triton scan; it must
+    write the output (``config.output_in_scan``)."""
     config = config or default_config(p)
     B, T, H, HV, K, V, N = p.B, p.T, p.H, p.HV, p.K, p.V, p.N
     dev = p.device
@@ -497,6 +525,12 @@ def run(p: Problem, config: ChunkConfig | None = None):
     args = (q, k, p.v, beta, inverse, scores, rq, rk, gcum, v_new, o,
             h0 if h0 is not None else o, ht if ht is not None else o, h_chunks,
             cu if varlen else dummy, chunk_start if varlen else dummy)
+    if sequence_scan is not None:
+        if not fused:
+            raise ValueError("config.output_in_scan must be True when a sequence_scan is given")
+        seq_pass = SequencePass(q, k, p.v, beta, beta_mode, inverse, scores, rq, rk, gcum, o, h0, ht,
+                                h_chunks if store_states else None, cu if varlen else None,
+                                chunk_start if varlen else None, T, NT, dummy)
     if length:
         segments, seq_segments, n_seg = _segment_plan(p, counts, length)
         summary = torch.empty(n_seg, HV, K, V + K, dtype=torch.float32, device=dev)
@@ -506,8 +540,13 @@ def run(p: Problem, config: ChunkConfig | None = None):
         _segment_combine_kernel[(N * HV, triton.cdiv(V, BV))](
             summary, seg_start, h0 if h0 is not None else o, seq_segments, HV=HV, K=K, V=V, BK=BK, BV=BV,
             SK=SK, SV=SV, HAS_H0=h0 is not None, num_warps=4, num_stages=1)
-        _scan_kernel[(n_seg * HV, triton.cdiv(V, BV))](*args, segments, seg_start, T, NT, p.scale, BV=BV, SEG=2,
-                                                         **pass_args, **common)
+        if sequence_scan is not None:
+            sequence_scan(p, seq_pass, 2, segments, seg_start, n_seg)
+        else:
+            _scan_kernel[(n_seg * HV, triton.cdiv(V, BV))](*args, segments, seg_start, T, NT, p.scale, BV=BV, SEG=2,
+                                                             **pass_args, **common)
+    elif sequence_scan is not None:
+        sequence_scan(p, seq_pass, 0, dummy, dummy, N)
     else:
         _scan_kernel[(N * HV, triton.cdiv(V, BV))](*args, dummy, dummy, T, NT, p.scale, BV=BV, SEG=0,
                                                      **pass_args, **common)

@@ -8,8 +8,8 @@ The Gram matrix of the chunk's keys is formed once per program, as its ten lower
 applied to the blocks afterwards); for each value head the gate and beta make A's blocks, the four
 diagonal blocks are inverted by forward substitution (15 row steps, all four at once), and the
 six lower blocks follow by block forward substitution on tensor cores (tf32, exact: no series).
-Writes P ``[B, T, HV, BT]`` (the lower block triangle, rows of the chunk; the upper blocks are
-never read) in the product dtype, G ``[B, T, HV]`` and 1 / |k| ``[B, T, H]`` in fp32. The scan
+Writes P ``[B, T, HV, BT]`` (whole rows of the chunk, zero above the block diagonal, so that
+the Gluon scan can load whole tiles) in the product dtype and G ``[B, T, HV]`` in fp32. The scan
 (chunk_delta.py) forms W = P (beta e^G k) and U = P (beta v) implicitly, so they never reach HBM.
 
 Budgets (sm_90, K = V = 128, checked in tests/backends/test_triton_sm90.py): one warp, 255
@@ -215,6 +215,13 @@ def _inverse_kernel(
         _store_block(p_out, row0, p31, 3, 1, n_left, HV * BT, BT)
         _store_block(p_out, row0, p32, 3, 2, n_left, HV * BT, BT)
         _store_block(p_out, row0, p33, 3, 3, n_left, HV * BT, BT)
+        zero = tl.zeros([16, 16], dtype=tl.float32)                         # the upper blocks: whole rows
+        _store_block(p_out, row0, zero, 0, 1, n_left, HV * BT, BT)         # for the Gluon scan's TMA loads
+        _store_block(p_out, row0, zero, 0, 2, n_left, HV * BT, BT)
+        _store_block(p_out, row0, zero, 0, 3, n_left, HV * BT, BT)
+        _store_block(p_out, row0, zero, 1, 2, n_left, HV * BT, BT)
+        _store_block(p_out, row0, zero, 1, 3, n_left, HV * BT, BT)
+        _store_block(p_out, row0, zero, 2, 3, n_left, HV * BT, BT)
 
 
 @triton.jit

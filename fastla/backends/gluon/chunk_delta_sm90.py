@@ -1,0 +1,218 @@
+"""Hopper (sm_90) chunk scan of the GDN forward, with the output fused: Gluon, TMA, async wgmma.
+
+The prologue is the Triton tier's (backends/triton/chunk_prepare.py): per 64-token chunk and
+value head G = cumsum(g), P = (I + A)^-1 (whole rows, zero above the block diagonal), the causal
+scores A_qk = scale diag(rq) q k^T diag(rk) e^(G_i - G_j) and 1 / |q|, 1 / |k|. This kernel
+replaces the Triton scan's sequence passes (segment 0: whole sequences, 2: segment replays);
+the segment summary pass and the combine stay in Triton.
+
+Inputs (bf16 unless noted): k, q ``[B * T, H * K]``, v ``[B * T, HV * V]``, P and A_qk
+``[B * T, HV * 64]``, all through TMA descriptors of [64, 64] boxes ([64, BV] for v); beta (raw),
+G, rq, rk (fp32) by plain loads; h0 / ht / chunk states fp32 ``[.., K, V]`` or ``[.., V, K]``.
+Rows past a sequence's end come from the next sequence (or TMA's zero fill): they are finite,
+beta and the update weights are zero there, and their outputs are not stored.
+
+Grid ``(sequences or segments x HV, V / BV)``, 4 warps (one warpgroup, no specialization yet):
+the state slab S ``[K, BV]`` fp32 lives in registers as K / 64 halves ``[64, BV]``. Per chunk, with
+the chunk's tiles in stage ``i % STAGES`` (TMA, one mbarrier per stage, STAGES - 1 chunks ahead):
+    S -> bf16 smem;  X = k S  and  Q = q S  issued together, wait for X only
+    Y = beta (v - rk e^G X) -> smem;  V_new = P Y  (wait: V_new and Q)
+    V_new, D = diag(rk e^(G_last - G)) V_new -> smem
+    O = diag(scale rq e^G) Q + A_qk V_new  and  S = e^G_last S + k^T D  issued together, one wait
+so four dependent waits per chunk instead of the Triton scan's six serialized products.
+
+Budget (K = V = 128, BV = 32, STAGES = 2): shared 2 x (16 + 16 + 4 + 8 + 8) KB of tiles plus
+16 KB of staging = 120 KB (one program per SM; 2 at BV 32 would need <= 113 KB); registers
+checked by tests/backends/test_gluon_sm90.py (no spills, HGMMA in the SASS).
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+)
+
+BT = gl.constexpr(64)     # tokens per chunk (the prologue's)
+BK = gl.constexpr(64)     # key columns per TMA box and per state half
+
+
+@gluon.jit
+def _activate(b, mask, BETA: gl.constexpr):
+    """beta as the op defines it (recurrent.py's modes: 1 raw, 2 sigmoid, 3 2 x sigmoid); 0 off mask."""
+    b = b.to(gl.float32)
+    if BETA >= 2:
+        b = gl.where(mask, 1.0 / (1.0 + gl.exp(-b)), 0.0)
+    if BETA == 3:
+        b = 2.0 * b
+    return b
+
+
+@gluon.jit
+def _issue_chunk(k_desc, q_desc, v_desc, p_desc, a_desc, k_s, q_s, v_s, p_s, a_s, bar, stage, t0,
+                 i_h, i_hv, i_v, pred, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, NK: gl.constexpr):
+    """TMA loads of one chunk's tiles into ``stage``, completing on ``bar``."""
+    nbytes: gl.constexpr = (2 * NK * BT * BK + BT * BV + 2 * BT * BT) * 2
+    mbarrier.expect(bar, nbytes, pred=pred)
+    for j in gl.static_range(NK):
+        tma.async_copy_global_to_shared(k_desc, [t0, i_h * K + j * BK], bar, k_s.index(stage * NK + j), pred=pred)
+        tma.async_copy_global_to_shared(q_desc, [t0, i_h * K + j * BK], bar, q_s.index(stage * NK + j), pred=pred)
+    tma.async_copy_global_to_shared(v_desc, [t0, i_hv * V + i_v * BV], bar, v_s.index(stage), pred=pred)
+    tma.async_copy_global_to_shared(p_desc, [t0, i_hv * BT], bar, p_s.index(stage), pred=pred)
+    tma.async_copy_global_to_shared(a_desc, [t0, i_hv * BT], bar, a_s.index(stage), pred=pred)
+
+
+@gluon.jit
+def _scan_sm90_kernel(
+    k_desc, q_desc, v_desc, p_desc, a_desc,
+    beta, rq, rk, gcum, o, h0, ht, h_chunks, cu_seqlens, chunk_start, segments, seg_state,
+    T, NT, scale,
+    H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
+    SK: gl.constexpr, SV: gl.constexpr, HAS_H0: gl.constexpr, STORE_FINAL: gl.constexpr,
+    L2NORM: gl.constexpr, VARLEN: gl.constexpr, SEG: gl.constexpr, BETA: gl.constexpr,
+    STORE_STATES: gl.constexpr, STAGES: gl.constexpr,
+):
+    NK: gl.constexpr = K // BK
+    acc: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BV, 16])
+    rows: gl.constexpr = gl.SliceLayout(1, acc)
+    cols: gl.constexpr = gl.SliceLayout(0, acc)
+
+    i_p = gl.program_id(0).to(gl.int64)
+    i_v = gl.program_id(1)
+    i_hv = i_p % HV
+    i_h = i_hv // (HV // H)
+    i_s = i_p // HV
+    if SEG == 0:
+        i_n = i_s
+        c_begin = i_n * 0
+        is_last = i_n >= 0
+    else:
+        i_n = gl.load(segments + 4 * i_s).to(gl.int64)
+        c_begin = gl.load(segments + 4 * i_s + 1).to(gl.int64)
+        is_last = gl.load(segments + 4 * i_s + 3) != 0
+    if VARLEN:
+        bos = gl.load(cu_seqlens + i_n).to(gl.int64)
+        eos = gl.load(cu_seqlens + i_n + 1).to(gl.int64)
+        first_chunk = gl.load(chunk_start + i_n).to(gl.int64)
+    else:
+        bos = i_n * T
+        eos = bos + T
+        first_chunk = i_n * NT
+    if SEG == 0:
+        n_chunks = (eos - bos + BT - 1) // BT
+    else:
+        n_chunks = gl.load(segments + 4 * i_s + 2).to(gl.int64)
+
+    r = gl.arange(0, BT, layout=rows)                                       # chunk rows
+    o_j = gl.arange(0, BK, layout=rows)                                     # key rows of a state half
+    o_v = i_v * BV + gl.arange(0, BV, layout=cols)                          # value columns
+    p_half = o_j[:, None] * SK + o_v[None, :] * SV                          # [BK, BV] in one head's state
+
+    # the state halves [BK, BV] fp32 (key rows j * 64 ..)
+    S0 = gl.zeros([BK, BV], gl.float32, acc)
+    S1 = gl.zeros([BK, BV], gl.float32, acc)
+    if SEG == 2:
+        seg_base = seg_state + (i_s * HV + i_hv) * K * V + o_j[:, None] * V + o_v[None, :]
+        S0 = gl.load(seg_base)
+        if NK == 2:
+            S1 = gl.load(seg_base + BK * V)
+    elif HAS_H0:
+        h0_base = h0 + (i_n * HV + i_hv) * K * V + p_half
+        S0 = gl.load(h0_base).to(gl.float32)
+        if NK == 2:
+            S1 = gl.load(h0_base + BK * SK).to(gl.float32)
+
+    tile: gl.constexpr = k_desc.layout
+    k_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES * NK, BT, BK], tile)
+    q_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES * NK, BT, BK], tile)
+    p_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, BT], tile)
+    a_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, BT], tile)
+    v_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, BV], v_desc.layout)
+    s_s = gl.allocate_shared_memory(gl.bfloat16, [NK, BK, BV], v_desc.layout)     # S (bf16), B operand
+    y_s = gl.allocate_shared_memory(gl.bfloat16, [BT, BV], v_desc.layout)
+    vn_s = gl.allocate_shared_memory(gl.bfloat16, [BT, BV], v_desc.layout)
+    vd_s = gl.allocate_shared_memory(gl.bfloat16, [BT, BV], v_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for st in gl.static_range(STAGES):
+        mbarrier.init(bars.index(st), count=1)
+    fence_async_shared()
+
+    t_first = (bos + c_begin * BT).to(gl.int32)
+    i_h32 = i_h.to(gl.int32)
+    i_hv32 = i_hv.to(gl.int32)
+    for st in gl.static_range(STAGES):
+        _issue_chunk(k_desc, q_desc, v_desc, p_desc, a_desc, k_s, q_s, v_s, p_s, a_s, bars.index(st), st,
+                     t_first + st * BT, i_h32, i_hv32, i_v, st < n_chunks, K, V, BV, NK)
+
+    zero = gl.zeros([BT, BV], gl.float32, acc)
+    for i in range(0, n_chunks):
+        c = c_begin + i
+        stage = (i % STAGES).to(gl.int32)
+        t0 = bos + c * BT
+        m_t = r < eos - t0
+        last = gl.minimum(eos - t0, BT) - 1
+        row = (t0 + r) * HV + i_hv                                          # [BT] rows of G / beta
+        b_G = gl.load(gcum + row, mask=m_t, other=0.0)
+        b_Gl = gl.load(gcum + (t0 + last) * HV + i_hv)
+        b_beta = _activate(gl.load(beta + row, mask=m_t, other=0.0), m_t, BETA)
+        if L2NORM:
+            b_rk = gl.load(rk + (t0 + r) * H + i_h, mask=m_t, other=0.0)
+            b_rq = gl.load(rq + (t0 + r) * H + i_h, mask=m_t, other=0.0)
+        else:
+            b_rk = gl.where(m_t, 1.0, 0.0)
+            b_rq = b_rk
+        if STORE_STATES:
+            h_base = h_chunks + ((first_chunk + c) * HV + i_hv) * K * V + p_half
+            gl.store(h_base, S0.to(h_chunks.dtype.element_ty))
+            if NK == 2:
+                gl.store(h_base + BK * SK, S1.to(h_chunks.dtype.element_ty))
+
+        s_s.index(0).store(S0.to(gl.bfloat16))
+        if NK == 2:
+            s_s.index(1).store(S1.to(gl.bfloat16))
+        fence_async_shared()
+        mbarrier.wait(bars.index(stage), ((i // STAGES) & 1).to(gl.int32))
+        # X = k S and Q = q S
+        x = warpgroup_mma(k_s.index(stage * NK), s_s.index(0), zero, use_acc=False, is_async=True)
+        if NK == 2:
+            x = warpgroup_mma(k_s.index(stage * NK + 1), s_s.index(1), x, is_async=True)
+        qs = warpgroup_mma(q_s.index(stage * NK), s_s.index(0), zero, use_acc=False, is_async=True)
+        if NK == 2:
+            qs = warpgroup_mma(q_s.index(stage * NK + 1), s_s.index(1), qs, is_async=True)
+        x = warpgroup_mma_wait(num_outstanding=NK, deps=(x,))
+        # Y = beta (v - rk e^G X);  V_new = P Y
+        b_eg = gl.exp(b_G)
+        b_v = v_s.index(stage).load(acc).to(gl.float32)
+        b_y = b_beta[:, None] * (b_v - (b_rk * b_eg)[:, None] * x)
+        y_s.store(b_y.to(gl.bfloat16))
+        fence_async_shared()
+        vn = warpgroup_mma(p_s.index(stage), y_s, zero, use_acc=False, is_async=True)
+        vn, qs = warpgroup_mma_wait(num_outstanding=0, deps=(vn, qs))
+        # O = diag(scale rq e^G) Q + A_qk V_new;  S = e^G_last S + k^T diag(rk e^(G_last - G)) V_new
+        b_d = gl.where(m_t, b_rk * gl.exp(b_Gl - b_G), 0.0)
+        vn_s.store(vn.to(gl.bfloat16))
+        vd_s.store((vn * b_d[:, None]).to(gl.bfloat16))
+        fence_async_shared()
+        out = warpgroup_mma(a_s.index(stage), vn_s, qs * (scale * b_rq * b_eg)[:, None], is_async=True)
+        b_egl = gl.exp(b_Gl)
+        S0 = warpgroup_mma(k_s.index(stage * NK).permute((1, 0)), vd_s, S0 * b_egl, is_async=True)
+        if NK == 2:
+            S1 = warpgroup_mma(k_s.index(stage * NK + 1).permute((1, 0)), vd_s, S1 * b_egl, is_async=True)
+            out, S0, S1 = warpgroup_mma_wait(num_outstanding=0, deps=(out, S0, S1))
+        else:
+            out, S0 = warpgroup_mma_wait(num_outstanding=0, deps=(out, S0))
+        # the stage is free: chunk i + STAGES into it
+        gl.thread_barrier()
+        _issue_chunk(k_desc, q_desc, v_desc, p_desc, a_desc, k_s, q_s, v_s, p_s, a_s, bars.index(stage), stage,
+                     (t0 + STAGES * BT).to(gl.int32), i_h32, i_hv32, i_v, i + STAGES < n_chunks, K, V, BV, NK)
+        o_ptr = o + ((t0 + r) * HV + i_hv)[:, None] * V + o_v[None, :]
+        gl.store(o_ptr, out.to(o.dtype.element_ty), mask=m_t[:, None])
+
+    for st in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(st))
+    if STORE_FINAL:
+        ht_base = ht + (i_n * HV + i_hv) * K * V + p_half
+        m_last = (o_j >= 0)[:, None] & is_last                              # segments: the last one only
+        gl.store(ht_base, S0.to(ht.dtype.element_ty), mask=m_last)
+        if NK == 2:
+            gl.store(ht_base + BK * SK, S1.to(ht.dtype.element_ty), mask=m_last)

@@ -1,0 +1,110 @@
+"""The Gluon (sm_90) GDN chunked forward against the fp64 reference and the Triton tier, on an
+H200-class GPU only (bf16 inputs: the Gluon scan's tiles; the CPU suite skips this file)."""
+import pytest
+import torch
+
+from fastla.core.dispatch import use_tier
+from fastla.ops.gated_delta_rule import chunk_gated_delta_rule, naive_recurrent_gated_delta_rule
+from tests.helpers import OPS, call_chunk, call_reference, make_inputs, rel_rms
+
+SPEC = OPS["gdn"]
+sm90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not sm90, reason="needs an sm_90 GPU")]
+
+
+def poison():
+    """Fill the caching allocator's free blocks with NaN, so unwritten outputs fail."""
+    x = torch.full((1 << 27,), float("nan"), device="cuda")
+    del x
+
+
+def on(tier, fn, *args, **kwargs):
+    poison()
+    with use_tier(tier, strict=True), torch.no_grad():
+        return fn(*args, **kwargs)
+
+
+def check(t, **opts):
+    """Gluon's error vs fp64 within 1.5x the Triton tier's (same prologue) plus a floor, no NaN,
+    and repeat runs bit-identical (a moving error is a race)."""
+    out = on("gluon", call_chunk, SPEC, t, output_final_state=True, **opts)
+    again = on("gluon", call_chunk, SPEC, t, output_final_state=True, **opts)
+    tri = on("triton", call_chunk, SPEC, t, output_final_state=True, **opts)
+    opts.pop("cu_seqlens_cpu", None)
+    ref = call_reference(SPEC, {n: x.double() for n, x in t.items()}, output_final_state=True, **opts)
+    for name, g, a, r, tr in zip(("o", "final_state"), out, again, ref, tri):
+        assert torch.equal(g, a), f"{name}: two runs differ (race)"
+        err, err_t = rel_rms(g, r), rel_rms(tr, r)
+        assert err <= 1.5 * err_t + 2e-3, f"{name}: gluon {err:.2e} vs triton {err_t:.2e}"
+
+
+def bf16_inputs(**kw):
+    return make_inputs(SPEC, dtype=torch.bfloat16, device="cuda", **kw)
+
+
+@pytest.mark.parametrize("T", [1, 63, 64, 65, 200])
+def test_lengths(T):
+    check(bf16_inputs(B=2, T=T, H=2, HV=4, K=128, V=128))
+
+
+@pytest.mark.parametrize("K,V", [(64, 64), (128, 96), (64, 128)])
+def test_head_dims(K, V):
+    check(bf16_inputs(B=1, T=300, H=1, HV=2, K=K, V=V))
+
+
+def test_varlen():
+    lengths = [1, 63, 64, 65, 130, 7, 300]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
+    check(bf16_inputs(B=1, T=sum(lengths), H=2, HV=8, K=128, V=128, N=len(lengths)),
+          cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu)
+
+
+@pytest.mark.parametrize("v_first", [False, True])
+def test_segments(v_first, monkeypatch):
+    from fastla.backends.triton import chunk_delta
+    monkeypatch.setattr(chunk_delta, "default_config", lambda p: chunk_delta.ChunkConfig(segment_chunks=2))
+    lengths = [1, 300, 64, 129]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
+    t = bf16_inputs(B=1, T=sum(lengths), H=1, HV=2, K=128, V=128, N=len(lengths), v_first=v_first)
+    check(t, cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu, state_v_first=v_first)
+
+
+def test_no_initial_state_and_strong_decay():
+    check(bf16_inputs(B=2, T=200, H=1, HV=2, K=128, V=128, h0=False, strength=30.0))
+
+
+def test_everything_in_op():
+    torch.manual_seed(0)
+    B, T, H, HV, K, V = 1, 200, 2, 4, 128, 128
+    t = dict(q=torch.randn(B, T, H, K), k=torch.randn(B, T, H, K), v=torch.randn(B, T, HV, V),
+             g=torch.randn(B, T, HV), beta=torch.randn(B, T, HV), initial_state=torch.randn(B, HV, K, V))
+    t = {n: (x.cuda() if n == "initial_state" else x.cuda().bfloat16()) for n, x in t.items()}
+    opts = dict(use_gate_in_kernel=True, A_log=(torch.randn(HV) * 0.5).cuda(), dt_bias=torch.randn(HV).cuda(),
+                use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True,
+                output_final_state=True)
+    o, ht = on("gluon", chunk_gated_delta_rule, **t, **opts)
+    to, tht = on("triton", chunk_gated_delta_rule, **t, **opts)
+    d = {n: x.double() for n, x in t.items()}
+    q, k, v = d.pop("q"), d.pop("k"), d.pop("v")
+    ro, rht = naive_recurrent_gated_delta_rule(q, k, v, **d, **opts)
+    assert rel_rms(o, ro) <= 1.5 * rel_rms(to, ro) + 2e-3
+    assert rel_rms(ht, rht) <= 1.5 * rel_rms(tht, rht) + 2e-3
+
+
+def test_intermediate_states_match_triton():
+    t = bf16_inputs(B=2, T=200, H=1, HV=2, K=128, V=128)
+    opts = dict(output_final_state=True, return_intermediate_states=True)
+    o, ht, h = on("gluon", call_chunk, SPEC, t, **opts)
+    to, tht, th = on("triton", call_chunk, SPEC, t, **opts)
+    assert h.shape == th.shape
+    assert rel_rms(h.float(), th.float()) <= 1e-2
+    assert rel_rms(o.float(), to.float()) <= 1e-2
+
+
+def test_gluon_serves_by_default():
+    from fastla.core import dispatch
+    from fastla.core.validation import build_problem
+    t = bf16_inputs(B=1, T=64, H=1, K=128, V=128)
+    problem = build_problem("chunk_gated_delta_rule", q=t["q"], k=t["k"], v=t["v"], g=t["g"], beta=t["beta"],
+                            delta=True, gva=True)
+    assert dict(dispatch.explain("chunk_gated_delta_rule", problem))["gluon"] is None
