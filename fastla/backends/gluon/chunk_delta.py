@@ -35,8 +35,9 @@ def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from fastla.backends.gluon.chunk_delta_sm90 import BK, BT, _scan_sm90_kernel
+    from fastla.backends.gluon.chunk_delta_sm90 import _scan_sm90_kernel
 
+    BT = BK = 64                                                            # the kernel's tile sides
     BV = SCAN_BLOCK_V
     rows = p.B * p.T
     tile = gl.NVMMASharedLayout.get_default_for([BT, BK], gl.bfloat16)
