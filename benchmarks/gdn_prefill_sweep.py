@@ -19,6 +19,7 @@ import triton
 from triton.testing import do_bench_cudagraph
 
 import fastla  # noqa: F401  (registers the tiers)
+from fastla.backends.gluon import chunk_delta as gluon_chunk
 from fastla.backends.triton import chunk_delta
 from fastla.bench.inputs import call_kwargs, make_inputs
 from fastla.bench.registry import get_config
@@ -28,6 +29,8 @@ from fastla.ops.gated_delta_rule import chunk_gated_delta_rule
 VARIANTS = {
     "default": None,                       # chunk_delta.default_config(p)
     "gluon": None,                         # the sm_90 tier (its scan, the Triton prologue), default plan
+    "gluon-bv64": dict(SCAN_BLOCK_V=64),   # gluon-*: overrides of backends/gluon/chunk_delta.py's constants
+    "gluon-s3": dict(SCAN_STAGES=3),
     "unfused": dict(output_in_scan=False),
     "bv16": dict(scan_block_v=16, scan_stages=2, scan_warps=4),
     "bv32s2": dict(scan_block_v=32, scan_stages=2, scan_warps=4),
@@ -102,11 +105,16 @@ def main() -> int:
         first = None
         for name in names:
             over = VARIANTS[name]
+            tier = "gluon" if name.startswith("gluon") else "triton"
+            saved = {a: getattr(gluon_chunk, a) for a in (over or {})} if tier == "gluon" else {}
+            for a, value in saved.items():
+                setattr(gluon_chunk, a, over[a])
+            if tier == "gluon":
+                over = None
             chunk_delta.default_config = lambda p, o=over: (
                 original(p) if o is None else dataclasses.replace(original(p), **o))
             variant = chunk_delta.default_config
             try:
-                tier = "gluon" if name.startswith("gluon") else "triton"
                 with use_tier(tier, strict=True), torch.no_grad():
                     call = lambda: chunk_gated_delta_rule(**kw)  # noqa: E731
                     o = call()[0]
@@ -121,6 +129,8 @@ def main() -> int:
                 continue
             finally:
                 chunk_delta.default_config = original
+                for a, value in saved.items():
+                    setattr(gluon_chunk, a, value)
             prep = sum(v for k, v in split.items() if "inverse" in k)
             scan = sum(v for k, v in split.items() if "scan" in k)                # both tiers' scan kernels
             rows.append(dict(shape=shape, variant=name, config=dataclasses.asdict(variant(problem_of(kw))), us=us, prepare_us=prep,

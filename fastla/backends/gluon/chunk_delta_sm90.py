@@ -49,6 +49,25 @@ def _activate(b, mask, BETA: gl.constexpr):
 
 
 @gluon.jit
+def _chunk_vectors(gcum, beta, rq, rk, r, bos, eos, c, valid, i_h, i_hv, H: gl.constexpr, HV: gl.constexpr,
+                   L2NORM: gl.constexpr, BETA: gl.constexpr):
+    """Chunk c's per-row G, beta, 1/|k|, 1/|q| [BT] and its last row's G (0 where not ``valid``)."""
+    t0 = bos + c * BT
+    m_t = (r < eos - t0) & valid
+    row = (t0 + r) * HV + i_hv
+    b_G = gl.load(gcum + row, mask=m_t, other=0.0)
+    b_Gl = gl.load(gcum + (gl.minimum(eos, t0 + BT) - 1) * HV + i_hv, mask=valid, other=0.0)
+    b_beta = _activate(gl.load(beta + row, mask=m_t, other=0.0), m_t, BETA)
+    if L2NORM:
+        b_rk = gl.load(rk + (t0 + r) * H + i_h, mask=m_t, other=0.0)
+        b_rq = gl.load(rq + (t0 + r) * H + i_h, mask=m_t, other=0.0)
+    else:
+        b_rk = gl.where(m_t, 1.0, 0.0)
+        b_rq = b_rk
+    return b_G, b_Gl, b_beta, b_rk, b_rq
+
+
+@gluon.jit
 def _issue_chunk(k_desc, q_desc, v_desc, p_desc, a_desc, k_s, q_s, v_s, p_s, a_s, bar, stage, t0,
                  i_h, i_hv, i_v, pred, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, NK: gl.constexpr):
     """TMA loads of one chunk's tiles into ``stage``, completing on ``bar``."""
@@ -145,22 +164,17 @@ def _scan_sm90_kernel(
                      t_first + st * BT, i_h32, i_hv32, i_v, st < n_chunks, K, V, BV, NK)
 
     zero = gl.zeros([BT, BV], gl.float32, acc)
+    # the row vectors are loaded one chunk ahead, so their latency hides behind a chunk's products
+    n_G, n_Gl, n_beta, n_rk, n_rq = _chunk_vectors(gcum, beta, rq, rk, r, bos, eos, c_begin, n_chunks > 0,
+                                                   i_h, i_hv, H, HV, L2NORM, BETA)
     for i in range(0, n_chunks):
         c = c_begin + i
         stage = (i % STAGES).to(gl.int32)
         t0 = bos + c * BT
         m_t = r < eos - t0
-        last = gl.minimum(eos - t0, BT) - 1
-        row = (t0 + r) * HV + i_hv                                          # [BT] rows of G / beta
-        b_G = gl.load(gcum + row, mask=m_t, other=0.0)
-        b_Gl = gl.load(gcum + (t0 + last) * HV + i_hv)
-        b_beta = _activate(gl.load(beta + row, mask=m_t, other=0.0), m_t, BETA)
-        if L2NORM:
-            b_rk = gl.load(rk + (t0 + r) * H + i_h, mask=m_t, other=0.0)
-            b_rq = gl.load(rq + (t0 + r) * H + i_h, mask=m_t, other=0.0)
-        else:
-            b_rk = gl.where(m_t, 1.0, 0.0)
-            b_rq = b_rk
+        b_G, b_Gl, b_beta, b_rk, b_rq = n_G, n_Gl, n_beta, n_rk, n_rq
+        n_G, n_Gl, n_beta, n_rk, n_rq = _chunk_vectors(gcum, beta, rq, rk, r, bos, eos, c + 1, i + 1 < n_chunks,
+                                                       i_h, i_hv, H, HV, L2NORM, BETA)
         if STORE_STATES:
             h_base = h_chunks + ((first_chunk + c) * HV + i_hv) * K * V + p_half
             gl.store(h_base, S0.to(h_chunks.dtype.element_ty))
