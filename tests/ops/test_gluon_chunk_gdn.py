@@ -42,8 +42,15 @@ def bf16_inputs(**kw):
     return make_inputs(SPEC, dtype=torch.bfloat16, device="cuda", **kw)
 
 
+@pytest.fixture(params=[32, 64], ids=["bv32", "bv64"])
+def block_v(request, monkeypatch):
+    from fastla.backends.gluon import chunk_delta as gluon_chunk
+    monkeypatch.setattr(gluon_chunk, "SCAN_BLOCK_V", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("T", [1, 63, 64, 65, 200])
-def test_lengths(T):
+def test_lengths(T, block_v):
     check(bf16_inputs(B=2, T=T, H=2, HV=4, K=128, V=128))
 
 
@@ -52,7 +59,7 @@ def test_head_dims(K, V):
     check(bf16_inputs(B=1, T=300, H=1, HV=2, K=K, V=V))
 
 
-def test_varlen():
+def test_varlen(block_v):
     lengths = [1, 63, 64, 65, 130, 7, 300]
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
     check(bf16_inputs(B=1, T=sum(lengths), H=2, HV=8, K=128, V=128, N=len(lengths)),
@@ -60,7 +67,7 @@ def test_varlen():
 
 
 @pytest.mark.parametrize("v_first", [False, True])
-def test_segments(v_first, monkeypatch):
+def test_segments(v_first, block_v, monkeypatch):
     from fastla.backends.triton import chunk_delta
     monkeypatch.setattr(chunk_delta, "default_config", lambda p: chunk_delta.ChunkConfig(segment_chunks=2))
     lengths = [1, 300, 64, 129]
@@ -91,7 +98,7 @@ def test_everything_in_op():
     assert rel_rms(ht, rht) <= 1.5 * rel_rms(tht, rht) + 2e-3
 
 
-def test_intermediate_states_match_triton():
+def test_intermediate_states_match_triton(block_v):
     t = bf16_inputs(B=2, T=200, H=1, HV=2, K=128, V=128)
     opts = dict(output_final_state=True, return_intermediate_states=True)
     o, ht, h = on("gluon", call_chunk, SPEC, t, **opts)
@@ -99,6 +106,14 @@ def test_intermediate_states_match_triton():
     assert h.shape == th.shape
     assert rel_rms(h.float(), th.float()) <= 1e-2
     assert rel_rms(o.float(), to.float()) <= 1e-2
+
+
+def test_block_v_plan():
+    from fastla.backends.gluon.chunk_delta import scan_block_v
+    assert scan_block_v((512,), 64, 128, 132) == 64              # 256 lanes of 32 columns
+    assert scan_block_v((512,), 32, 128, 132) == 32              # 128 lanes fit one wave
+    assert scan_block_v((110, 21, 9, 32, 16, 5, 48, 1, 19), 8, 128, 132) == 32
+    assert scan_block_v((512,), 64, 96, 132) == 32               # 64 does not divide V
 
 
 def test_gluon_serves_by_default():
