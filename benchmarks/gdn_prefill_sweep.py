@@ -31,7 +31,6 @@ VARIANTS = {
     "gluon": None,                         # the sm_90 tier (its scan, the Triton prologue), default plan
     "gluon-bv64": dict(SCAN_BLOCK_V=64),   # gluon-*: overrides of backends/gluon/chunk_delta.py's constants
     "gluon-s3": dict(SCAN_STAGES=3),
-    "unfused": dict(output_in_scan=False),
     "bv16": dict(scan_block_v=16, scan_stages=2, scan_warps=4),
     "bv32s2": dict(scan_block_v=32, scan_stages=2, scan_warps=4),
     "bv32s3": dict(scan_block_v=32, scan_stages=3, scan_warps=4),

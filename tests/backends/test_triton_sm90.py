@@ -80,7 +80,7 @@ def _child(name: str, folder: str) -> None:
 
 
 SCAN_POINTERS = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "beta": "*bf16", "p_in": "*bf16", "a_in": "*bf16",
-                 "rq": "*fp32", "rk": "*fp32", "gcum": "*fp32", "v_new": "*bf16", "o": "*bf16", "h0": "*fp32",
+                 "rq": "*fp32", "rk": "*fp32", "gcum": "*fp32", "o": "*bf16", "h0": "*fp32",
                  "ht": "*fp32", "h_chunks": "*bf16", "cu_seqlens": "*i64", "chunk_start": "*i64", "segments": "*i32",
                  "seg_state": "*fp32"}
 GDN_KERNELS = {
@@ -93,18 +93,13 @@ GDN_KERNELS = {
                {"q": "*bf16", "k": "*bf16", "gcum": "*fp32", "a_out": "*bf16", "rq_out": "*fp32", "rk_out": "*fp32",
                 "cu_seqlens": "*i64", "chunk_index": "*i32"}, {}, 4, 1),
     "scan": ("chunk_delta._scan_kernel", SCAN_POINTERS,
-             dict(BV=32, SK=128, SV=1, HAS_H0=True, STORE_FINAL=True, SEG=0, BETA=2, OUTPUT=True, STORE_STATES=False),
-             4, 2),
-    "scan-wide": ("chunk_delta._scan_kernel", SCAN_POINTERS,
-                  dict(BV=64, SK=128, SV=1, HAS_H0=True, STORE_FINAL=True, SEG=2, BETA=2, OUTPUT=True,
-                       STORE_STATES=False), 8, 2),
+             dict(BV=32, SK=128, SV=1, HAS_H0=True, STORE_FINAL=True, SEG=0, BETA=2, STORE_STATES=False), 4, 2),
+    "scan-replay-3-stages": ("chunk_delta._scan_kernel", SCAN_POINTERS,
+                             dict(BV=32, SK=128, SV=1, HAS_H0=True, STORE_FINAL=True, SEG=2, BETA=2,
+                                  STORE_STATES=True), 4, 3),
     "scan-summary": ("chunk_delta._scan_kernel", SCAN_POINTERS,
-                     dict(BV=64, SK=128, SV=1, HAS_H0=True, STORE_FINAL=True, SEG=1, BETA=2, OUTPUT=False,
-                          STORE_STATES=False), 8, 2),
-    "output": ("chunk_delta._output_kernel",
-               {"gcum": "*fp32", "q": "*bf16", "k": "*bf16", "v_new": "*bf16", "h_chunks": "*bf16", "o": "*bf16",
-                "cu_seqlens": "*i64", "chunk_index": "*i32"},
-               dict(BV=64, CPB=8, SK=128, SV=1), 4, 2),
+                     dict(BV=32, SK=128, SV=1, HAS_H0=True, STORE_FINAL=True, SEG=1, BETA=2, STORE_STATES=False),
+                     4, 2),
 }
 
 
@@ -138,11 +133,11 @@ def _child_gdn(name: str, folder: str) -> None:
     print(json.dumps(res))
 
 
-def _run_child(call: str, tmp_path) -> dict:
+def _run_child(call: str, tmp_path, module: str = "tests.backends.test_triton_sm90") -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = str(pathlib.Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
-    code = f"from tests.backends.test_triton_sm90 import {call.split('(')[0]}; {call}"
+    code = f"from {module} import {call.split('(')[0]}; {call}"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

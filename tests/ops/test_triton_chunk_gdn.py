@@ -124,16 +124,14 @@ def test_small_head_dim():
     check(make_inputs(SPEC, B=1, T=40, H=1, K=8, V=8))
 
 
-@pytest.mark.parametrize("variant", ["output_kernel", "one_chunk_per_program", "wide_tiles",
-                                     "segments_of_one_chunk", "segments_of_two_chunks", "inverse_per_value_head"])
+@pytest.mark.parametrize("variant", ["three_stages", "wide_tiles", "segments_of_one_chunk", "segments_of_two_chunks",
+                                     "inverse_per_value_head"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_launch_variants(variant, device, monkeypatch):
     """The non-default launch variants the GPU sweep times compute the same function."""
     from fastla.backends.triton import chunk_delta
-    config = {"output_kernel": chunk_delta.ChunkConfig(output_in_scan=False, segment_chunks=2),
-              "one_chunk_per_program": chunk_delta.ChunkConfig(output_in_scan=False, output_chunks=1,
-                                                               output_stages=1),
-              "wide_tiles": chunk_delta.ChunkConfig(scan_block_v=64, scan_warps=8, output_block_v=128),
+    config = {"three_stages": chunk_delta.ChunkConfig(scan_stages=3),
+              "wide_tiles": chunk_delta.ChunkConfig(scan_block_v=64, scan_warps=8),
               "segments_of_one_chunk": chunk_delta.ChunkConfig(segment_chunks=1),
               "segments_of_two_chunks": chunk_delta.ChunkConfig(segment_chunks=2, scan_block_v=16),
               "inverse_per_value_head": chunk_delta.ChunkConfig(inverse_heads=1, inverse_warps=2)}[variant]

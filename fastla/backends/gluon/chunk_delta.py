@@ -55,6 +55,8 @@ def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments
 
     BT = BK = 64                                                            # the kernel's tile sides
     BV = SCAN_BLOCK_V or scan_block_v(triton_chunk._chunk_counts(p), p.HV, p.V, triton_chunk._sm_count(p.device))
+    if sp.h_chunks is not None:
+        BV = 32                         # storing the chunk states spills at 64 columns (448 B, sm_90 compile)
     rows = p.B * p.T
     tile = gl.NVMMASharedLayout.get_default_for([BT, BK], gl.bfloat16)
     vtile = gl.NVMMASharedLayout.get_default_for([BT, BV], gl.bfloat16)

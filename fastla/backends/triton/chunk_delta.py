@@ -1,4 +1,4 @@
-"""Triton chunked forward of the gated delta rule (GDN): prepare, scan, output.
+"""Triton chunked forward of the gated delta rule (GDN): prologue, then a scan that writes the output.
 
 Inputs as the public op takes them, contiguous: q, k ``[B, T, H, K]`` (GVA: value head ``j``
 reads head ``j // (HV // H)``), v ``[B, T, HV, V]``, g / beta ``[B, T, HV]`` (raw when the gate
@@ -7,24 +7,25 @@ or the beta sigmoid is computed in the op); the l2norm of q and k, the GDN gate
 Dense batches need no index tensors; varlen batches use a host-built chunk index, cached per
 ``cu_seqlens`` (so graph capture after one eager call copies nothing).
 
-Prologue (chunk_prepare.py): per chunk and value head G = cumsum(g), 1 / |k| and
-    P = (I + A)^-1,  A = strict_lower(beta_i (k_i . k_j) exp(G_i - G_j))  [BT, BT] (bf16).
+Prologue (chunk_prepare.py), token-parallel: per chunk and value head G = cumsum(g) and
+    P = (I + A)^-1,  A = strict_lower(beta_i (k_i . k_j) exp(G_i - G_j))  [BT, BT] (bf16),
+the causal scores A_qk = scale diag(rq) q k^T diag(rk) e^(G_i - G_j) (bf16) and 1 / |q|, 1 / |k|.
 Scan, ``_scan_kernel``, grid ``(N * HV, V / BV)``: the state slab ``S [K, BV]`` (fp32) in
-registers, per chunk: store S (the chunk-start state), then three products
-    V_new = P diag(beta) (v - diag(rk e^G) k S)    (stored),
-    S = e^G_last S + k^T diag(rk e^(G_last - G)) V_new
-  so W = P (beta e^G k) and U = P (beta v) of the WY form never reach HBM; and the final state.
-  With segments (sequence parallelism, ``segment_length``) the same kernel runs a summary pass
-  (SEG 1) and a replay pass (SEG 2) around ``_segment_combine_kernel``.
-Output, ``_output_kernel``, grid ``(chunk groups, H, V / BV)``: ``q k^T`` once per q/k head,
-then for each of its value heads
-    O = scale (e^G (q S) + causal(q k^T e^(G_i - G_j)) V_new)
+registers, per chunk
+    V_new = P diag(beta) (v - diag(rk e^G) k S),
+    O = diag(scale rq e^G) q S + A_qk V_new                        (stored),
+    S = e^G_last S + k^T diag(rk e^(G_last - G)) V_new,
+so W and U of the WY form, V_new and the chunk states never reach HBM (the chunk states are
+stored only for return_intermediate_states); and the final state. With segments (sequence
+parallelism, ``segment_length``) the same kernel runs a summary pass (SEG 1, no output) and a
+replay pass (SEG 2) around ``_segment_combine_kernel``. The Gluon tier (backends/gluon) runs
+its own sm_90 kernel for the sequence passes and reuses the rest through ``run``.
 
 Precision as FLA's chunk kernels: bf16 operands with fp32 accumulation for the products with
 the state, the scores and P (bf16 inputs; fp32 operands otherwise), tf32 for the inverse's
 block merges, fp32 state. Budget (K = V = 128, sm_90, checked in tests/backends/test_triton_sm90.py):
-WY scan at BV 32 / 4 warps 162 registers, BV 64 244, no spill, <= 83 KB shared; output 4 warps
-no spill. Measurements: docs/notes/gdn-prefill.md.
+scan at BV 32 / 4 warps about 233 registers, no spill, 111 KB of shared memory at two stages
+(165 KB at three). Measurements: docs/notes/gdn-prefill.md.
 """
 from __future__ import annotations
 
@@ -38,21 +39,21 @@ import triton
 import triton.language as tl
 
 from fastla.backends.triton import chunk_prepare, interpreting
-from fastla.backends.triton.chunk_index import BT, _chunk, _sequence
+from fastla.backends.triton.chunk_index import BT, _sequence
 from fastla.backends.triton.chunk_prepare import _activate_beta
 from fastla.backends.triton.recurrent import BETA_GIVEN, BETA_SIGMOID, BETA_SIGMOID2
 from fastla.core.problem import Problem
 
 @triton.jit
 def _scan_kernel(
-    q, k, v, beta, p_in, a_in, rq, rk, gcum, v_new, o, h0, ht, h_chunks, cu_seqlens, chunk_start, segments, seg_state,
+    q, k, v, beta, p_in, a_in, rq, rk, gcum, o, h0, ht, h_chunks, cu_seqlens, chunk_start, segments, seg_state,
     T, NT, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     SK: tl.constexpr, SV: tl.constexpr, DOT: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, L2NORM: tl.constexpr,
     VARLEN: tl.constexpr, SEG: tl.constexpr, BETA: tl.constexpr,
-    OUTPUT: tl.constexpr, STORE_STATES: tl.constexpr,
+    STORE_STATES: tl.constexpr,
 ):
     """SEG 0: program (sequence x value head, V tile) runs a whole sequence from h0.
     SEG 1 (segment summary): program (segment x value head, tile of the V + K columns) runs one
@@ -61,7 +62,7 @@ def _scan_kernel(
     SEG 2 (segment replay): as SEG 0 over one segment, from its start state in ``seg_state``.
     Per chunk, from P = (I + A)^-1, the raw keys k, v, beta and 1 / |k| (rk):
     V_new = P diag(beta) (v - diag(rk e^G) k S), S = e^G_last S + k^T diag(rk e^(G_last - G)) V_new.
-    OUTPUT (SEG 0 and 2): the output too, from the raw queries, 1 / |q| (rq) and the causal scores
+    SEG 0 and 2 write the output too, from the raw queries, 1 / |q| (rq) and the causal scores
     A = scale diag(rq) q k^T diag(rk) e^(G_i - G_j) of the prologue,
     O = scale diag(rq e^G) q S + A V_new, so neither
     V_new nor the chunk states reach HBM (STORE_STATES: the chunk-start states are stored all the
@@ -132,16 +133,14 @@ def _scan_kernel(
         b_v = tl.load(v + base * V + off_v, mask=m_t[:, None] & (o_v < V)[None, :], other=0.0).to(tl.float32)
         b_Sd = b_S.to(DOT)
         b_x = tl.dot(b_k, b_Sd)                                                                   # [BT, BV]: k S
-        if OUTPUT:
+        if SEG != 1:
             b_q = tl.load(q + (t0 * H + i_h) * K + off_kr, mask=m_tk, other=0.0).to(DOT)           # [BT, BK]
             b_qs = tl.dot(b_q, b_Sd)                                                              # [BT, BV]: q S
         b_y = b_beta[:, None] * (b_v - (b_rk * tl.exp(b_G))[:, None] * b_x)
         b_vn = tl.dot(b_P, b_y.to(DOT))                                                           # [BT, BV]
-        if not OUTPUT and SEG != 1:
-            tl.store(v_new + base * V + off_v, b_vn.to(v_new.dtype.element_ty), mask=m_tv)
         b_vd = b_vn * tl.where(m_t, b_rk * tl.exp(b_Gl - b_G), 0.0)[:, None]
         b_S = b_S * tl.exp(b_Gl) + tl.dot(tl.trans(b_k), b_vd.to(DOT))    # [BK, BV]
-        if OUTPUT:
+        if SEG != 1:
             b_rq = tl.full([BT], 1.0, tl.float32)
             if L2NORM:
                 b_rq = tl.load(rq + t0 * H + i_h + r * H, mask=m_t, other=0.0)
@@ -190,56 +189,6 @@ def _segment_combine_kernel(
         b_S = tl.dot(b_Phi, b_S, input_precision="tf32") + b_E
 
 
-@triton.jit
-def _output_kernel(
-    q, k, v_new, gcum, h_chunks, o, cu_seqlens, chunk_index, T, NT, total, scale,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, CPB: tl.constexpr,
-    SK: tl.constexpr, SV: tl.constexpr, DOT: tl.constexpr, L2NORM: tl.constexpr, VARLEN: tl.constexpr,
-):
-    i_g = tl.program_id(0)
-    i_h = tl.program_id(1)                                                  # q/k head: its HV // H value heads
-    i_v = tl.program_id(2)
-    r = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k = o_k < K
-    m_v = o_v < V
-    causal = r[:, None] >= r[None, :]
-    off_q = r[:, None] * (H * K) + o_k[None, :]                             # [BT, BK]
-    off_kt = o_k[:, None] + r[None, :] * (H * K)                            # [BK, BT]
-    off_v = r[:, None] * (HV * V) + o_v[None, :]                            # [BT, BV]
-    p_tile = o_k[:, None] * SK + o_v[None, :] * SV                          # [BK, BV] inside one state
-    zero = tl.zeros([1], dtype=tl.int64).sum()                             # int64 scalar
-    for i_c32 in range(i_g * CPB, tl.minimum(i_g * CPB + CPB, total)):    # CPB chunks
-        i_c = zero + i_c32
-        i_n, c, bos, eos = _chunk(chunk_index, cu_seqlens, i_c, T, NT, VARLEN)
-        t0 = bos + c * BT
-        m_t = r < eos - t0
-        m_tv = m_t[:, None] & m_v[None, :]
-        base_qk = (t0 * H + i_h) * K
-        b_q = tl.load(q + base_qk + off_q, mask=m_t[:, None] & m_k[None, :], other=0.0)           # [BT, BK]
-        b_kt = tl.load(k + base_qk + off_kt, mask=m_k[:, None] & m_t[None, :], other=0.0)         # [BK, BT]
-        if L2NORM:
-            b_q = b_q.to(tl.float32)
-            b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, 1) + 1e-6)[:, None]
-            b_kt = b_kt.to(tl.float32)
-            b_kt = b_kt * tl.rsqrt(tl.sum(b_kt * b_kt, 0) + 1e-6)[None, :]
-        b_q = b_q.to(DOT)
-        b_qk = tl.dot(b_q, b_kt.to(DOT))                                    # [BT, BT], shared by the group
-        for j in range(HV // H):                                            # value heads of this q/k head
-            i_hv = i_h * (HV // H) + j
-            base = t0 * HV + i_hv
-            b_h = tl.load(h_chunks + (i_c * HV + i_hv) * K * V + p_tile,
-                          mask=m_k[:, None] & m_v[None, :], other=0.0).to(DOT)                      # [BK, BV]
-            b_G = tl.load(gcum + base + r * HV, mask=m_t, other=0.0)                              # [BT]
-            b_vn = tl.load(v_new + base * V + off_v, mask=m_tv, other=0.0).to(DOT)              # [BT, BV]
-            b_A = tl.where(causal, b_qk * tl.exp(tl.where(causal, b_G[:, None] - b_G[None, :], 0.0)), 0.0)
-            b_o = tl.dot(b_q, b_h) * tl.exp(b_G)[:, None]                                         # [BT, BV]
-            b_o = (b_o + tl.dot(b_A.to(DOT), b_vn)) * scale
-            tl.store(o + base * V + off_v, b_o.to(o.dtype.element_ty), mask=m_tv)
-
-
 @dataclass(frozen=True)
 class ChunkConfig:
     """Launch choices of the kernels (measured: docs/notes/gdn-prefill.md)."""
@@ -249,12 +198,7 @@ class ChunkConfig:
     scan_block_v: int = 32
     scan_warps: int = 4
     scan_stages: int = 2
-    output_block_v: int = 64
-    output_warps: int = 4
-    output_chunks: int = 2              # chunks per output program (each: its HV // H value heads)
-    output_stages: int = 3
     segment_chunks: int | None = None   # sequence parallelism: chunks per segment (None: heuristic, 0: off)
-    output_in_scan: bool = True         # the scan writes the output (else: V_new, chunk states, output kernel)
     scores_warps: int = 4
 
 
@@ -469,7 +413,7 @@ class SequencePass:
 def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None):
     """The chunked forward. ``sequence_scan(p, SequencePass, seg, segments, seg_state, programs)``,
     when given, launches the sequence passes (seg 0 or 2) instead of the Triton scan; it must
-    write the output (``config.output_in_scan``)."""
+    write the output."""
     config = config or default_config(p)
     B, T, H, HV, K, V, N = p.B, p.T, p.H, p.HV, p.K, p.V, p.N
     dev = p.device
@@ -509,11 +453,8 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None):
     state_shape = (HV, V, K) if p.state_v_first else (HV, K, V)
     SK, SV = (1, K) if p.state_v_first else (V, 1)
     ht = torch.empty(N, *state_shape, dtype=torch.float32, device=dev) if p.output_final_state else None
-    fused = config.output_in_scan
-    store_states = p.return_intermediate_states or not fused
-    h_dtype = p.k.dtype if p.return_intermediate_states else op_dtype
-    h_chunks = torch.empty(total, *state_shape, dtype=h_dtype, device=dev) if store_states else dummy
-    v_new = dummy if fused else torch.empty(B, T, HV, V, dtype=op_dtype, device=dev)
+    store_states = p.return_intermediate_states
+    h_chunks = torch.empty(total, *state_shape, dtype=p.k.dtype, device=dev) if store_states else dummy
     BV = min(config.scan_block_v, BVF)
     h0 = p.initial_state
     counts = _chunk_counts(p)
@@ -521,13 +462,10 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None):
     common = dict(H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, SK=SK, SV=SV, DOT=dot, HAS_H0=h0 is not None,
                   STORE_FINAL=ht is not None, L2NORM=p.use_qk_l2norm, VARLEN=varlen, BETA=beta_mode,
                   num_warps=config.scan_warps, num_stages=config.scan_stages)
-    pass_args = dict(OUTPUT=fused, STORE_STATES=store_states)         # the passes that run the sequence
-    args = (q, k, p.v, beta, inverse, scores, rq, rk, gcum, v_new, o,
+    args = (q, k, p.v, beta, inverse, scores, rq, rk, gcum, o,
             h0 if h0 is not None else o, ht if ht is not None else o, h_chunks,
             cu if varlen else dummy, chunk_start if varlen else dummy)
     if sequence_scan is not None:
-        if not fused:
-            raise ValueError("config.output_in_scan must be True when a sequence_scan is given")
         seq_pass = SequencePass(q, k, p.v, beta, beta_mode, inverse, scores, rq, rk, gcum, o, h0, ht,
                                 h_chunks if store_states else None, cu if varlen else None,
                                 chunk_start if varlen else None, T, NT, dummy)
@@ -536,7 +474,7 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None):
         summary = torch.empty(n_seg, HV, K, V + K, dtype=torch.float32, device=dev)
         seg_start = torch.empty(n_seg, HV, K, V, dtype=torch.float32, device=dev)
         _scan_kernel[(n_seg * HV, triton.cdiv(V + K, BV))](*args, segments, summary, T, NT, p.scale, BV=BV, SEG=1,
-                                                             OUTPUT=False, STORE_STATES=False, **common)
+                                                             STORE_STATES=False, **common)
         _segment_combine_kernel[(N * HV, triton.cdiv(V, BV))](
             summary, seg_start, h0 if h0 is not None else o, seq_segments, HV=HV, K=K, V=V, BK=BK, BV=BV,
             SK=SK, SV=SV, HAS_H0=h0 is not None, num_warps=4, num_stages=1)
@@ -544,20 +482,12 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None):
             sequence_scan(p, seq_pass, 2, segments, seg_start, n_seg)
         else:
             _scan_kernel[(n_seg * HV, triton.cdiv(V, BV))](*args, segments, seg_start, T, NT, p.scale, BV=BV, SEG=2,
-                                                             **pass_args, **common)
+                                                             STORE_STATES=store_states, **common)
     elif sequence_scan is not None:
         sequence_scan(p, seq_pass, 0, dummy, dummy, N)
     else:
         _scan_kernel[(N * HV, triton.cdiv(V, BV))](*args, dummy, dummy, T, NT, p.scale, BV=BV, SEG=0,
-                                                     **pass_args, **common)
-    if total and not fused:
-        BVO = min(config.output_block_v, BVF)
-        CPB = config.output_chunks
-        _output_kernel[(triton.cdiv(total, CPB), H, triton.cdiv(V, BVO))](
-            q, k, v_new, gcum, h_chunks, o, cu if varlen else dummy, chunk_index if varlen else dummy, T, NT,
-            total, p.scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BVO, CPB=CPB, SK=SK, SV=SV, DOT=dot,
-            L2NORM=p.use_qk_l2norm, VARLEN=varlen, num_warps=config.output_warps, num_stages=config.output_stages,
-        )
+                                                     STORE_STATES=store_states, **common)
     if p.return_intermediate_states:
         h = h_chunks[None] if varlen else h_chunks.view(B, NT, *state_shape)
         return o, ht, h
