@@ -62,3 +62,40 @@ def test_gdn_scan_compiles_for_sm90(name, tmp_path):
     assert res["hgmma"] > 0 and res["utmaldg"] > 0, res
     assert res["LOCAL"] == 0 and res["STACK"] == 0, f"spills: {res}"
     assert res["shared_bytes"] <= 227 * 1024, res
+
+
+def test_launcher_builds_descriptors(monkeypatch):
+    """The host side of the Gluon scan on the CPU, up to the launch: TMA descriptors of the shapes
+    and boxes the kernel expects, and the tile plan (64 columns when 32-column lanes exceed the SMs;
+    32 whenever chunk states are stored)."""
+    import torch
+
+    from fastla.backends.gluon import chunk_delta as gluon_chunk
+    from fastla.backends.gluon import chunk_delta_sm90
+    from fastla.backends.triton import chunk_delta
+    from fastla.core.validation import build_problem
+
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append((grid, args, kw))
+
+    monkeypatch.setattr(chunk_delta_sm90, "_scan_sm90_kernel", Recorder())
+    B, T, H, HV, K, V = 1, 32768, 16, 64, 128, 128
+    bf = dict(dtype=torch.bfloat16)
+    q, k, v = torch.empty(B, T, H, K, **bf), torch.empty(B, T, H, K, **bf), torch.empty(B, T, HV, V, **bf)
+    g, beta = torch.empty(B, T, HV), torch.empty(B, T, HV)
+    p = build_problem("chunk_gated_delta_rule", q=q, k=k, v=v, g=g, beta=beta, delta=True, gva=True)
+    scratch = torch.empty(B, T, HV, 64, **bf)
+    for states in (None, torch.empty(512, HV, K, V, **bf)):
+        sp = chunk_delta.SequencePass(q, k, v, beta, 1, scratch, scratch, g, g, g, v, None, None, states, None, None,
+                                      T, 512, g)
+        gluon_chunk._sequence_scan(p, sp, 0, g, g, 1)
+    (grid64, args64, kw64), (grid32, args32, kw32) = launches
+    assert kw64["BV"] == 64 and grid64 == (HV, V // 64)                  # 256 lanes of 32 > 132 SMs
+    assert kw32["BV"] == 32 and kw32["STORE_STATES"] and grid32 == (HV, V // 32)
+    k_desc, q_desc, v_desc, p_desc, a_desc = args64[:5]
+    assert list(k_desc.shape) == [B * T, H * K] and k_desc.block_shape == [64, 64]
+    assert list(v_desc.shape) == [B * T, HV * V] and v_desc.block_shape == [64, 64]
+    assert list(p_desc.shape) == list(a_desc.shape) == [B * T, HV * 64]

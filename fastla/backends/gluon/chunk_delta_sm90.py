@@ -33,19 +33,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
+from fastla.backends.triton.chunk_index import _sequence
+from fastla.backends.triton.chunk_prepare import _activate_beta
+
 BT = gl.constexpr(64)     # tokens per chunk (the prologue's)
 BK = gl.constexpr(64)     # key columns per TMA box and per state half
-
-
-@gluon.jit
-def _activate(b, mask, BETA: gl.constexpr):
-    """beta as the op defines it (recurrent.py's modes: 1 raw, 2 sigmoid, 3 2 x sigmoid); 0 off mask."""
-    b = b.to(gl.float32)
-    if BETA >= 2:
-        b = gl.where(mask, 1.0 / (1.0 + gl.exp(-b)), 0.0)
-    if BETA == 3:
-        b = 2.0 * b
-    return b
 
 
 @gluon.jit
@@ -57,7 +49,7 @@ def _chunk_vectors(gcum, beta, rq, rk, r, bos, eos, c, valid, i_h, i_hv, H: gl.c
     row = (t0 + r) * HV + i_hv
     b_G = gl.load(gcum + row, mask=m_t, other=0.0)
     b_Gl = gl.load(gcum + (gl.minimum(eos, t0 + BT) - 1) * HV + i_hv, mask=valid, other=0.0)
-    b_beta = _activate(gl.load(beta + row, mask=m_t, other=0.0), m_t, BETA)
+    b_beta = _activate_beta(gl.load(beta + row, mask=m_t, other=0.0), m_t, BETA)
     if L2NORM:
         b_rk = gl.load(rk + (t0 + r) * H + i_h, mask=m_t, other=0.0)
         b_rq = gl.load(rq + (t0 + r) * H + i_h, mask=m_t, other=0.0)
@@ -109,14 +101,7 @@ def _scan_sm90_kernel(
         i_n = gl.load(segments + 4 * i_s).to(gl.int64)
         c_begin = gl.load(segments + 4 * i_s + 1).to(gl.int64)
         is_last = gl.load(segments + 4 * i_s + 3) != 0
-    if VARLEN:
-        bos = gl.load(cu_seqlens + i_n).to(gl.int64)
-        eos = gl.load(cu_seqlens + i_n + 1).to(gl.int64)
-        first_chunk = gl.load(chunk_start + i_n).to(gl.int64)
-    else:
-        bos = i_n * T
-        eos = bos + T
-        first_chunk = i_n * NT
+    bos, eos, first_chunk = _sequence(cu_seqlens, chunk_start, i_n, T, NT, VARLEN)
     if SEG == 0:
         n_chunks = (eos - bos + BT - 1) // BT
     else:

@@ -1,4 +1,5 @@
-"""Token-parallel prologue of the Triton GDN chunked forward: the WY factor of every 64-token chunk.
+"""Token-parallel prologue of the GDN chunked forward (Triton and Gluon tiers): per 64-token chunk
+the WY factor P and the causal scores.
 
 ``_inverse_kernel``, grid ``(chunks, HV / VPP)``: one chunk of VPP value heads that share a q/k
 head (GVA). With G = cumsum(g) over the chunk and unit keys (l2norm in the op) or raw keys:
@@ -12,9 +13,15 @@ Writes P ``[B, T, HV, BT]`` (whole rows of the chunk, zero above the block diago
 the Gluon scan can load whole tiles) in the product dtype and G ``[B, T, HV]`` in fp32. The scan
 (chunk_delta.py) forms W = P (beta e^G k) and U = P (beta v) implicitly, so they never reach HBM.
 
-Budgets (sm_90, K = V = 128, checked in tests/backends/test_triton_sm90.py): one warp, 255
-registers, no spill, mma.sync for the 16x16 products (too small for a warpgroup). Traffic per
-token and value head: 128 bytes of P written (bf16), the keys read once per GVA group.
+``_scores_kernel``, grid ``(chunks, H)``, 4 warps: q k^T [BT, BT] once per q/k head (one wgmma),
+1 / |q| and 1 / |k| per token (stored [B, T, H] fp32), and for each of the head's value heads
+the causal scores scale diag(rq) q k^T diag(rk) e^(G_i - G_j) ``[B, T, HV, BT]`` (bf16, whole
+rows) that the scan multiplies with V_new.
+
+Budgets (sm_90, K = V = 128, checked in tests/backends/test_triton_sm90.py): the inverse one
+warp, 255 registers, no spill, mma.sync for the 16x16 products (too small for a warpgroup); the
+scores 127 registers. Traffic per token and value head: 128 bytes of P and 128 of scores
+written (bf16), q and k read once per GVA group by each kernel.
 Measurements: docs/notes/gdn-prefill.md.
 """
 from __future__ import annotations
