@@ -21,6 +21,7 @@ SCAN_VARIANTS = {
     "bv64-replay-varlen": dict(BV=64, SEG=2, VARLEN=True),
     "bv32-replay-states-varlen": dict(SEG=2, STORE_STATES=True, VARLEN=True),
     "k64-v-first": dict(K=64, V=64, SK=1, SV=64),
+    "bv64-two-warpgroups": dict(BV=64, WARPGROUPS=2),
 }
 
 
@@ -33,7 +34,7 @@ def _child_scan(name: str, folder: str) -> None:
     from fastla.backends.gluon.chunk_delta_sm90 import _scan_sm90_kernel as kern
 
     consts = dict(H=16, HV=64, K=128, V=128, BV=32, SK=128, SV=1, HAS_H0=True, STORE_FINAL=True, L2NORM=True,
-                  VARLEN=False, SEG=0, BETA=2, STORE_STATES=False, STAGES=2)
+                  VARLEN=False, SEG=0, BETA=2, STORE_STATES=False, STAGES=2, WARPGROUPS=1)
     consts.update(SCAN_VARIANTS[name])
     tile = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
     vtile = gl.NVMMASharedLayout.get_default_for([64, consts["BV"]], gl.bfloat16)
@@ -47,7 +48,7 @@ def _child_scan(name: str, folder: str) -> None:
         else:
             sig[n] = SCAN_POINTERS.get(n) or ("constexpr" if n in consts else ("i32" if n in ("T", "NT") else "fp32"))
     src = GluonASTSource(kern, sig, {(names.index(n),): v for n, v in consts.items()})
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4 * consts["WARPGROUPS"]})
     res = _resources(kernel.asm["cubin"], folder)
     tool = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     sass = subprocess.run([str(tool), "-sass", str(pathlib.Path(folder) / "k.cubin")], capture_output=True,

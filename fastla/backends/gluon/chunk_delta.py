@@ -13,6 +13,7 @@ from fastla.core.problem import Problem
 
 SCAN_BLOCK_V = None         # value columns per program (None: scan_block_v's plan)
 SCAN_STAGES = 2             # chunks of tiles in flight
+SCAN_WARPGROUPS = 1         # warpgroups splitting a program's columns (2: a sweep variant, not yet timed)
 
 
 def scan_block_v(counts: tuple[int, ...], HV: int, V: int, sms: int) -> int:
@@ -85,7 +86,8 @@ def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments
         segments, seg_state, sp.T, sp.NT, p.scale,
         H=p.H, HV=p.HV, K=p.K, V=p.V, BV=BV, SK=SK, SV=SV, HAS_H0=sp.h0 is not None, STORE_FINAL=sp.ht is not None,
         L2NORM=p.use_qk_l2norm, VARLEN=sp.cu_seqlens is not None, SEG=seg, BETA=sp.beta_mode,
-        STORE_STATES=sp.h_chunks is not None, STAGES=SCAN_STAGES, num_warps=4,
+        STORE_STATES=sp.h_chunks is not None, STAGES=SCAN_STAGES,
+        WARPGROUPS=SCAN_WARPGROUPS, num_warps=4 * SCAN_WARPGROUPS,
     )
 
 

@@ -12,18 +12,22 @@ G, rq, rk (fp32) by plain loads; h0 / ht / chunk states fp32 ``[.., K, V]`` or `
 Rows past a sequence's end come from the next sequence (or TMA's zero fill): they are finite,
 beta and the update weights are zero there, and their outputs are not stored.
 
-Grid ``(sequences or segments x HV, V / BV)``, 4 warps (one warpgroup, no specialization yet):
-the state slab S ``[K, BV]`` fp32 lives in registers as K / 64 halves ``[64, BV]``. Per chunk, with
-the chunk's tiles in stage ``i % STAGES`` (TMA, one mbarrier per stage, STAGES - 1 chunks ahead):
+Grid ``(sequences or segments x HV, V / BV)``, 4 x WARPGROUPS warps: the state slab S
+``[K, BV]`` fp32 lives in registers as K / 64 halves ``[64, BV]``, its columns split over the
+warpgroups (each issues its own products on the shared tiles; WARPGROUPS = 2 compiles to 178
+registers at BV 64 and is a sweep variant not yet timed). No producer/consumer specialization
+yet. The tiles of STAGES chunks are in flight (TMA into stage ``i % STAGES``, one mbarrier per
+stage, a stage refilled as soon as its chunk is done); the row vectors (G, beta, 1/|k|, 1/|q|)
+are loaded one chunk ahead into registers. Per chunk:
     S -> bf16 smem;  X = k S  and  Q = q S  issued together, wait for X only
     Y = beta (v - rk e^G X) -> smem;  V_new = P Y  (wait: V_new and Q)
     V_new, D = diag(rk e^(G_last - G)) V_new -> smem
     O = diag(scale rq e^G) Q + A_qk V_new  and  S = e^G_last S + k^T D  issued together, one wait
 so four dependent waits per chunk instead of the Triton scan's six serialized products.
 
-Budget (K = V = 128, BV = 32, STAGES = 2): shared 2 x (16 + 16 + 4 + 8 + 8) KB of tiles plus
-16 KB of staging = 120 KB (one program per SM; 2 at BV 32 would need <= 113 KB); registers
-checked by tests/backends/test_gluon_sm90.py (no spills, HGMMA in the SASS).
+Budget (K = V = 128, STAGES = 2, sm_90 compile): BV 32 179 registers, 127 KB of shared memory;
+BV 64 255 registers, 156 KB (one program per SM either way; two at BV 32 would need <= 113 KB);
+no spills, HGMMA and UTMALDG in the SASS (tests/backends/test_gluon_sm90.py).
 """
 from __future__ import annotations
 
@@ -81,10 +85,12 @@ def _scan_sm90_kernel(
     H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
     SK: gl.constexpr, SV: gl.constexpr, HAS_H0: gl.constexpr, STORE_FINAL: gl.constexpr,
     L2NORM: gl.constexpr, VARLEN: gl.constexpr, SEG: gl.constexpr, BETA: gl.constexpr,
-    STORE_STATES: gl.constexpr, STAGES: gl.constexpr,
+    STORE_STATES: gl.constexpr, STAGES: gl.constexpr, WARPGROUPS: gl.constexpr,
 ):
     NK: gl.constexpr = K // BK
-    acc: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BV, 16])
+    # WARPGROUPS warpgroups split the BV columns; each issues its own products on the shared tiles
+    acc: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WARPGROUPS],
+                                                  instr_shape=[16, BV // WARPGROUPS, 16])
     rows: gl.constexpr = gl.SliceLayout(1, acc)
     cols: gl.constexpr = gl.SliceLayout(0, acc)
 
