@@ -17,3 +17,14 @@ def available(device: torch.device) -> str | None:
     if device.type == "cpu" and interpreting():
         return None
     return f"inputs are on {device.type} (Triton kernels need CUDA, or TRITON_INTERPRET=1 on the CPU)"
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) in host code (Triton 3.6's ``triton.cdiv`` is a constexpr-function wrapper
+    that costs a few microseconds a call, several times per launch)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (n >= 1), in host code (see ``cdiv``)."""
+    return 1 << (n - 1).bit_length()

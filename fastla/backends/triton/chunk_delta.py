@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastla.backends.triton import chunk_prepare, interpreting
+from fastla.backends.triton import cdiv, chunk_prepare, interpreting, next_pow2
 from fastla.backends.triton.chunk_index import BT, _sequence
 from fastla.backends.triton.chunk_prepare import _activate_beta
 from fastla.backends.triton.recurrent import BETA_GIVEN, BETA_SIGMOID, BETA_SIGMOID2
@@ -217,10 +217,10 @@ def default_config(p: Problem) -> ChunkConfig:
 
 @functools.lru_cache(maxsize=1024)
 def _planned_config(counts: tuple[int, ...], HV: int, V: int, K: int, sms: int) -> ChunkConfig:
-    length = segment_length(len(counts) * HV, triton.cdiv(V, 64), triton.cdiv(V + K, 64), counts, sms)
+    length = segment_length(len(counts) * HV, cdiv(V, 64), cdiv(V + K, 64), counts, sms)
     if length:
         return ChunkConfig(segment_chunks=length)
-    if len(counts) * HV * triton.cdiv(V, 32) <= sms:
+    if len(counts) * HV * cdiv(V, 32) <= sms:
         return ChunkConfig(scan_stages=3, segment_chunks=0)
     return ChunkConfig(segment_chunks=0)
 
@@ -341,17 +341,17 @@ def _segment_plan(p: Problem, counts: tuple[int, ...], length: int):
 
 def _segments(p: Problem, config: ChunkConfig, counts: tuple[int, ...]) -> int:
     """The segment length the scan runs with under ``config``, 0 for whole sequences."""
-    BV = min(config.scan_block_v, max(16, triton.next_power_of_2(p.V)))
+    BV = min(config.scan_block_v, max(16, next_pow2(p.V)))
     length = config.segment_chunks
     if length is None:
-        length = segment_length(p.N * p.HV, triton.cdiv(p.V, BV), triton.cdiv(p.V + p.K, BV), counts,
+        length = segment_length(p.N * p.HV, cdiv(p.V, BV), cdiv(p.V + p.K, BV), counts,
                                 _sm_count(p.device))
     return length if length and max(counts, default=0) > length else 0
 
 
 def _chunk_counts(p: Problem) -> tuple[int, ...]:
     if p.cu_seqlens is None:
-        return (triton.cdiv(p.T, BT),) * p.B
+        return (cdiv(p.T, BT),) * p.B
     cu = p.cu_seqlens_host
     return tuple(-(-(e - s) // BT) for s, e in zip(cu[:-1], cu[1:]))
 
@@ -418,7 +418,7 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None):
     B, T, H, HV, K, V, N = p.B, p.T, p.H, p.HV, p.K, p.V, p.N
     dev = p.device
     varlen = p.cu_seqlens is not None
-    NT = triton.cdiv(T, BT)
+    NT = cdiv(T, BT)
     if varlen:
         chunk_index, chunk_start, total = _varlen_index(p)
         cu = p.cu_seqlens
@@ -441,7 +441,7 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None):
     inverse = torch.empty(B, T, HV, BT, dtype=op_dtype, device=dev)
     scores = torch.empty(B, T, HV, BT, dtype=op_dtype, device=dev)
     rq, rk = (torch.empty(B, T, H, dtype=torch.float32, device=dev) for _ in range(2))
-    BK, BVF = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))   # tl.dot needs >= 16
+    BK, BVF = max(16, next_pow2(K)), max(16, next_pow2(V))   # tl.dot needs >= 16
     dummy = gcum
     q, k = (p.q, p.k) if p.q.dtype == op_dtype or bf16 else (p.q.to(op_dtype), p.k.to(op_dtype))
     if total:
@@ -473,20 +473,20 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None):
         segments, seq_segments, n_seg = _segment_plan(p, counts, length)
         summary = torch.empty(n_seg, HV, K, V + K, dtype=torch.float32, device=dev)
         seg_start = torch.empty(n_seg, HV, K, V, dtype=torch.float32, device=dev)
-        _scan_kernel[(n_seg * HV, triton.cdiv(V + K, BV))](*args, segments, summary, T, NT, p.scale, BV=BV, SEG=1,
+        _scan_kernel[(n_seg * HV, cdiv(V + K, BV))](*args, segments, summary, T, NT, p.scale, BV=BV, SEG=1,
                                                              STORE_STATES=False, **common)
-        _segment_combine_kernel[(N * HV, triton.cdiv(V, BV))](
+        _segment_combine_kernel[(N * HV, cdiv(V, BV))](
             summary, seg_start, h0 if h0 is not None else o, seq_segments, HV=HV, K=K, V=V, BK=BK, BV=BV,
             SK=SK, SV=SV, HAS_H0=h0 is not None, num_warps=4, num_stages=1)
         if sequence_scan is not None:
             sequence_scan(p, seq_pass, 2, segments, seg_start, n_seg)
         else:
-            _scan_kernel[(n_seg * HV, triton.cdiv(V, BV))](*args, segments, seg_start, T, NT, p.scale, BV=BV, SEG=2,
+            _scan_kernel[(n_seg * HV, cdiv(V, BV))](*args, segments, seg_start, T, NT, p.scale, BV=BV, SEG=2,
                                                              STORE_STATES=store_states, **common)
     elif sequence_scan is not None:
         sequence_scan(p, seq_pass, 0, dummy, dummy, N)
     else:
-        _scan_kernel[(N * HV, triton.cdiv(V, BV))](*args, dummy, dummy, T, NT, p.scale, BV=BV, SEG=0,
+        _scan_kernel[(N * HV, cdiv(V, BV))](*args, dummy, dummy, T, NT, p.scale, BV=BV, SEG=0,
                                                      STORE_STATES=store_states, **common)
     if p.return_intermediate_states:
         h = h_chunks[None] if varlen else h_chunks.view(B, NT, *state_shape)

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fastla.backends.triton import cdiv, next_pow2
 from fastla.core.problem import Problem
 
 # Gate computed in the op.
@@ -217,12 +218,12 @@ def default_config(p: Problem) -> DecodeConfig:
     """
     sms = torch.cuda.get_device_properties(p.device).multi_processor_count if p.device.type == "cuda" else 132
     fp32_state = p.initial_state is None or p.initial_state.element_size() == 4
-    programs = lambda bv: p.N * p.HV * triton.cdiv(p.V, bv)  # noqa: E731
+    programs = lambda bv: p.N * p.HV * cdiv(p.V, bv)  # noqa: E731
     if fp32_state and p.V >= 64 and programs(64) >= 8 * sms:
         return DecodeConfig(64, 2)
     if p.V >= 32 and programs(32) >= 2 * sms:
         return DecodeConfig(32, 1)
-    return DecodeConfig(min(16, triton.next_power_of_2(p.V)), 1)
+    return DecodeConfig(min(16, next_pow2(p.V)), 1)
 
 
 def _tensors(p: Problem):
@@ -290,13 +291,13 @@ def run(p: Problem, config: DecodeConfig | None = None):
     else:
         beta_mode = BETA_GIVEN
     BV = config.block_v
-    BK = triton.next_power_of_2(K)
+    BK = next_pow2(K)
     dummy = o
     slots = pool.indices if pool is not None else None
     cu = p.cu_seqlens
     if cu is None and p.cu_seqlens_host is not None:
         cu = torch.tensor(p.cu_seqlens_host, dtype=torch.int64, device=p.device)
-    grid = (N * HV, triton.cdiv(V, BV))           # heads on axis 0: axis 1 is limited to 65535
+    grid = (N * HV, cdiv(V, BV))           # heads on axis 0: axis 1 is limited to 65535
     _recurrent_fwd_kernel[grid](
         p.q, p.k, p.v, p.g if p.g is not None else dummy, p.gk if p.gk is not None else dummy,
         p.beta if p.beta is not None else dummy,
