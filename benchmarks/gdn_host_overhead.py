@@ -1,0 +1,64 @@
+"""Host time per call of the GDN chunked forward on the GPU, per tier: the wall time of issuing
+calls back to back without synchronising (the launch queue absorbs them while the GPU lags),
+the GPU time per call for comparison, and the host functions that cost the most (cProfile).
+
+    python benchmarks/gdn_host_overhead.py [--shapes NAME,..] [--tiers gluon,triton] [--calls 50]
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import time
+
+import torch
+
+import fastla  # noqa: F401  (registers the tiers)
+from fastla.bench.inputs import call_kwargs, make_inputs
+from fastla.bench.registry import get_config
+from fastla.core.dispatch import use_tier
+from fastla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="gdn/h2-hv8/1x8192,gdn/h4-hv16/1x8192,gdn/h16-hv64/varlen9x16384")
+    ap.add_argument("--tiers", default="gluon,triton")
+    ap.add_argument("--calls", type=int, default=50)
+    args = ap.parse_args()
+    for shape in args.shapes.split(","):
+        kw = call_kwargs(make_inputs(get_config(shape), "cuda"))
+        for tier in args.tiers.split(","):
+            with use_tier(tier, strict=True), torch.no_grad():
+                call = lambda: chunk_gated_delta_rule(**kw)  # noqa: E731
+                for _ in range(3):
+                    call()
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                for _ in range(args.calls):
+                    call()
+                host = (time.perf_counter() - start) / args.calls
+                torch.cuda.synchronize()
+                events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+                events[0].record()
+                for _ in range(args.calls):
+                    call()
+                events[1].record()
+                torch.cuda.synchronize()
+                gpu = events[0].elapsed_time(events[1]) / args.calls * 1e-3
+                prof = cProfile.Profile()
+                prof.enable()
+                for _ in range(args.calls):
+                    call()
+                prof.disable()
+                torch.cuda.synchronize()
+            out = io.StringIO()
+            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(12)
+            print(f"{shape:28s} {tier:7s} host {host * 1e6:7.1f} us per call, eager wall {gpu * 1e6:7.1f} us")
+            print("\n".join(line for line in out.getvalue().splitlines()[6:] if line.strip()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
