@@ -73,21 +73,25 @@ def candidate_order() -> tuple[str, ...]:
     return TIERS[TIERS.index(first):]
 
 
-def explain(op: str, problem) -> list[tuple[str, str | None]]:
-    """For each tier in the order tried: ``(tier, reason it cannot serve or None)``."""
-    out = []
+def _reasons(op: str, problem):
+    """``(tier, reason it cannot serve or None)`` for each tier in the order tried, lazily."""
     for tier in candidate_order():
         impl = _REGISTRY.get((op, tier))
-        reason = "not implemented in this tier yet" if impl is None else impl.supports(problem)
-        out.append((tier, reason))
-    return out
+        yield tier, "not implemented in this tier yet" if impl is None else impl.supports(problem)
+
+
+def explain(op: str, problem) -> list[tuple[str, str | None]]:
+    """For each tier in the order tried: ``(tier, reason it cannot serve or None)``."""
+    return list(_reasons(op, problem))
 
 
 def select(op: str, problem) -> tuple[str, TierImpl]:
-    """The first tier able to serve ``problem``; logs each skipped tier's reason once."""
+    """The first tier able to serve ``problem`` (later tiers are not asked); logs each skipped
+    tier's reason once."""
     strict = bool(_forced) and _forced[-1][1]
-    tried = explain(op, problem)
-    for tier, reason in tried:
+    tried = []
+    for tier, reason in _reasons(op, problem):
+        tried.append((tier, reason))
         if strict and reason is not None:
             raise RuntimeError(f"{tier} tier cannot serve {op}: {reason}")
         if reason is None:

@@ -71,7 +71,13 @@ def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments
     tile, vtile = _tile_layout(BT, BK), _tile_layout(BT, BV)
 
     def desc(x, width, block, layout):
-        return TensorDescriptor.from_tensor(x.view(rows, width), block, layout)
+        # the fields TensorDescriptor.from_tensor sets, without its re-validation (~5 us a
+        # descriptor; contiguity, 16-byte alignment and dtypes are checked in supports)
+        base = x.view(rows, width)
+        d = TensorDescriptor.__new__(TensorDescriptor)
+        d.base, d.shape, d.strides, d.block_shape, d.layout, d.padding = (
+            base, base.shape, base.stride(), block, layout, "zero")
+        return d
 
     SK, SV = (1, p.K) if p.state_v_first else (p.V, 1)
     d = sp.dummy
