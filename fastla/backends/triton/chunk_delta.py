@@ -350,9 +350,14 @@ def _segments(p: Problem, config: ChunkConfig, counts: tuple[int, ...]) -> int:
 
 
 def _chunk_counts(p: Problem) -> tuple[int, ...]:
+    """Chunks per sequence (cached per offsets: several launch decisions ask for them per call)."""
     if p.cu_seqlens is None:
         return (cdiv(p.T, BT),) * p.B
-    cu = p.cu_seqlens_host
+    return _varlen_chunk_counts(p.cu_seqlens_host)
+
+
+@functools.lru_cache(maxsize=256)
+def _varlen_chunk_counts(cu: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(-(-(e - s) // BT) for s, e in zip(cu[:-1], cu[1:]))
 
 
