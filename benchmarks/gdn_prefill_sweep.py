@@ -132,7 +132,7 @@ def main() -> int:
                 chunk_delta.default_config = original
                 for a, value in saved.items():
                     setattr(gluon_chunk, a, value)
-            prep = sum(v for k, v in split.items() if "inverse" in k)
+            prep = sum(v for k, v in split.items() if "inverse" in k or "scores" in k)
             scan = sum(v for k, v in split.items() if "scan" in k)                # both tiers' scan kernels
             rows.append(dict(shape=shape, variant=name, config=dataclasses.asdict(variant(problem_of(kw))), us=us, prepare_us=prep,
                              scan_us=scan, kernels=split, err_vs_first=err_first, err_vs_fla=err_fla, fla_us=fla_us))

@@ -65,8 +65,8 @@ def _scan_kernel(
     SEG 0 and 2 write the output too, from the raw queries, 1 / |q| (rq) and the causal scores
     A = scale diag(rq) q k^T diag(rk) e^(G_i - G_j) of the prologue,
     O = scale diag(rq e^G) q S + A V_new, so neither
-    V_new nor the chunk states reach HBM (STORE_STATES: the chunk-start states are stored all the
-    same, for return_intermediate_states or the output kernel)."""
+    V_new nor the chunk states reach HBM (STORE_STATES: the chunk-start states are stored too,
+    for return_intermediate_states)."""
     i_p = tl.program_id(0).to(tl.int64)                                    # axis 0: up to 2^31 - 1 programs
     i_v = tl.program_id(1)
     i_hv = i_p % HV
@@ -209,9 +209,9 @@ def default_config(p: Problem) -> ChunkConfig:
     (165 KB, one program per SM) are faster (1x32k HV32: 1.25 ms vs 1.61, 1x8k HV16: 0.26 vs 0.34);
     with more lanes two stages are (1x32k HV64: 1.80 ms vs 2.56). 64-column tiles spill at 4 warps
     and lose at 8 (one program per SM: 1x32k HV64 2.34 ms). Sequences are split into segments
-    when the plan predicts a gain (1x32k HV8: 0.44 ms vs 1.99). The plan is cached per (chunk
-    counts, heads, head dims, SMs): the split's search is host work that grows with the number of
-    sequences."""
+    when the plan predicts a gain (1x32k HV8 scan: 0.44 ms split at BV 32 vs 1.99 whole at BV 64).
+    The plan is cached per (chunk counts, heads, head dims, SMs): the split's search is host work
+    that grows with the number of sequences."""
     return _planned_config(_chunk_counts(p), p.HV, p.V, p.K, _sm_count(p.device))
 
 
@@ -445,7 +445,9 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None):
     gcum = torch.empty(B, T, HV, dtype=torch.float32, device=dev)
     inverse = torch.empty(B, T, HV, BT, dtype=op_dtype, device=dev)
     scores = torch.empty(B, T, HV, BT, dtype=op_dtype, device=dev)
-    rq, rk = (torch.empty(B, T, H, dtype=torch.float32, device=dev) for _ in range(2))
+    # 1 / |q| and 1 / |k| only with the l2norm in the op (the kernels read them under L2NORM)
+    rq, rk = ((torch.empty(B, T, H, dtype=torch.float32, device=dev) for _ in range(2)) if p.use_qk_l2norm
+              else (None, None))
     BK, BVF = max(16, next_pow2(K)), max(16, next_pow2(V))   # tl.dot needs >= 16
     dummy = gcum
     q, k = (p.q, p.k) if p.q.dtype == op_dtype or bf16 else (p.q.to(op_dtype), p.k.to(op_dtype))
@@ -467,6 +469,8 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None):
     common = dict(H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, SK=SK, SV=SV, DOT=dot, HAS_H0=h0 is not None,
                   STORE_FINAL=ht is not None, L2NORM=p.use_qk_l2norm, VARLEN=varlen, BETA=beta_mode,
                   num_warps=config.scan_warps, num_stages=config.scan_stages)
+    if rq is None:
+        rq = rk = dummy
     args = (q, k, p.v, beta, inverse, scores, rq, rk, gcum, o,
             h0 if h0 is not None else o, ht if ht is not None else o, h_chunks,
             cu if varlen else dummy, chunk_start if varlen else dummy)
