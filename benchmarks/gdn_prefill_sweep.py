@@ -40,6 +40,8 @@ VARIANTS = {
     "bv64w8": dict(scan_block_v=64, scan_stages=2, scan_warps=8),
     "scores-8w": dict(scores_warps=8),
     "inv-vpp1": dict(inverse_heads=1),
+    "inv-w2": dict(inverse_warps=2),
+    "inv-w4": dict(inverse_warps=4),
     "no-segments": dict(segment_chunks=0),
     "seg8": dict(segment_chunks=8),
     "seg16": dict(segment_chunks=16),

@@ -43,10 +43,10 @@ def _child_scan(name: str, folder: str) -> None:
     for n in names:
         if n in ("k_desc", "q_desc", "p_desc", "a_desc"):
             sig[n] = f"tensordesc<bf16[64, 64],{tile!r}>"
-        elif n == "v_desc":
+        elif n in ("v_desc", "o_desc"):
             sig[n] = f"tensordesc<bf16[64, {consts['BV']}],{vtile!r}>"
         else:
-            sig[n] = SCAN_POINTERS.get(n) or ("constexpr" if n in consts else ("i32" if n in ("T", "NT") else "fp32"))
+            sig[n] = SCAN_POINTERS.get(n) or ("constexpr" if n in consts else ("i32" if n in ("T", "NT", "n_rows") else "fp32"))
     src = GluonASTSource(kern, sig, {(names.index(n),): v for n, v in consts.items()})
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4 * consts["WARPGROUPS"]})
     res = _resources(kernel.asm["cubin"], folder)
@@ -96,7 +96,8 @@ def test_launcher_builds_descriptors(monkeypatch):
     (grid64, args64, kw64), (grid32, args32, kw32) = launches
     assert kw64["BV"] == 64 and grid64 == (HV, V // 64)                  # 256 lanes of 32 > 132 SMs
     assert kw32["BV"] == 32 and kw32["STORE_STATES"] and grid32 == (HV, V // 32)
-    k_desc, q_desc, v_desc, p_desc, a_desc = args64[:5]
+    k_desc, q_desc, v_desc, p_desc, a_desc, o_desc = args64[:6]
     assert list(k_desc.shape) == [B * T, H * K] and k_desc.block_shape == [64, 64]
-    assert list(v_desc.shape) == [B * T, HV * V] and v_desc.block_shape == [64, 64]
+    assert list(v_desc.shape) == list(o_desc.shape) == [B * T, HV * V]
+    assert v_desc.block_shape == o_desc.block_shape == [64, 64]
     assert list(p_desc.shape) == list(a_desc.shape) == [B * T, HV * 64]

@@ -46,14 +46,16 @@ BK = gl.constexpr(64)     # key columns per TMA box and per state half
 
 @gluon.jit
 def _chunk_vectors(gcum, beta, rq, rk, r, bos, eos, c, valid, i_h, i_hv, H: gl.constexpr, HV: gl.constexpr,
-                   L2NORM: gl.constexpr, BETA: gl.constexpr):
-    """Chunk c's per-row G, beta, 1/|k|, 1/|q| [BT] and its last row's G (0 where not ``valid``)."""
+                   L2NORM: gl.constexpr):
+    """Chunk c's per-row G, raw beta, 1/|k|, 1/|q| [BT] and its last row's G (0 where not ``valid``).
+    Nothing here uses the loaded values, so loads issued a chunk ahead are waited for a chunk
+    later (activating beta here stalled every step on the load)."""
     t0 = bos + c * BT
     m_t = (r < eos - t0) & valid
     row = (t0 + r) * HV + i_hv
     b_G = gl.load(gcum + row, mask=m_t, other=0.0)
     b_Gl = gl.load(gcum + (gl.minimum(eos, t0 + BT) - 1) * HV + i_hv, mask=valid, other=0.0)
-    b_beta = _activate_beta(gl.load(beta + row, mask=m_t, other=0.0), m_t, BETA)
+    b_beta = gl.load(beta + row, mask=m_t, other=0.0)
     if L2NORM:
         b_rk = gl.load(rk + (t0 + r) * H + i_h, mask=m_t, other=0.0)
         b_rq = gl.load(rq + (t0 + r) * H + i_h, mask=m_t, other=0.0)
@@ -79,9 +81,9 @@ def _issue_chunk(k_desc, q_desc, v_desc, p_desc, a_desc, k_s, q_s, v_s, p_s, a_s
 
 @gluon.jit
 def _scan_sm90_kernel(
-    k_desc, q_desc, v_desc, p_desc, a_desc,
+    k_desc, q_desc, v_desc, p_desc, a_desc, o_desc,
     beta, rq, rk, gcum, o, h0, ht, h_chunks, cu_seqlens, chunk_start, segments, seg_state,
-    T, NT, scale,
+    T, NT, n_rows, scale,
     H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
     SK: gl.constexpr, SV: gl.constexpr, HAS_H0: gl.constexpr, STORE_FINAL: gl.constexpr,
     L2NORM: gl.constexpr, VARLEN: gl.constexpr, SEG: gl.constexpr, BETA: gl.constexpr,
@@ -142,6 +144,7 @@ def _scan_sm90_kernel(
     y_s = gl.allocate_shared_memory(gl.bfloat16, [BT, BV], v_desc.layout)
     vn_s = gl.allocate_shared_memory(gl.bfloat16, [BT, BV], v_desc.layout)
     vd_s = gl.allocate_shared_memory(gl.bfloat16, [BT, BV], v_desc.layout)
+    o_s = gl.allocate_shared_memory(gl.bfloat16, [BT, BV], o_desc.layout)             # output tile (TMA store)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for st in gl.static_range(STAGES):
         mbarrier.init(bars.index(st), count=1)
@@ -155,27 +158,28 @@ def _scan_sm90_kernel(
                      t_first + st * BT, i_h32, i_hv32, i_v, st < n_chunks, K, V, BV, NK)
 
     zero = gl.zeros([BT, BV], gl.float32, acc)
+    s_s.index(0).store(S0.to(gl.bfloat16))
+    if NK == 2:
+        s_s.index(1).store(S1.to(gl.bfloat16))
+    fence_async_shared()
     # the row vectors are loaded one chunk ahead, so their latency hides behind a chunk's products
     n_G, n_Gl, n_beta, n_rk, n_rq = _chunk_vectors(gcum, beta, rq, rk, r, bos, eos, c_begin, n_chunks > 0,
-                                                   i_h, i_hv, H, HV, L2NORM, BETA)
+                                                   i_h, i_hv, H, HV, L2NORM)
     for i in range(0, n_chunks):
         c = c_begin + i
         stage = (i % STAGES).to(gl.int32)
         t0 = bos + c * BT
         m_t = r < eos - t0
-        b_G, b_Gl, b_beta, b_rk, b_rq = n_G, n_Gl, n_beta, n_rk, n_rq
+        b_G, b_Gl, b_rk, b_rq = n_G, n_Gl, n_rk, n_rq
+        b_beta = _activate_beta(n_beta, m_t, BETA)
         n_G, n_Gl, n_beta, n_rk, n_rq = _chunk_vectors(gcum, beta, rq, rk, r, bos, eos, c + 1, i + 1 < n_chunks,
-                                                       i_h, i_hv, H, HV, L2NORM, BETA)
+                                                       i_h, i_hv, H, HV, L2NORM)
         if STORE_STATES:
             h_base = h_chunks + ((first_chunk + c) * HV + i_hv) * K * V + p_half
             gl.store(h_base, S0.to(h_chunks.dtype.element_ty))
             if NK == 2:
                 gl.store(h_base + BK * SK, S1.to(h_chunks.dtype.element_ty))
 
-        s_s.index(0).store(S0.to(gl.bfloat16))
-        if NK == 2:
-            s_s.index(1).store(S1.to(gl.bfloat16))
-        fence_async_shared()
         mbarrier.wait(bars.index(stage), ((i // STAGES) & 1).to(gl.int32))
         # X = k S and Q = q S
         x = warpgroup_mma(k_s.index(stage * NK), s_s.index(0), zero, use_acc=False, is_async=True)
@@ -198,21 +202,38 @@ def _scan_sm90_kernel(
         vn_s.store(vn.to(gl.bfloat16))
         vd_s.store((vn * b_d[:, None]).to(gl.bfloat16))
         fence_async_shared()
-        out = warpgroup_mma(a_s.index(stage), vn_s, qs * (scale * b_rq * b_eg)[:, None], is_async=True)
         b_egl = gl.exp(b_Gl)
         S0 = warpgroup_mma(k_s.index(stage * NK).permute((1, 0)), vd_s, S0 * b_egl, is_async=True)
         if NK == 2:
             S1 = warpgroup_mma(k_s.index(stage * NK + 1).permute((1, 0)), vd_s, S1 * b_egl, is_async=True)
-            out, S0, S1 = warpgroup_mma_wait(num_outstanding=0, deps=(out, S0, S1))
+        out = warpgroup_mma(a_s.index(stage), vn_s, qs * (scale * b_rq * b_eg)[:, None], is_async=True)
+        # the state first (the output's product runs on): S -> bf16 smem for the next chunk's products
+        if NK == 2:
+            S0, S1 = warpgroup_mma_wait(num_outstanding=1, deps=(S0, S1))
+            s_s.index(1).store(S1.to(gl.bfloat16))
         else:
-            out, S0 = warpgroup_mma_wait(num_outstanding=0, deps=(out, S0))
+            S0 = warpgroup_mma_wait(num_outstanding=1, deps=(S0,))
+        s_s.index(0).store(S0.to(gl.bfloat16))
+        fence_async_shared()
+        out = warpgroup_mma_wait(num_outstanding=0, deps=(out,))
+        # the output: a whole chunk by a TMA store from shared memory (the previous chunk's store,
+        # issued a step ago, has left the tile); a sequence's partial last chunk by masked stores,
+        # its tile sent past the last row (TMA writes nothing out of bounds; a whole tile would
+        # reach the next sequence). No branch: ptxas (sm_90a) crashes on one around the TMA store.
+        whole = eos - t0 >= BT
+        tma.store_wait(0)
+        gl.thread_barrier()
+        o_s.store(out.to(gl.bfloat16))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [gl.where(whole, t0, n_rows).to(gl.int32), i_hv32 * V + i_v * BV], o_s)
+        o_ptr = o + ((t0 + r) * HV + i_hv)[:, None] * V + o_v[None, :]
+        gl.store(o_ptr, out.to(o.dtype.element_ty), mask=m_t[:, None] & (eos - t0 < BT))
         # the stage is free: chunk i + STAGES into it
         gl.thread_barrier()
         _issue_chunk(k_desc, q_desc, v_desc, p_desc, a_desc, k_s, q_s, v_s, p_s, a_s, bars.index(stage), stage,
                      (t0 + STAGES * BT).to(gl.int32), i_h32, i_hv32, i_v, i + STAGES < n_chunks, K, V, BV, NK)
-        o_ptr = o + ((t0 + r) * HV + i_hv)[:, None] * V + o_v[None, :]
-        gl.store(o_ptr, out.to(o.dtype.element_ty), mask=m_t[:, None])
 
+    tma.store_wait(0)
     for st in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(st))
     if STORE_FINAL:
