@@ -15,14 +15,13 @@ SCAN_POINTERS = {"beta": "*bf16", "rq": "*fp32", "rk": "*fp32", "gcum": "*fp32",
                  "ht": "*fp32", "h_chunks": "*bf16", "cu_seqlens": "*i64", "chunk_start": "*i64", "segments": "*i32",
                  "seg_state": "*fp32"}
 SCAN_VARIANTS = {
-    # name: constexprs over the default launch (K = V = 128, BV 32, two warpgroups, two stages, whole sequences)
+    # name: constexprs over the default launch (K = V = 128, BV 32, two stages, whole sequences)
     "bv32": {},
     "bv64": dict(BV=64),
     "bv64-replay-varlen": dict(BV=64, SEG=2, VARLEN=True),
     "bv32-replay-states-varlen": dict(SEG=2, STORE_STATES=True, VARLEN=True),
     "k64-v-first": dict(K=64, V=64, SK=1, SV=64),
-    "k64-bv64": dict(K=64, V=64, BV=64),
-    "bv64-three-stages": dict(BV=64, STAGES=3),
+    "bv64-two-warpgroups": dict(BV=64, WARPGROUPS=2),
 }
 
 
@@ -35,7 +34,7 @@ def _child_scan(name: str, folder: str) -> None:
     from fastla.backends.gluon.chunk_delta_sm90 import _scan_sm90_kernel as kern
 
     consts = dict(H=16, HV=64, K=128, V=128, BV=32, SK=128, SV=1, HAS_H0=True, STORE_FINAL=True, L2NORM=True,
-                  VARLEN=False, SEG=0, BETA=2, STORE_STATES=False, STAGES=2, WARPGROUPS=2)
+                  VARLEN=False, SEG=0, BETA=2, STORE_STATES=False, STAGES=2, WARPGROUPS=1)
     consts.update(SCAN_VARIANTS[name])
     tile = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
     vtile = gl.NVMMASharedLayout.get_default_for([64, consts["BV"]], gl.bfloat16)
@@ -97,8 +96,8 @@ def test_launcher_builds_descriptors(monkeypatch):
     (grid64, args64, kw64), (grid32, args32, kw32) = launches
     assert kw64["BV"] == 64 and grid64 == (HV, V // 64)                  # 256 lanes of 32 > 132 SMs
     assert kw32["BV"] == 32 and kw32["STORE_STATES"] and grid32 == (HV, V // 32)
-    k_desc, q_desc, v_desc, p_desc, o_desc = args64[:5]
+    k_desc, q_desc, v_desc, p_desc, a_desc, o_desc = args64[:6]
     assert list(k_desc.shape) == [B * T, H * K] and k_desc.block_shape == [64, 64]
     assert list(v_desc.shape) == list(o_desc.shape) == [B * T, HV * V]
     assert v_desc.block_shape == o_desc.block_shape == [64, 64]
-    assert list(p_desc.shape) == [B * T, HV * 64]
+    assert list(p_desc.shape) == list(a_desc.shape) == [B * T, HV * 64]

@@ -86,11 +86,11 @@ SCAN_POINTERS = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "beta": "*bf16", "p_i
 GDN_KERNELS = {
     # name: (module.kernel, pointers, constexprs, warps, stages) as launched (K = V = 128, bf16)
     "inverse": ("chunk_prepare._inverse_kernel",
-                {"k": "*bf16", "g": "*bf16", "beta": "*bf16", "A_log": "*fp32", "dt_bias": "*fp32",
-                 "p_out": "*bf16", "gcum": "*fp32", "rk_out": "*fp32", "cu_seqlens": "*i64", "chunk_index": "*i32"},
+                {"k": "*bf16", "g": "*bf16", "beta": "*bf16", "A_log": "*fp32", "dt_bias": "*fp32", "p_out": "*bf16",
+                 "gcum": "*fp32", "cu_seqlens": "*i64", "chunk_index": "*i32"},
                 dict(BK=64, VPP=4, GATE=True, HAS_BIAS=True, BETA=2), 1, 1),
     "scores": ("chunk_prepare._scores_kernel",
-               {"q": "*bf16", "k": "*bf16", "gcum": "*fp32", "a_out": "*bf16", "rq_out": "*fp32",
+               {"q": "*bf16", "k": "*bf16", "gcum": "*fp32", "a_out": "*bf16", "rq_out": "*fp32", "rk_out": "*fp32",
                 "cu_seqlens": "*i64", "chunk_index": "*i32"}, {}, 4, 1),
     "scan": ("chunk_delta._scan_kernel", SCAN_POINTERS,
              dict(BV=32, SK=128, SV=1, HAS_H0=True, STORE_FINAL=True, SEG=0, BETA=2, STORE_STATES=False), 4, 2),

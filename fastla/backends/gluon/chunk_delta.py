@@ -13,7 +13,7 @@ from fastla.core.problem import Problem
 
 SCAN_BLOCK_V = None         # value columns per program (None: scan_block_v's plan)
 SCAN_STAGES = 2             # chunks of tiles in flight
-SCAN_WARPGROUPS = 2             # warpgroups splitting a program's columns (one spills with the scores fused)
+SCAN_WARPGROUPS = 1         # warpgroups splitting a program's columns (2: a sweep variant, not yet timed)
 
 
 def scan_block_v(counts: tuple[int, ...], HV: int, V: int, sms: int) -> int:
@@ -84,8 +84,8 @@ def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments
     _scan_sm90_kernel[(programs * p.HV, p.V // BV)](
         desc(sp.k, p.H * p.K, [BT, BK], tile), desc(sp.q, p.H * p.K, [BT, BK], tile),
         desc(sp.v, p.HV * p.V, [BT, BV], vtile), desc(sp.inverse, p.HV * BT, [BT, BT], tile),
-        desc(sp.o, p.HV * p.V, [BT, BV], vtile),
-        sp.beta, sp.rk, sp.gcum, sp.o,
+        desc(sp.scores, p.HV * BT, [BT, BT], tile), desc(sp.o, p.HV * p.V, [BT, BV], vtile),
+        sp.beta, sp.rq, sp.rk, sp.gcum, sp.o,
         sp.h0 if sp.h0 is not None else d, sp.ht if sp.ht is not None else d,
         sp.h_chunks if sp.h_chunks is not None else d,
         sp.cu_seqlens if sp.cu_seqlens is not None else d, sp.chunk_start if sp.chunk_start is not None else d,
@@ -99,4 +99,4 @@ def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments
 
 def run(p: Problem):
     config = triton_chunk.default_config(p)
-    return triton_chunk.run(p, config, sequence_scan=_sequence_scan, scan_scores=True)
+    return triton_chunk.run(p, config, sequence_scan=_sequence_scan)

@@ -45,9 +45,9 @@ BK = gl.constexpr(64)     # key columns per TMA box and per state half
 
 
 @gluon.jit
-def _chunk_vectors(gcum, beta, rk, r, bos, eos, c, valid, i_h, i_hv, H: gl.constexpr, HV: gl.constexpr,
+def _chunk_vectors(gcum, beta, rq, rk, r, bos, eos, c, valid, i_h, i_hv, H: gl.constexpr, HV: gl.constexpr,
                    L2NORM: gl.constexpr):
-    """Chunk c's per-row G, raw beta, 1/|k| [BT] and its last row's G (0 where not ``valid``).
+    """Chunk c's per-row G, raw beta, 1/|k|, 1/|q| [BT] and its last row's G (0 where not ``valid``).
     Nothing here uses the loaded values, so loads issued a chunk ahead are waited for a chunk
     later (activating beta here stalled every step on the load)."""
     t0 = bos + c * BT
@@ -58,60 +58,31 @@ def _chunk_vectors(gcum, beta, rk, r, bos, eos, c, valid, i_h, i_hv, H: gl.const
     b_beta = gl.load(beta + row, mask=m_t, other=0.0)
     if L2NORM:
         b_rk = gl.load(rk + (t0 + r) * H + i_h, mask=m_t, other=0.0)
+        b_rq = gl.load(rq + (t0 + r) * H + i_h, mask=m_t, other=0.0)
     else:
         b_rk = gl.where(m_t, 1.0, 0.0)
-    return b_G, b_Gl, b_beta, b_rk
+        b_rq = b_rk
+    return b_G, b_Gl, b_beta, b_rk, b_rq
 
 
 @gluon.jit
-def _row_rnorm(x_s, first, NK: gl.constexpr, WARPS: gl.constexpr, layout: gl.constexpr):
-    """1 / |x_i| [BT] of a chunk's rows from its NK shared tiles [BT, BK] (bf16) from ``first``,
-    in ``layout``: 16-byte row pieces per thread, fp32 sums."""
-    blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
-    acc = gl.zeros([BT], gl.float32, gl.SliceLayout(1, blk))
-    for j in gl.static_range(NK):
-        x = x_s.index(first + j).load(blk).to(gl.float32)
-        acc += gl.sum(x * x, 1)
-    return gl.convert_layout(gl.rsqrt(acc + 1e-6), layout)
-
-
-@gluon.jit
-def _causal_scores(qk, f_i, gcum, rk, bos, eos, c, i_h, i_hv, H: gl.constexpr, HV: gl.constexpr,
-                   L2NORM: gl.constexpr):
-    """Chunk c's causal scores f_i (q_i . k_j) / |k_j| e^(G_i - G_j) for j <= i, 0 elsewhere and in
-    rows past the sequence's end, from q k^T [BT, BT] (fp32) and the row factor f_i (scale / |q_i|),
-    in qk's layout. G and 1 / |k| are read here (the chunk's rows were just loaded: L1); the column
-    factor enters the exponent (e^(G_i - G_j + ln(1/|k_j|))), so one column vector is live, not two."""
-    ri = gl.arange(0, BT, layout=gl.SliceLayout(1, qk.type.layout))
-    cj = gl.arange(0, BT, layout=gl.SliceLayout(0, qk.type.layout))
-    t0 = bos + c * BT
-    m_i = ri < eos - t0
-    m_j = cj < eos - t0
-    G_i = gl.load(gcum + (t0 + ri) * HV + i_hv, mask=m_i, other=0.0)
-    h_j = -gl.load(gcum + (t0 + cj) * HV + i_hv, mask=m_j, other=0.0)
-    if L2NORM:
-        h_j = h_j + gl.log(gl.load(rk + (t0 + cj) * H + i_h, mask=m_j, other=1.0))
-    causal = (ri[:, None] >= cj[None, :]) & m_i[:, None]
-    return gl.where(causal, qk * gl.exp(gl.where(causal, G_i[:, None] + h_j[None, :], 0.0)) * f_i[:, None], 0.0)
-
-
-@gluon.jit
-def _issue_chunk(k_desc, q_desc, v_desc, p_desc, k_s, q_s, v_s, p_s, bar, stage, t0,
+def _issue_chunk(k_desc, q_desc, v_desc, p_desc, a_desc, k_s, q_s, v_s, p_s, a_s, bar, stage, t0,
                  i_h, i_hv, i_v, pred, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, NK: gl.constexpr):
     """TMA loads of one chunk's tiles into ``stage``, completing on ``bar``."""
-    nbytes: gl.constexpr = (2 * NK * BT * BK + BT * BV + BT * BT) * 2
+    nbytes: gl.constexpr = (2 * NK * BT * BK + BT * BV + 2 * BT * BT) * 2
     mbarrier.expect(bar, nbytes, pred=pred)
     for j in gl.static_range(NK):
         tma.async_copy_global_to_shared(k_desc, [t0, i_h * K + j * BK], bar, k_s.index(stage * NK + j), pred=pred)
         tma.async_copy_global_to_shared(q_desc, [t0, i_h * K + j * BK], bar, q_s.index(stage * NK + j), pred=pred)
     tma.async_copy_global_to_shared(v_desc, [t0, i_hv * V + i_v * BV], bar, v_s.index(stage), pred=pred)
     tma.async_copy_global_to_shared(p_desc, [t0, i_hv * BT], bar, p_s.index(stage), pred=pred)
+    tma.async_copy_global_to_shared(a_desc, [t0, i_hv * BT], bar, a_s.index(stage), pred=pred)
 
 
 @gluon.jit
 def _scan_sm90_kernel(
-    k_desc, q_desc, v_desc, p_desc, o_desc,
-    beta, rk, gcum, o, h0, ht, h_chunks, cu_seqlens, chunk_start, segments, seg_state,
+    k_desc, q_desc, v_desc, p_desc, a_desc, o_desc,
+    beta, rq, rk, gcum, o, h0, ht, h_chunks, cu_seqlens, chunk_start, segments, seg_state,
     T, NT, n_rows, scale,
     H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
     SK: gl.constexpr, SV: gl.constexpr, HAS_H0: gl.constexpr, STORE_FINAL: gl.constexpr,
@@ -122,9 +93,6 @@ def _scan_sm90_kernel(
     # WARPGROUPS warpgroups split the BV columns; each issues its own products on the shared tiles
     acc: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WARPGROUPS],
                                                   instr_shape=[16, BV // WARPGROUPS, 16])
-    # q k^T [BT, BT] likewise split over the warpgroups
-    acc_t: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WARPGROUPS],
-                                                    instr_shape=[16, BT // WARPGROUPS, 16])
     rows: gl.constexpr = gl.SliceLayout(1, acc)
     cols: gl.constexpr = gl.SliceLayout(0, acc)
 
@@ -170,7 +138,7 @@ def _scan_sm90_kernel(
     k_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES * NK, BT, BK], tile)
     q_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES * NK, BT, BK], tile)
     p_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, BT], tile)
-    a_s = gl.allocate_shared_memory(gl.bfloat16, [BT, BT], tile)                     # causal scores (bf16)
+    a_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, BT], tile)
     v_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, BV], v_desc.layout)
     s_s = gl.allocate_shared_memory(gl.bfloat16, [NK, BK, BV], v_desc.layout)     # S (bf16), B operand
     y_s = gl.allocate_shared_memory(gl.bfloat16, [BT, BV], v_desc.layout)
@@ -186,27 +154,26 @@ def _scan_sm90_kernel(
     i_h32 = i_h.to(gl.int32)
     i_hv32 = i_hv.to(gl.int32)
     for st in gl.static_range(STAGES):
-        _issue_chunk(k_desc, q_desc, v_desc, p_desc, k_s, q_s, v_s, p_s, bars.index(st), st,
+        _issue_chunk(k_desc, q_desc, v_desc, p_desc, a_desc, k_s, q_s, v_s, p_s, a_s, bars.index(st), st,
                      t_first + st * BT, i_h32, i_hv32, i_v, st < n_chunks, K, V, BV, NK)
 
     zero = gl.zeros([BT, BV], gl.float32, acc)
-    zero_t = gl.zeros([BT, BT], gl.float32, acc_t)
     s_s.index(0).store(S0.to(gl.bfloat16))
     if NK == 2:
         s_s.index(1).store(S1.to(gl.bfloat16))
     fence_async_shared()
     # the row vectors are loaded one chunk ahead, so their latency hides behind a chunk's products
-    n_G, n_Gl, n_beta, n_rk = _chunk_vectors(gcum, beta, rk, r, bos, eos, c_begin, n_chunks > 0, i_h, i_hv,
-                                             H, HV, L2NORM)
+    n_G, n_Gl, n_beta, n_rk, n_rq = _chunk_vectors(gcum, beta, rq, rk, r, bos, eos, c_begin, n_chunks > 0,
+                                                   i_h, i_hv, H, HV, L2NORM)
     for i in range(0, n_chunks):
         c = c_begin + i
         stage = (i % STAGES).to(gl.int32)
         t0 = bos + c * BT
         m_t = r < eos - t0
-        b_G, b_Gl, b_rk = n_G, n_Gl, n_rk
+        b_G, b_Gl, b_rk, b_rq = n_G, n_Gl, n_rk, n_rq
         b_beta = _activate_beta(n_beta, m_t, BETA)
-        n_G, n_Gl, n_beta, n_rk = _chunk_vectors(gcum, beta, rk, r, bos, eos, c + 1, i + 1 < n_chunks, i_h, i_hv,
-                                                 H, HV, L2NORM)
+        n_G, n_Gl, n_beta, n_rk, n_rq = _chunk_vectors(gcum, beta, rq, rk, r, bos, eos, c + 1, i + 1 < n_chunks,
+                                                       i_h, i_hv, H, HV, L2NORM)
         if STORE_STATES:
             h_base = h_chunks + ((first_chunk + c) * HV + i_hv) * K * V + p_half
             gl.store(h_base, S0.to(h_chunks.dtype.element_ty))
@@ -214,24 +181,14 @@ def _scan_sm90_kernel(
                 gl.store(h_base + BK * SK, S1.to(h_chunks.dtype.element_ty))
 
         mbarrier.wait(bars.index(stage), ((i // STAGES) & 1).to(gl.int32))
-        # X = k S, q k^T and Q = q S, in that order (a group completes after those before it)
+        # X = k S and Q = q S
         x = warpgroup_mma(k_s.index(stage * NK), s_s.index(0), zero, use_acc=False, is_async=True)
         if NK == 2:
             x = warpgroup_mma(k_s.index(stage * NK + 1), s_s.index(1), x, is_async=True)
-        qk = warpgroup_mma(q_s.index(stage * NK), k_s.index(stage * NK).permute((1, 0)), zero_t, use_acc=False,
-                           is_async=True)
-        if NK == 2:
-            qk = warpgroup_mma(q_s.index(stage * NK + 1), k_s.index(stage * NK + 1).permute((1, 0)), qk,
-                               is_async=True)
         qs = warpgroup_mma(q_s.index(stage * NK), s_s.index(0), zero, use_acc=False, is_async=True)
         if NK == 2:
             qs = warpgroup_mma(q_s.index(stage * NK + 1), s_s.index(1), qs, is_async=True)
-        # 1 / |q| from the q tiles while the products run
-        if L2NORM:
-            b_rq = _row_rnorm(q_s, stage * NK, NK, 4 * WARPGROUPS, rows)
-        else:
-            b_rq = gl.full([BT], 1.0, gl.float32, rows)
-        x = warpgroup_mma_wait(num_outstanding=2 * NK, deps=(x,))
+        x = warpgroup_mma_wait(num_outstanding=NK, deps=(x,))
         # Y = beta (v - rk e^G X);  V_new = P Y
         b_eg = gl.exp(b_G)
         b_v = v_s.index(stage).load(acc).to(gl.float32)
@@ -239,10 +196,6 @@ def _scan_sm90_kernel(
         y_s.store(b_y.to(gl.bfloat16))
         fence_async_shared()
         vn = warpgroup_mma(p_s.index(stage), y_s, zero, use_acc=False, is_async=True)
-        # the causal scores while V_new = P Y runs (and Q = q S)
-        qk = warpgroup_mma_wait(num_outstanding=NK + 1, deps=(qk,))
-        f_i = gl.convert_layout(scale * b_rq, gl.SliceLayout(1, acc_t))
-        a_s.store(_causal_scores(qk, f_i, gcum, rk, bos, eos, c, i_h, i_hv, H, HV, L2NORM).to(gl.bfloat16))
         vn, qs = warpgroup_mma_wait(num_outstanding=0, deps=(vn, qs))
         # O = diag(scale rq e^G) Q + A_qk V_new;  S = e^G_last S + k^T diag(rk e^(G_last - G)) V_new
         b_d = gl.where(m_t, b_rk * gl.exp(b_Gl - b_G), 0.0)
@@ -253,7 +206,7 @@ def _scan_sm90_kernel(
         S0 = warpgroup_mma(k_s.index(stage * NK).permute((1, 0)), vd_s, S0 * b_egl, is_async=True)
         if NK == 2:
             S1 = warpgroup_mma(k_s.index(stage * NK + 1).permute((1, 0)), vd_s, S1 * b_egl, is_async=True)
-        out = warpgroup_mma(a_s, vn_s, qs * (scale * b_rq * b_eg)[:, None], is_async=True)
+        out = warpgroup_mma(a_s.index(stage), vn_s, qs * (scale * b_rq * b_eg)[:, None], is_async=True)
         # the state first (the output's product runs on): S -> bf16 smem for the next chunk's products
         if NK == 2:
             S0, S1 = warpgroup_mma_wait(num_outstanding=1, deps=(S0, S1))
@@ -277,7 +230,7 @@ def _scan_sm90_kernel(
         gl.store(o_ptr, out.to(o.dtype.element_ty), mask=m_t[:, None] & (eos - t0 < BT))
         # the stage is free: chunk i + STAGES into it
         gl.thread_barrier()
-        _issue_chunk(k_desc, q_desc, v_desc, p_desc, k_s, q_s, v_s, p_s, bars.index(stage), stage,
+        _issue_chunk(k_desc, q_desc, v_desc, p_desc, a_desc, k_s, q_s, v_s, p_s, a_s, bars.index(stage), stage,
                      (t0 + STAGES * BT).to(gl.int32), i_h32, i_hv32, i_v, i + STAGES < n_chunks, K, V, BV, NK)
 
     tma.store_wait(0)

@@ -400,7 +400,7 @@ class SequencePass:
     beta: torch.Tensor
     beta_mode: int
     inverse: torch.Tensor
-    scores: torch.Tensor | None
+    scores: torch.Tensor
     rq: torch.Tensor
     rk: torch.Tensor
     gcum: torch.Tensor
@@ -415,11 +415,10 @@ class SequencePass:
     dummy: torch.Tensor
 
 
-def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, scan_scores: bool = False):
+def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None):
     """The chunked forward. ``sequence_scan(p, SequencePass, seg, segments, seg_state, programs)``,
     when given, launches the sequence passes (seg 0 or 2) instead of the Triton scan; it must
-    write the output, and with ``scan_scores`` it forms the causal scores itself (the scores
-    kernel does not run; ``SequencePass.scores`` is None)."""
+    write the output."""
     config = config or default_config(p)
     B, T, H, HV, K, V, N = p.B, p.T, p.H, p.HV, p.K, p.V, p.N
     dev = p.device
@@ -445,7 +444,7 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, scan_
         beta_mode = BETA_SIGMOID2 if p.allow_neg_eigval else BETA_SIGMOID
     gcum = torch.empty(B, T, HV, dtype=torch.float32, device=dev)
     inverse = torch.empty(B, T, HV, BT, dtype=op_dtype, device=dev)
-    scores = None if scan_scores else torch.empty(B, T, HV, BT, dtype=op_dtype, device=dev)
+    scores = torch.empty(B, T, HV, BT, dtype=op_dtype, device=dev)
     # 1 / |q| and 1 / |k| only with the l2norm in the op (the kernels read them under L2NORM)
     rq, rk = ((torch.empty(B, T, H, dtype=torch.float32, device=dev) for _ in range(2)) if p.use_qk_l2norm
               else (None, None))
@@ -454,9 +453,8 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, scan_
     q, k = (p.q, p.k) if p.q.dtype == op_dtype or bf16 else (p.q.to(op_dtype), p.k.to(op_dtype))
     if total:
         tables = (cu, chunk_index) if varlen else (None, None)
-        chunk_prepare.launch(p, k, g, beta, beta_mode, total, tables, gcum, inverse, rk, dot, config)
-        if scores is not None:
-            chunk_prepare.launch_scores(p, q, k, total, tables, gcum, scores, rq, dot, config)
+        chunk_prepare.launch(p, g, beta, beta_mode, total, tables, gcum, inverse, dot, config)
+        chunk_prepare.launch_scores(p, q, k, total, tables, gcum, scores, rq, rk, dot, config)
 
     o = torch.empty(B, T, HV, V, dtype=p.o_dtype, device=dev)
     state_shape = (HV, V, K) if p.state_v_first else (HV, K, V)
@@ -473,7 +471,7 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, scan_
                   num_warps=config.scan_warps, num_stages=config.scan_stages)
     if rq is None:
         rq = rk = dummy
-    args = (q, k, p.v, beta, inverse, scores if scores is not None else dummy, rq, rk, gcum, o,
+    args = (q, k, p.v, beta, inverse, scores, rq, rk, gcum, o,
             h0 if h0 is not None else o, ht if ht is not None else o, h_chunks,
             cu if varlen else dummy, chunk_start if varlen else dummy)
     if sequence_scan is not None:

@@ -71,13 +71,6 @@ def _key_block(k, base, blk: tl.constexpr, n_left, o_k, K: tl.constexpr, stride)
 
 
 @triton.jit
-def _store_norm(out, t0, i_h, blk: tl.constexpr, n_left, x, H: tl.constexpr):
-    """1 / |k| [16] of rows 16 blk .. 16 blk + 15 into ``[B, T, H]`` fp32."""
-    t = blk * 16 + tl.arange(0, 16)
-    tl.store(out + (t0 + t) * H + i_h, x, mask=t < n_left)
-
-
-@triton.jit
 def _a_block(gram, rk_i, rk_j, beta_i, G_i, G_j, DIAG: tl.constexpr):
     """Block of A from a Gram block [16, 16]: beta_i (k_i . k_j) / (|k_i| |k_j|) exp(G_i - G_j),
     strictly lower on a diagonal block (the exponent is clamped where it is not used)."""
@@ -135,7 +128,7 @@ def _store_block(out, row0, X, bi: tl.constexpr, bj: tl.constexpr, n_left, strid
 
 @triton.jit
 def _inverse_kernel(
-    k, g, beta, A_log, dt_bias, p_out, gcum, rk_out, cu_seqlens, chunk_index, T, NT,
+    k, g, beta, A_log, dt_bias, p_out, gcum, cu_seqlens, chunk_index, T, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     VPP: tl.constexpr, DOT: tl.constexpr, L2NORM: tl.constexpr, GATE: tl.constexpr,
     HAS_BIAS: tl.constexpr, BETA: tl.constexpr, VARLEN: tl.constexpr,
@@ -179,11 +172,6 @@ def _inverse_kernel(
     # 1 / |k| per row, for both sides of the Gram blocks
     if L2NORM:
         r0, r1, r2, r3 = tl.rsqrt(s0 + 1e-6), tl.rsqrt(s1 + 1e-6), tl.rsqrt(s2 + 1e-6), tl.rsqrt(s3 + 1e-6)
-        if hv0 % (HV // H) == 0:                                            # one program per q/k head stores
-            _store_norm(rk_out, t0, i_h, 0, n_left, r0, H)
-            _store_norm(rk_out, t0, i_h, 1, n_left, r1, H)
-            _store_norm(rk_out, t0, i_h, 2, n_left, r2, H)
-            _store_norm(rk_out, t0, i_h, 3, n_left, r3, H)
     else:
         r0 = tl.full([16], 1.0, tl.float32)
         r1, r2, r3 = r0, r0, r0
@@ -246,13 +234,13 @@ def _inverse_kernel(
 
 @triton.jit
 def _scores_kernel(
-    q, k, gcum, a_out, rq_out, cu_seqlens, chunk_index, T, NT, scale,
+    q, k, gcum, a_out, rq_out, rk_out, cu_seqlens, chunk_index, T, NT, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     DOT: tl.constexpr, L2NORM: tl.constexpr, VARLEN: tl.constexpr,
 ):
     """Program (chunk, q/k head): q k^T [BT, BT] once, then for each of the head's HV / H value
     heads the causal scores scale diag(rq) q k^T diag(rk) e^(G_i - G_j) (bf16, diagonal included);
-    with the l2norm also 1 / |q| per token (the scan's output reads it)."""
+    with the l2norm also 1 / |q| and 1 / |k| per token."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     i_n, c, bos, eos = _chunk(chunk_index, cu_seqlens, i_c.to(tl.int64), T, NT, VARLEN)
@@ -269,6 +257,7 @@ def _scores_kernel(
         b_rq = tl.rsqrt(tl.sum(b_q.to(tl.float32) * b_q.to(tl.float32), 1) + 1e-6)            # [BT]
         b_rk = tl.rsqrt(tl.sum(b_kt.to(tl.float32) * b_kt.to(tl.float32), 0) + 1e-6)          # [BT]
         tl.store(rq_out + (t0 + r) * H + i_h, b_rq, mask=m_t)
+        tl.store(rk_out + (t0 + r) * H + i_h, b_rk, mask=m_t)
         b_qk = b_qk * b_rq[:, None] * b_rk[None, :]
     causal = r[:, None] >= r[None, :]
     for j in range(HV // H):                                                # the value heads of this q/k head
@@ -285,10 +274,10 @@ def values_per_program(ratio: int, limit: int) -> int:
     return max(d for d in range(1, min(ratio, limit) + 1) if ratio % d == 0)
 
 
-def launch(p, k, g, beta, beta_mode: int, total: int, tables, gcum, inverse, rk, dot, config) -> None:
+def launch(p, g, beta, beta_mode: int, total: int, tables, gcum, inverse, dot, config) -> None:
     """Runs the inverse kernel for ``total`` chunks: g and beta as the kernels read them (raw),
-    ``tables`` = (cu_seqlens, chunk index) or Nones (dense); writes G into ``gcum`` ``[B, T, HV]``,
-    P into ``inverse`` ``[B, T, HV, BT]`` and, with the l2norm, 1 / |k| into ``rk`` ``[B, T, H]``."""
+    ``tables`` = (cu_seqlens, chunk index) or Nones (dense); writes G into ``gcum`` ``[B, T, HV]``
+    and P into ``inverse`` ``[B, T, HV, BT]``."""
     T, H, HV, K = p.T, p.H, p.HV, p.K
     NT = cdiv(T, BT)
     cu, chunk_index = tables
@@ -297,24 +286,24 @@ def launch(p, k, g, beta, beta_mode: int, total: int, tables, gcum, inverse, rk,
     vpp = values_per_program(HV // H, config.inverse_heads)
     BK = min(64, max(16, next_pow2(K)))
     _inverse_kernel[(total, HV // vpp)](
-        k, g, beta, p.A_log if p.A_log is not None else dummy, p.dt_bias if p.dt_bias is not None else dummy,
-        inverse, gcum, rk if rk is not None else dummy,
-        cu if varlen else dummy, chunk_index if varlen else dummy,
+        p.k, g, beta, p.A_log if p.A_log is not None else dummy, p.dt_bias if p.dt_bias is not None else dummy,
+        inverse, gcum, cu if varlen else dummy, chunk_index if varlen else dummy,
         T, NT, H=H, HV=HV, K=K, BT=BT, BK=BK, VPP=vpp, DOT=dot, L2NORM=p.use_qk_l2norm, GATE=p.gate_in_op == "gdn",
         HAS_BIAS=p.dt_bias is not None, BETA=beta_mode, VARLEN=varlen,
         num_warps=config.inverse_warps, num_stages=config.inverse_stages,
     )
 
 
-def launch_scores(p, q, k, total: int, tables, gcum, scores, rq, dot, config) -> None:
+def launch_scores(p, q, k, total: int, tables, gcum, scores, rq, rk, dot, config) -> None:
     """Runs the scores kernel for ``total`` chunks after the inverse kernel (it reads G from
     ``gcum``): writes the causal scores into ``scores`` ``[B, T, HV, BT]`` and, with the l2norm,
-    1 / |q| into ``rq`` ``[B, T, H]``."""
+    1 / |q| and 1 / |k| into ``rq``, ``rk`` ``[B, T, H]``."""
     cu, chunk_index = tables
     varlen = cu is not None
     dummy = gcum
     _scores_kernel[(total, p.H)](
-        q, k, gcum, scores, rq if rq is not None else dummy, cu if varlen else dummy, chunk_index if varlen else dummy, p.T, cdiv(p.T, BT), p.scale,
+        q, k, gcum, scores, rq if rq is not None else dummy, rk if rk is not None else dummy,
+        cu if varlen else dummy, chunk_index if varlen else dummy, p.T, cdiv(p.T, BT), p.scale,
         H=p.H, HV=p.HV, K=p.K, BT=BT, BK=max(16, next_pow2(p.K)), DOT=dot, L2NORM=p.use_qk_l2norm,
         VARLEN=varlen, num_warps=config.scores_warps, num_stages=1,
     )
