@@ -29,10 +29,11 @@ from fastla.ops.gated_delta_rule import chunk_gated_delta_rule
 VARIANTS = {
     "default": None,                       # chunk_delta.default_config(p)
     "gluon": None,                         # the sm_90 tier (its scan, the Triton prologue), default plan
-    "gluon-bv64": dict(SCAN_BLOCK_V=64),   # gluon-*: overrides of backends/gluon/chunk_delta.py's constants
+    "gluon-bv32": dict(SCAN_BLOCK_V=32),   # gluon-*: overrides of backends/gluon/chunk_delta.py's constants
+    "gluon-bv64": dict(SCAN_BLOCK_V=64),
+    "gluon-bv64-wg2": dict(SCAN_BLOCK_V=64, SCAN_WARPGROUPS=2),
+    "gluon-bv128": dict(SCAN_BLOCK_V=128),  # two warpgroups
     "gluon-s3": dict(SCAN_STAGES=3),
-    "gluon-wg2": dict(SCAN_BLOCK_V=64, SCAN_WARPGROUPS=2),      # two warpgroups x 32 columns on shared tiles
-    "gluon-wg2-bv128": dict(SCAN_BLOCK_V=128, SCAN_WARPGROUPS=2),
     "bv16": dict(scan_block_v=16, scan_stages=2, scan_warps=4),
     "bv32s2": dict(scan_block_v=32, scan_stages=2, scan_warps=4),
     "bv32s3": dict(scan_block_v=32, scan_stages=3, scan_warps=4),

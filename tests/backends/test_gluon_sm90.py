@@ -21,7 +21,8 @@ SCAN_VARIANTS = {
     "bv64-replay-varlen": dict(BV=64, SEG=2, VARLEN=True),
     "bv32-replay-states-varlen": dict(SEG=2, STORE_STATES=True, VARLEN=True),
     "k64-v-first": dict(K=64, V=64, SK=1, SV=64),
-    "bv64-two-warpgroups": dict(BV=64, WARPGROUPS=2),
+    "bv128-two-warpgroups": dict(BV=128, WARPGROUPS=2),
+    "bv128-replay-varlen": dict(BV=128, WARPGROUPS=2, SEG=2, VARLEN=True),
 }
 
 
@@ -101,3 +102,14 @@ def test_launcher_builds_descriptors(monkeypatch):
     assert list(v_desc.shape) == list(o_desc.shape) == [B * T, HV * V]
     assert v_desc.block_shape == o_desc.block_shape == [64, 64]
     assert list(p_desc.shape) == list(a_desc.shape) == [B * T, HV * 64]
+
+
+def test_scan_tile_plan():
+    """The tile plan (waves of one-program-per-SM tiles x step time) on the measured shapes."""
+    from fastla.backends.gluon.chunk_delta import scan_tile
+    assert scan_tile(64, 128, 132) == (64, 1)              # 1x32k HV64: 128 lanes of 64 columns, one wave
+    assert scan_tile(128, 128, 132) == (128, 2)            # 4x8k HV32: one wave of 128-column programs
+    assert scan_tile(16, 128, 132) == (32, 1)              # 1x8k HV16: 32-column programs fit one wave
+    assert scan_tile(32, 128, 132) == (32, 1)              # 1x32k HV32
+    assert scan_tile(64, 96, 132) == (32, 1)               # only 32 divides V = 96
+    assert scan_tile(64, 64, 132) == (32, 1) and scan_tile(132, 64, 132) == (64, 1)     # K = V = 64

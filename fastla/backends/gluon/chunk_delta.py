@@ -11,25 +11,33 @@ from fastla.backends.gluon import available
 from fastla.backends.triton import chunk_delta as triton_chunk
 from fastla.core.problem import Problem
 
-SCAN_BLOCK_V = None         # value columns per program (None: scan_block_v's plan)
+SCAN_BLOCK_V = None         # value columns per program (None: scan_tile's plan)
 SCAN_STAGES = 2             # chunks of tiles in flight
-SCAN_WARPGROUPS = 1         # warpgroups splitting a program's columns (2: a sweep variant, not yet timed)
+SCAN_WARPGROUPS = None      # warpgroups splitting a program's columns (None: scan_tile's plan)
+
+# Time of one chunk step of a program at each tile width (us, H200, under a full grid; one
+# program per SM at every width: 131, 164 and 229 KB of shared memory), from the sweep
+# (docs/notes/gdn-prefill.md, v9): 32 columns ~1.3 (1x8k HV16), 64 ~2.2 (1x32k HV64), 128 on two
+# warpgroups ~3.1 (4x8k HV32). Wider tiles do more columns per step, narrower ones step faster.
+STEP_US = {32: 1.3, 64: 2.2, 128: 3.1}
+WARPGROUPS = {32: 1, 64: 1, 128: 2}     # 128 columns on one warpgroup need > 255 registers
 
 
-def scan_block_v(counts: tuple[int, ...], HV: int, V: int, sms: int) -> int:
-    """32 value columns per program while one wave of them covers the work, else 64.
-
-    Both tile widths run one program per SM (127 KB and 156 KB of shared memory) and a chunk
-    step costs about the same at either width, so 64-column tiles halve the steps once 32-column
-    lanes exceed the SMs (H200: 1x32k HV64 scan 1.22 ms at 64 vs 2.06 at 32; 4x8k HV32 0.67 vs
-    1.15), and lose while they fit (1x32k HV32 1.11 vs 1.03; 1x8k HV16 0.29 vs 0.23). Lanes are
-    weighted by sequence length: a varlen batch is as wide as its total chunks over its longest
-    sequence (9 sequences of 16k tokens at HV8: 0.25 vs 0.22 ms)."""
-    longest = max(counts, default=0)
-    if not longest or V % 64:
-        return 32
-    lanes = HV * (V // 32) * sum(counts) / longest
-    return 32 if lanes <= sms else 64
+def scan_tile(lanes: float, V: int, sms: int) -> tuple[int, int]:
+    """(value columns, warpgroups) per program: the width whose waves of programs (one per SM)
+    times its step time is least, for ``lanes`` = value heads x sequences (weighted by length:
+    total chunks over the longest sequence's). Measured at 1x32k HV64 (128 lanes): 64 columns,
+    1 wave (1.14 ms) against 2 at 32 and a half-empty one at 128 (1.56); 4x8k HV32: 128 columns,
+    1 wave (0.40 ms vs 0.55 at 64); 1x8k HV16: 32 columns (0.17 ms vs 0.29 at 64)."""
+    best = None
+    for bv, step in STEP_US.items():
+        if V % bv:
+            continue
+        cost = -(-int(lanes * (V // bv) + 0.999) // sms) * step
+        if best is None or cost < best[0]:
+            best = (cost, bv)
+    bv = best[1] if best else 32
+    return bv, WARPGROUPS[bv]
 
 
 def supports(p: Problem) -> str | None:
@@ -47,6 +55,8 @@ def supports(p: Problem) -> str | None:
         return f"V = {p.V} (the sm_90 scan takes multiples of 32)"
     if any(x.data_ptr() % 16 for x in (p.q, p.k, p.v)):
         return "q, k or v is not 16-byte aligned (TMA)"
+    if p.B * p.T < 64:
+        return f"{p.B * p.T} tokens in the batch (the TMA boxes are 64 rows; fewer faulted on the H200)"
     return None
 
 
@@ -64,9 +74,17 @@ def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments
     from fastla.backends.gluon.chunk_delta_sm90 import _scan_sm90_kernel
 
     BT = BK = 64                                                            # the kernel's tile sides
-    BV = SCAN_BLOCK_V or scan_block_v(triton_chunk._chunk_counts(p), p.HV, p.V, triton_chunk._sm_count(p.device))
+    if seg == 2:
+        lanes = programs * p.HV                                             # segments of (about) one length
+    else:
+        counts = triton_chunk._chunk_counts(p)
+        lanes = p.HV * sum(counts) / max(max(counts), 1)
+    BV, warpgroups = scan_tile(lanes, p.V, triton_chunk._sm_count(p.device))
+    if SCAN_BLOCK_V:
+        BV, warpgroups = SCAN_BLOCK_V, WARPGROUPS[SCAN_BLOCK_V]
+    warpgroups = SCAN_WARPGROUPS or warpgroups
     if sp.h_chunks is not None:
-        BV = 32                         # storing the chunk states spills at 64 columns (448 B, sm_90 compile)
+        BV, warpgroups = 32, 1          # storing the chunk states spills at 64 columns (448 B, sm_90 compile)
     rows = p.B * p.T
     tile, vtile = _tile_layout(BT, BK), _tile_layout(BT, BV)
 
@@ -93,7 +111,7 @@ def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments
         H=p.H, HV=p.HV, K=p.K, V=p.V, BV=BV, SK=SK, SV=SV, HAS_H0=sp.h0 is not None, STORE_FINAL=sp.ht is not None,
         L2NORM=p.use_qk_l2norm, VARLEN=sp.cu_seqlens is not None, SEG=seg, BETA=sp.beta_mode,
         STORE_STATES=sp.h_chunks is not None, STAGES=SCAN_STAGES,
-        WARPGROUPS=SCAN_WARPGROUPS, num_warps=4 * SCAN_WARPGROUPS,
+        WARPGROUPS=warpgroups, num_warps=4 * warpgroups,
     )
 
 
