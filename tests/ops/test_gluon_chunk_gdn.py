@@ -51,7 +51,7 @@ def block_v(request, monkeypatch):
 
 @pytest.mark.parametrize("T", [1, 63, 64, 65, 200])
 def test_lengths(T, block_v):
-    check(bf16_inputs(B=64 if T == 1 else 2, T=T, H=2, HV=4, K=128, V=128))   # >= 64 rows: see below
+    check(bf16_inputs(B=64 if T == 1 else 2, T=T, H=2, HV=4, K=128, V=128))   # >= 64 rows (see below)
 
 
 @pytest.mark.parametrize("K,V", [(64, 64), (128, 96), (64, 128)])
@@ -109,8 +109,8 @@ def test_intermediate_states_match_triton(block_v):
 
 
 def test_fewer_than_64_tokens_go_to_triton():
-    """A batch of fewer than 64 tokens (TMA boxes of 64 rows over fewer rows faulted on the H200)
-    is served by the Triton tier, with the reason logged."""
+    """A batch of fewer than 64 tokens (fewer rows than the scan's 64-row TMA boxes, not validated on
+    the GPU) is served by the Triton tier, with the reason logged."""
     from fastla.core import dispatch
     from fastla.core.validation import build_problem
     t = bf16_inputs(B=2, T=1, H=1, K=128, V=128)

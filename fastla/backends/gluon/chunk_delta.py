@@ -56,7 +56,7 @@ def supports(p: Problem) -> str | None:
     if any(x.data_ptr() % 16 for x in (p.q, p.k, p.v)):
         return "q, k or v is not 16-byte aligned (TMA)"
     if p.B * p.T < 64:
-        return f"{p.B * p.T} tokens in the batch (the TMA boxes are 64 rows; fewer faulted on the H200)"
+        return f"{p.B * p.T} tokens in the batch (the scan's TMA boxes are 64 rows; smaller batches are not validated)"
     return None
 
 

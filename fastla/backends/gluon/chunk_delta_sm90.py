@@ -79,7 +79,7 @@ def _issue_chunk(k_desc, q_desc, v_desc, p_desc, a_desc, k_s, q_s, v_s, p_s, a_s
     tma.async_copy_global_to_shared(a_desc, [t0, i_hv * BT], bar, a_s.index(stage), pred=pred)
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["T", "NT", "n_rows"])     # T = 1 would compile a variant of its own
 def _scan_sm90_kernel(
     k_desc, q_desc, v_desc, p_desc, a_desc, o_desc,
     beta, rq, rk, gcum, o, h0, ht, h_chunks, cu_seqlens, chunk_start, segments, seg_state,

@@ -126,7 +126,7 @@ def _store_block(out, row0, X, bi: tl.constexpr, bj: tl.constexpr, n_left, strid
              mask=(t < n_left)[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "NT"])     # as chunk_delta._scan_kernel
 def _inverse_kernel(
     k, g, beta, A_log, dt_bias, p_out, gcum, cu_seqlens, chunk_index, T, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
@@ -232,7 +232,7 @@ def _inverse_kernel(
         _store_block(p_out, row0, zero, 2, 3, n_left, HV * BT, BT)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "NT"])     # as chunk_delta._scan_kernel
 def _scores_kernel(
     q, k, gcum, a_out, rq_out, rk_out, cu_seqlens, chunk_index, T, NT, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
