@@ -10,24 +10,29 @@ Inputs (bf16 unless noted): k, q ``[B * T, H * K]``, v ``[B * T, HV * V]``, P an
 ``[B * T, HV * 64]``, all through TMA descriptors of [64, 64] boxes ([64, BV] for v); beta (raw),
 G, rq, rk (fp32) by plain loads; h0 / ht / chunk states fp32 ``[.., K, V]`` or ``[.., V, K]``.
 Rows past a sequence's end come from the next sequence (or TMA's zero fill): they are finite,
-beta and the update weights are zero there, and their outputs are not stored.
+beta and the update weights are zero there, and their outputs are not stored. Output o
+``[B * T, HV * V]`` through a TMA descriptor of [64, BV] boxes (``n_rows`` = B * T).
 
 Grid ``(sequences or segments x HV, V / BV)``, 4 x WARPGROUPS warps: the state slab S
 ``[K, BV]`` fp32 lives in registers as K / 64 halves ``[64, BV]``, its columns split over the
-warpgroups (each issues its own products on the shared tiles; WARPGROUPS = 2 compiles to 178
-registers at BV 64 and is a sweep variant not yet timed). No producer/consumer specialization
-yet. The tiles of STAGES chunks are in flight (TMA into stage ``i % STAGES``, one mbarrier per
-stage, a stage refilled as soon as its chunk is done); the row vectors (G, beta, 1/|k|, 1/|q|)
-are loaded one chunk ahead into registers. Per chunk:
-    S -> bf16 smem;  X = k S  and  Q = q S  issued together, wait for X only
+warpgroups (each issues its own products on the shared tiles). No producer/consumer
+specialization yet. The tiles of STAGES chunks are in flight (TMA into stage ``i % STAGES``, one
+mbarrier per stage, a stage refilled as soon as its chunk is done); the row vectors (G, raw
+beta, 1/|k|, 1/|q|) are loaded one chunk ahead into registers and used a chunk later. Per chunk
+(S in bf16 shared memory from the previous chunk):
+    X = k S  and  Q = q S  issued together, wait for X only
     Y = beta (v - rk e^G X) -> smem;  V_new = P Y  (wait: V_new and Q)
     V_new, D = diag(rk e^(G_last - G)) V_new -> smem
-    O = diag(scale rq e^G) Q + A_qk V_new  and  S = e^G_last S + k^T D  issued together, one wait
+    S = e^G_last S + k^T D  then  O = diag(scale rq e^G) Q + A_qk V_new  issued; wait for S,
+    S -> bf16 smem (while O runs), wait for O
+    O -> smem -> TMA store (a sequence's partial last chunk: masked stores instead)
 so four dependent waits per chunk instead of the Triton scan's six serialized products.
 
-Budget (K = V = 128, STAGES = 2, sm_90 compile): BV 32 179 registers, 127 KB of shared memory;
-BV 64 255 registers, 156 KB (one program per SM either way; two at BV 32 would need <= 113 KB);
-no spills, HGMMA and UTMALDG in the SASS (tests/backends/test_gluon_sm90.py).
+Budget (K = V = 128, STAGES = 2, sm_90 compile): BV 32 168 registers, 131 KB of shared memory;
+BV 64 254 registers, 164 KB; BV 128 on two warpgroups 255 registers, 229 KB (one program per SM
+at every width); no spills, HGMMA and UTMALDG in the SASS (tests/backends/test_gluon_sm90.py).
+A clock64 profile of one step (docs/notes/gdn-prefill.md, v9): ~2350 cycles at BV 32, ~3100 at
+BV 64, the products about half of it.
 """
 from __future__ import annotations
 
