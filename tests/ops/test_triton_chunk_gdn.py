@@ -35,6 +35,19 @@ def test_lengths(T, device):
     check(make_inputs(SPEC, B=2, T=T, H=2, HV=4, K=32, V=32, device=device))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("B", [2, 64])
+def test_one_token_bf16_wide_heads(B):
+    """T = 1 at bf16 with K = V = 128 (the shipped products and tiles): this faulted on the H200
+    (illegal address) while T = 1 was specialized to a constant; bf16 tolerance vs fp64."""
+    t = make_inputs(SPEC, B=B, T=1, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16, device="cuda")
+    o, ht = on_triton(call_chunk, SPEC, t, output_final_state=True)
+    ro, rht = call_reference(SPEC, {n: x.double() for n, x in t.items()}, output_final_state=True)
+    assert_close("o", o, ro, 2e-2)
+    assert_close("final_state", ht, rht, 2e-2)
+
+
 @pytest.mark.parametrize("lengths", [[1, 63, 64, 65, 130, 7], [200]])
 def test_varlen(lengths):
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
