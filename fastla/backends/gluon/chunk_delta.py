@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -15,7 +16,7 @@ SCAN_BLOCK_V = None         # value columns per program (None: scan_tile's plan)
 SCAN_STAGES = 2             # chunks of tiles in flight
 SCAN_WARPGROUPS = None      # warpgroups splitting a program's columns (None: scan_tile's plan)
 
-# Time of one chunk step of a program at each tile width (us, H200, under a full grid; one
+# Time of one chunk step of a program at each tile width (us, H200, K = V = 128, a full grid; one
 # program per SM at every width: 131, 164 and 229 KB of shared memory), from the sweep
 # (docs/notes/gdn-prefill.md, v9): 32 columns ~1.3 (1x8k HV16), 64 ~2.2 (1x32k HV64), 128 on two
 # warpgroups ~3.1 (4x8k HV32). Wider tiles do more columns per step, narrower ones step faster.
@@ -26,14 +27,15 @@ WARPGROUPS = {32: 1, 64: 1, 128: 2}     # 128 columns on one warpgroup need > 25
 def scan_tile(lanes: float, V: int, sms: int) -> tuple[int, int]:
     """(value columns, warpgroups) per program: the width whose waves of programs (one per SM)
     times its step time is least, for ``lanes`` = value heads x sequences (weighted by length:
-    total chunks over the longest sequence's). Measured at 1x32k HV64 (128 lanes): 64 columns,
-    1 wave (1.14 ms) against 2 at 32 and a half-empty one at 128 (1.56); 4x8k HV32: 128 columns,
-    1 wave (0.40 ms vs 0.55 at 64); 1x8k HV16: 32 columns (0.17 ms vs 0.29 at 64)."""
+    total chunks over the longest sequence's). Measured: 1x32k HV64 (64 lanes) 64 columns, one
+    wave of 128 programs (scan 1.14 ms) against two at 32 (1.72) and a half-empty one at 128
+    (1.58); 4x8k HV32 (128 lanes) 128 columns, one wave (0.40 ms vs 0.54 at 64); 1x8k HV16
+    (16 lanes) 32 columns (0.17 ms vs 0.23 at 64)."""
     best = None
     for bv, step in STEP_US.items():
         if V % bv:
             continue
-        cost = -(-int(lanes * (V // bv) + 0.999) // sms) * step
+        cost = math.ceil(lanes * (V // bv) / sms) * step
         if best is None or cost < best[0]:
             best = (cost, bv)
     bv = best[1] if best else 32
