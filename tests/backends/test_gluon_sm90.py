@@ -68,8 +68,9 @@ def test_gdn_scan_compiles_for_sm90(name, tmp_path):
 
 def test_launcher_builds_descriptors(monkeypatch):
     """The host side of the Gluon scan on the CPU, up to the launch: TMA descriptors of the shapes
-    and boxes the kernel expects, and the tile plan (64 columns when 32-column lanes exceed the SMs;
-    32 whenever chunk states are stored)."""
+    and boxes the kernel expects, the row count for the output's store, and the tile plan (64
+    columns at 1x32k HV64; 32 whenever chunk states are stored; 128 on two warpgroups, eight
+    warps, at 4x8k HV32)."""
     import torch
 
     from fastla.backends.gluon import chunk_delta as gluon_chunk
@@ -83,6 +84,7 @@ def test_launcher_builds_descriptors(monkeypatch):
         def __getitem__(self, grid):
             return lambda *args, **kw: launches.append((grid, args, kw))
 
+    names = chunk_delta_sm90._scan_sm90_kernel.arg_names
     monkeypatch.setattr(chunk_delta_sm90, "_scan_sm90_kernel", Recorder())
     B, T, H, HV, K, V = 1, 32768, 16, 64, 128, 128
     bf = dict(dtype=torch.bfloat16)
@@ -102,6 +104,20 @@ def test_launcher_builds_descriptors(monkeypatch):
     assert list(v_desc.shape) == list(o_desc.shape) == [B * T, HV * V]
     assert v_desc.block_shape == o_desc.block_shape == [64, 64]
     assert list(p_desc.shape) == list(a_desc.shape) == [B * T, HV * 64]
+    assert args64[names.index("n_rows")] == B * T and kw64["WARPGROUPS"] == 1 and kw64["num_warps"] == 4
+    assert kw32["WARPGROUPS"] == 1
+
+    B, T, HV = 4, 8192, 32
+    q, k, v = torch.empty(B, T, H, K, **bf), torch.empty(B, T, H, K, **bf), torch.empty(B, T, HV, V, **bf)
+    g, beta = torch.empty(B, T, HV), torch.empty(B, T, HV)
+    p = build_problem("chunk_gated_delta_rule", q=q, k=k, v=v, g=g, beta=beta, delta=True, gva=True)
+    scratch = torch.empty(B, T, HV, 64, **bf)
+    sp = chunk_delta.SequencePass(q, k, v, beta, 1, scratch, scratch, g, g, g, v, None, None, None, None, None,
+                                  T, 128, g)
+    gluon_chunk._sequence_scan(p, sp, 0, g, g, B)
+    grid, args, kw = launches[-1]
+    assert kw["BV"] == 128 and kw["WARPGROUPS"] == 2 and kw["num_warps"] == 8 and grid == (B * HV, 1)
+    assert args[2].block_shape == args[5].block_shape == [64, 128]                # v and o boxes
 
 
 def test_scan_tile_plan():
