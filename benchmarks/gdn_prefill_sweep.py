@@ -33,7 +33,7 @@ VARIANTS = {
     "gluon-bv64": dict(SCAN_BLOCK_V=64),
     "gluon-bv64-wg2": dict(SCAN_BLOCK_V=64, SCAN_WARPGROUPS=2),
     "gluon-bv128": dict(SCAN_BLOCK_V=128),  # two warpgroups
-    "gluon-s3": dict(SCAN_STAGES=3),
+    "gluon-s3": dict(SCAN_BLOCK_V=64, SCAN_STAGES=3),   # three stages do not fit at 128 columns
     "bv16": dict(scan_block_v=16, scan_stages=2, scan_warps=4),
     "bv32s2": dict(scan_block_v=32, scan_stages=2, scan_warps=4),
     "bv32s3": dict(scan_block_v=32, scan_stages=3, scan_warps=4),

@@ -10,7 +10,8 @@ cost a few cycles each and the accumulators a few registers, so phases near a re
 are perturbed somewhat. A marker that no longer matches the kernel stops the script: update
 ``PHASES`` with the kernel.
 
-    python benchmarks/gdn_scan_profile.py [--shapes NAME[:BV],..]
+    python benchmarks/gdn_scan_profile.py [--shapes NAME[:BV],..]        (K = 128 shapes: the markers
+                                                                        are in the two-half branch)
 
 Measured numbers and their reading: docs/notes/gdn-prefill.md (v9).
 """

@@ -54,14 +54,15 @@ def _child_scan(name: str, folder: str) -> None:
     tool = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     sass = subprocess.run([str(tool), "-sass", str(pathlib.Path(folder) / "k.cubin")], capture_output=True,
                           text=True, check=True).stdout
-    res.update(hgmma=sass.count("HGMMA"), utmaldg=sass.count("UTMALDG"), shared_bytes=kernel.metadata.shared)
+    res.update(hgmma=sass.count("HGMMA"), utmaldg=sass.count("UTMALDG"), utmastg=sass.count("UTMASTG"),
+               shared_bytes=kernel.metadata.shared)
     print(json.dumps(res))
 
 
 @pytest.mark.parametrize("name", list(SCAN_VARIANTS))
 def test_gdn_scan_compiles_for_sm90(name, tmp_path):
     res = _run_child(f"_child_scan({name!r}, {str(tmp_path)!r})", tmp_path, module="tests.backends.test_gluon_sm90")
-    assert res["hgmma"] > 0 and res["utmaldg"] > 0, res
+    assert res["hgmma"] > 0 and res["utmaldg"] > 0 and res["utmastg"] > 0, res      # TMA loads and the output's store
     assert res["LOCAL"] == 0 and res["STACK"] == 0, f"spills: {res}"
     assert res["shared_bytes"] <= 227 * 1024, res
 
@@ -91,18 +92,19 @@ def test_launcher_builds_descriptors(monkeypatch):
     q, k, v = torch.empty(B, T, H, K, **bf), torch.empty(B, T, H, K, **bf), torch.empty(B, T, HV, V, **bf)
     g, beta = torch.empty(B, T, HV), torch.empty(B, T, HV)
     p = build_problem("chunk_gated_delta_rule", q=q, k=k, v=v, g=g, beta=beta, delta=True, gva=True)
-    scratch = torch.empty(B, T, HV, 64, **bf)
+    scratch, o = torch.empty(B, T, HV, 64, **bf), torch.empty(B, T, HV, V, **bf)
     for states in (None, torch.empty(512, HV, K, V, **bf)):
-        sp = chunk_delta.SequencePass(q, k, v, beta, 1, scratch, scratch, g, g, g, v, None, None, states, None, None,
+        sp = chunk_delta.SequencePass(q, k, v, beta, 1, scratch, scratch, g, g, g, o, None, None, states, None, None,
                                       T, 512, g)
         gluon_chunk._sequence_scan(p, sp, 0, g, g, 1)
     (grid64, args64, kw64), (grid32, args32, kw32) = launches
-    assert kw64["BV"] == 64 and grid64 == (HV, V // 64)                  # 256 lanes of 32 > 132 SMs
+    assert kw64["BV"] == 64 and grid64 == (HV, V // 64)                  # one wave of 128 programs
     assert kw32["BV"] == 32 and kw32["STORE_STATES"] and grid32 == (HV, V // 32)
     k_desc, q_desc, v_desc, p_desc, a_desc, o_desc = args64[:6]
     assert list(k_desc.shape) == [B * T, H * K] and k_desc.block_shape == [64, 64]
     assert list(v_desc.shape) == list(o_desc.shape) == [B * T, HV * V]
     assert v_desc.block_shape == o_desc.block_shape == [64, 64]
+    assert o_desc.base.data_ptr() == o.data_ptr() and v_desc.base.data_ptr() == v.data_ptr()
     assert list(p_desc.shape) == list(a_desc.shape) == [B * T, HV * 64]
     assert args64[names.index("n_rows")] == B * T and kw64["WARPGROUPS"] == 1 and kw64["num_warps"] == 4
     assert kw32["WARPGROUPS"] == 1

@@ -59,6 +59,14 @@ def test_head_dims(K, V):
     check(bf16_inputs(B=1, T=300, H=1, HV=2, K=K, V=V))
 
 
+@pytest.mark.parametrize("block_v_64", [32, 64])
+def test_head_dims_64_all_widths(block_v_64, monkeypatch):
+    """K = V = 64 at both widths that divide V (the plan alone picks 32 at these few lanes)."""
+    from fastla.backends.gluon import chunk_delta as gluon_chunk
+    monkeypatch.setattr(gluon_chunk, "SCAN_BLOCK_V", block_v_64)
+    check(bf16_inputs(B=1, T=300, H=1, HV=2, K=64, V=64))
+
+
 def test_varlen(block_v):
     lengths = [1, 63, 64, 65, 130, 7, 300]
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())

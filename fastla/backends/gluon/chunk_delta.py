@@ -16,7 +16,8 @@ SCAN_BLOCK_V = None         # value columns per program (None: scan_tile's plan)
 SCAN_STAGES = 2             # chunks of tiles in flight
 SCAN_WARPGROUPS = None      # warpgroups splitting a program's columns (None: scan_tile's plan)
 
-# Time of one chunk step of a program at each tile width (us, H200, K = V = 128, a full grid; one
+# Time of one chunk step of a program at each tile width (us, H200, K = V = 128 (applied to K = 64
+# too, unmeasured there), a full grid; one
 # program per SM at every width: 131, 164 and 229 KB of shared memory), from the sweep
 # (docs/notes/gdn-prefill.md, v9): 32 columns ~1.3 (1x8k HV16), 64 ~2.2 (1x32k HV64), 128 on two
 # warpgroups ~3.1 (4x8k HV32). Wider tiles do more columns per step, narrower ones step faster.
@@ -82,7 +83,9 @@ def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments
         counts = triton_chunk._chunk_counts(p)
         lanes = p.HV * sum(counts) / max(max(counts), 1)
     BV, warpgroups = scan_tile(lanes, p.V, triton_chunk._sm_count(p.device))
-    if SCAN_BLOCK_V:
+    if SCAN_BLOCK_V:                                                        # sweep overrides
+        if SCAN_BLOCK_V not in WARPGROUPS or p.V % SCAN_BLOCK_V:
+            raise ValueError(f"SCAN_BLOCK_V = {SCAN_BLOCK_V}: one of {list(WARPGROUPS)} dividing V = {p.V}")
         BV, warpgroups = SCAN_BLOCK_V, WARPGROUPS[SCAN_BLOCK_V]
     warpgroups = SCAN_WARPGROUPS or warpgroups
     if sp.h_chunks is not None:

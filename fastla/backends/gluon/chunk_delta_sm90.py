@@ -31,7 +31,7 @@ so four dependent waits per chunk instead of the Triton scan's six serialized pr
 Budget (K = V = 128, STAGES = 2, sm_90 compile): BV 32 168 registers, 131 KB of shared memory;
 BV 64 254 registers, 164 KB; BV 128 on two warpgroups 255 registers, 229 KB (one program per SM
 at every width); no spills, HGMMA and UTMALDG in the SASS (tests/backends/test_gluon_sm90.py).
-A clock64 profile of one step (docs/notes/gdn-prefill.md, v9): ~2350 cycles at BV 32, ~3100 at
+A cycle profile of one step (benchmarks/gdn_scan_profile.py, docs/notes/gdn-prefill.md v9): ~2350 cycles at BV 32, ~3100 at
 BV 64, the products about half of it.
 """
 from __future__ import annotations

@@ -44,8 +44,9 @@ from fastla.backends.triton.chunk_prepare import _activate_beta
 from fastla.backends.triton.recurrent import BETA_GIVEN, BETA_SIGMOID, BETA_SIGMOID2
 from fastla.core.problem import Problem
 
-# T and NT stay runtime values: at T = 1 a constant single-trip chunk loop, software-pipelined,
-# faulted on the H200 (illegal address, bf16, K = V = 128); a variant per T = 1 costs a compile too
+# T and NT stay runtime values: the variant compiled for T = 1 (the chunk loop folded into straight-
+# line code) faulted on the H200 (illegal address, bf16, K = V = 128; cause not found), while the
+# general kernel ran T = 63 and 65; a variant per T = 1 would cost a compile too
 @triton.jit(do_not_specialize=["T", "NT"])
 def _scan_kernel(
     q, k, v, beta, p_in, a_in, rq, rk, gcum, o, h0, ht, h_chunks, cu_seqlens, chunk_start, segments, seg_state,
