@@ -10,6 +10,7 @@ import torch
 
 from fastla.backends.gluon import available
 from fastla.backends.triton import chunk_delta as triton_chunk
+from fastla.backends.triton import sm_count
 from fastla.core.problem import Problem
 
 SCAN_BLOCK_V = None         # value columns per program (None: scan_tile's plan)
@@ -82,7 +83,7 @@ def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments
     else:
         counts = triton_chunk._chunk_counts(p)
         lanes = p.HV * sum(counts) / max(max(counts), 1)
-    BV, warpgroups = scan_tile(lanes, p.V, triton_chunk._sm_count(p.device))
+    BV, warpgroups = scan_tile(lanes, p.V, sm_count(p.device))
     if SCAN_BLOCK_V:                                                        # sweep overrides
         if SCAN_BLOCK_V not in WARPGROUPS or p.V % SCAN_BLOCK_V:
             raise ValueError(f"SCAN_BLOCK_V = {SCAN_BLOCK_V}: one of {list(WARPGROUPS)} dividing V = {p.V}")

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastla.backends.triton import cdiv, chunk_prepare, interpreting, next_pow2
+from fastla.backends.triton import cdiv, chunk_prepare, interpreting, next_pow2, sm_count
 from fastla.backends.triton.chunk_index import BT, _sequence
 from fastla.backends.triton.chunk_prepare import _activate_beta
 from fastla.backends.triton.recurrent import BETA_GIVEN, BETA_SIGMOID, BETA_SIGMOID2
@@ -215,7 +215,7 @@ def default_config(p: Problem) -> ChunkConfig:
     when the plan predicts a gain (1x32k HV8 scan: 0.44 ms split at BV 32 vs 1.99 whole at BV 64).
     The plan is cached per (chunk counts, heads, head dims, SMs): the split's search is host work
     that grows with the number of sequences."""
-    return _planned_config(_chunk_counts(p), p.HV, p.V, p.K, _sm_count(p.device))
+    return _planned_config(_chunk_counts(p), p.HV, p.V, p.K, sm_count(p.device))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -288,17 +288,6 @@ PROGRAMS_PER_SM = 2             # scan programs resident per SM (registers and s
 SEGMENT_GAIN = 0.4
 
 
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132                                                          # the interpreter: H200's count
-    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def segment_length(lanes: int, tiles: int, summary_tiles: int, chunk_counts, sms: int) -> int:
     """Chunks per segment for intra-card sequence parallelism, or 0 for none.
 
@@ -348,7 +337,7 @@ def _segments(p: Problem, config: ChunkConfig, counts: tuple[int, ...]) -> int:
     length = config.segment_chunks
     if length is None:
         length = segment_length(p.N * p.HV, cdiv(p.V, BV), cdiv(p.V + p.K, BV), counts,
-                                _sm_count(p.device))
+                                sm_count(p.device))
     return length if length and max(counts, default=0) > length else 0
 
 

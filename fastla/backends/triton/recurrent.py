@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastla.backends.triton import cdiv, next_pow2
+from fastla.backends.triton import cdiv, next_pow2, sm_count
 from fastla.core.problem import Problem
 
 # Gate computed in the op.
@@ -216,7 +216,7 @@ def default_config(p: Problem) -> DecodeConfig:
     - few sequences: BV 16, 1 warp, spreading one state over more CTAs (N=1: 3.1 us vs 3.5 us
       at BV 8).
     """
-    sms = torch.cuda.get_device_properties(p.device).multi_processor_count if p.device.type == "cuda" else 132
+    sms = sm_count(p.device)
     fp32_state = p.initial_state is None or p.initial_state.element_size() == 4
     programs = lambda bv: p.N * p.HV * cdiv(p.V, bv)  # noqa: E731
     if fp32_state and p.V >= 64 and programs(64) >= 8 * sms:
