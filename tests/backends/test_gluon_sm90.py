@@ -23,6 +23,12 @@ SCAN_VARIANTS = {
     "k64-v-first": dict(K=64, V=64, SK=1, SV=64),
     "bv128-two-warpgroups": dict(BV=128, WARPGROUPS=2),
     "bv128-replay-varlen": dict(BV=128, WARPGROUPS=2, SEG=2, VARLEN=True),
+    # the warp-specialized scan (chunk_delta_ws_sm90.py): 32 and 64 columns
+    "ws-bv32": dict(WS=True),
+    "ws-bv64": dict(WS=True, BV=64),
+    "ws-bv64-replay-varlen": dict(WS=True, BV=64, SEG=2, VARLEN=True),
+    "ws-bv32-replay-states-varlen": dict(WS=True, SEG=2, STORE_STATES=True, VARLEN=True),
+    "ws-k64-v-first-raw-beta": dict(WS=True, K=64, V=64, SK=1, SV=64, BETA=1, L2NORM=False),
 }
 
 
@@ -32,11 +38,18 @@ def _child_scan(name: str, folder: str) -> None:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from fastla.backends.gluon.chunk_delta_sm90 import _scan_sm90_kernel as kern
+    from fastla.backends.gluon.chunk_delta_sm90 import _scan_sm90_kernel
+    from fastla.backends.gluon.chunk_delta_ws_sm90 import PREP_REGS, _scan_ws_sm90_kernel
 
     consts = dict(H=16, HV=64, K=128, V=128, BV=32, SK=128, SV=1, HAS_H0=True, STORE_FINAL=True, L2NORM=True,
                   VARLEN=False, SEG=0, BETA=2, STORE_STATES=False, STAGES=2, WARPGROUPS=1)
     consts.update(SCAN_VARIANTS[name])
+    if consts.pop("WS", False):
+        kern = _scan_ws_sm90_kernel
+        del consts["WARPGROUPS"]
+        consts["PREP_NREG"] = PREP_REGS
+    else:
+        kern = _scan_sm90_kernel
     tile = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
     vtile = gl.NVMMASharedLayout.get_default_for([64, consts["BV"]], gl.bfloat16)
     names = kern.arg_names
@@ -49,13 +62,13 @@ def _child_scan(name: str, folder: str) -> None:
         else:
             sig[n] = SCAN_POINTERS.get(n) or ("constexpr" if n in consts else ("i32" if n in ("T", "NT", "n_rows") else "fp32"))
     src = GluonASTSource(kern, sig, {(names.index(n),): v for n, v in consts.items()})
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4 * consts["WARPGROUPS"]})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4 * consts.get("WARPGROUPS", 1)})
     res = _resources(kernel.asm["cubin"], folder)
     tool = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     sass = subprocess.run([str(tool), "-sass", str(pathlib.Path(folder) / "k.cubin")], capture_output=True,
                           text=True, check=True).stdout
     res.update(hgmma=sass.count("HGMMA"), utmaldg=sass.count("UTMALDG"), utmastg=sass.count("UTMASTG"),
-               shared_bytes=kernel.metadata.shared)
+               shared_bytes=kernel.metadata.shared, setmaxnreg=kernel.asm["ptx"].count("setmaxnreg"))
     print(json.dumps(res))
 
 
@@ -65,6 +78,7 @@ def test_gdn_scan_compiles_for_sm90(name, tmp_path):
     assert res["hgmma"] > 0 and res["utmaldg"] > 0 and res["utmastg"] > 0, res      # TMA loads and the output's store
     assert res["LOCAL"] == 0 and res["STACK"] == 0, f"spills: {res}"
     assert res["shared_bytes"] <= 227 * 1024, res
+    assert (res["setmaxnreg"] > 0) == name.startswith("ws-"), res          # the partitions' register split
 
 
 def test_launcher_builds_descriptors(monkeypatch):
@@ -75,18 +89,23 @@ def test_launcher_builds_descriptors(monkeypatch):
     import torch
 
     from fastla.backends.gluon import chunk_delta as gluon_chunk
-    from fastla.backends.gluon import chunk_delta_sm90
+    from fastla.backends.gluon import chunk_delta_sm90, chunk_delta_ws_sm90
     from fastla.backends.triton import chunk_delta
     from fastla.core.validation import build_problem
 
     launches = []
 
     class Recorder:
+        def __init__(self, name):
+            self.name = name
+
         def __getitem__(self, grid):
-            return lambda *args, **kw: launches.append((grid, args, kw))
+            return lambda *args, **kw: launches.append((grid, args, dict(kw, kernel=self.name)))
 
     names = chunk_delta_sm90._scan_sm90_kernel.arg_names
-    monkeypatch.setattr(chunk_delta_sm90, "_scan_sm90_kernel", Recorder())
+    assert chunk_delta_ws_sm90._scan_ws_sm90_kernel.arg_names[:len(names) - 1] == names[:-1]   # but the last constexpr
+    monkeypatch.setattr(chunk_delta_sm90, "_scan_sm90_kernel", Recorder("plain"))
+    monkeypatch.setattr(chunk_delta_ws_sm90, "_scan_ws_sm90_kernel", Recorder("specialized"))
     B, T, H, HV, K, V = 1, 32768, 16, 64, 128, 128
     bf = dict(dtype=torch.bfloat16)
     q, k, v = torch.empty(B, T, H, K, **bf), torch.empty(B, T, H, K, **bf), torch.empty(B, T, HV, V, **bf)
@@ -106,8 +125,8 @@ def test_launcher_builds_descriptors(monkeypatch):
     assert v_desc.block_shape == o_desc.block_shape == [64, 64]
     assert o_desc.base.data_ptr() == o.data_ptr() and v_desc.base.data_ptr() == v.data_ptr()
     assert list(p_desc.shape) == list(a_desc.shape) == [B * T, HV * 64]
-    assert args64[names.index("n_rows")] == B * T and kw64["WARPGROUPS"] == 1 and kw64["num_warps"] == 4
-    assert kw32["WARPGROUPS"] == 1
+    assert args64[names.index("n_rows")] == B * T and kw64["num_warps"] == 4
+    assert kw64["kernel"] == kw32["kernel"] == "specialized" and kw64["PREP_NREG"] == chunk_delta_ws_sm90.PREP_REGS
 
     B, T, HV = 4, 8192, 32
     q, k, v = torch.empty(B, T, H, K, **bf), torch.empty(B, T, H, K, **bf), torch.empty(B, T, HV, V, **bf)
@@ -119,6 +138,7 @@ def test_launcher_builds_descriptors(monkeypatch):
     gluon_chunk._sequence_scan(p, sp, 0, g, g, B)
     grid, args, kw = launches[-1]
     assert kw["BV"] == 128 and kw["WARPGROUPS"] == 2 and kw["num_warps"] == 8 and grid == (B * HV, 1)
+    assert kw["kernel"] == "plain"
     assert args[2].block_shape == args[5].block_shape == [64, 128]                # v and o boxes
 
 
