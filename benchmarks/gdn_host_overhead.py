@@ -9,12 +9,14 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import itertools
 import pstats
 import time
 
 import torch
 
 import fastla  # noqa: F401  (registers the tiers)
+from fastla.backends.triton import launch
 from fastla.bench.inputs import call_kwargs, make_inputs
 from fastla.bench.registry import get_config
 from fastla.core.dispatch import use_tier
@@ -26,10 +28,12 @@ def main() -> int:
     ap.add_argument("--shapes", default="gdn/h2-hv8/1x8192,gdn/h4-hv16/1x8192,gdn/h16-hv64/varlen9x16384")
     ap.add_argument("--tiers", default="gluon,triton")
     ap.add_argument("--calls", type=int, default=50)
+    ap.add_argument("--launch", default="cached,triton", help="cached: fastla's launcher; triton: Triton's every time")
     args = ap.parse_args()
     for shape in args.shapes.split(","):
         kw = call_kwargs(make_inputs(get_config(shape), "cuda"))
-        for tier in args.tiers.split(","):
+        for tier, how in itertools.product(args.tiers.split(","), args.launch.split(",")):
+            launch.CACHED = how == "cached"
             with use_tier(tier, strict=True), torch.no_grad():
                 call = lambda: chunk_gated_delta_rule(**kw)  # noqa: E731
                 for _ in range(3):
@@ -55,7 +59,7 @@ def main() -> int:
                 torch.cuda.synchronize()
             out = io.StringIO()
             pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(12)
-            print(f"{shape:28s} {tier:7s} host {host * 1e6:7.1f} us per call, eager wall {gpu * 1e6:7.1f} us")
+            print(f"{shape:28s} {tier:7s} {how:6s} host {host * 1e6:7.1f} us per call, eager wall {gpu * 1e6:7.1f} us")
             print("\n".join(line for line in out.getvalue().splitlines()[6:] if line.strip()))
     return 0
 

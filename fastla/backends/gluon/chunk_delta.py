@@ -11,6 +11,7 @@ import torch
 from fastla.backends.gluon import available
 from fastla.backends.triton import chunk_delta as triton_chunk
 from fastla.backends.triton import sm_count
+from fastla.backends.triton.launch import launcher
 from fastla.core.problem import Problem
 
 SCAN_BLOCK_V = None         # value columns per program (None: scan_tile's plan)
@@ -112,7 +113,7 @@ def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments
         kernel, launch = _scan_ws_sm90_kernel, dict(PREP_NREG=PREP_REGS, num_warps=4)
     else:
         kernel, launch = _scan_sm90_kernel, dict(WARPGROUPS=warpgroups, num_warps=4 * warpgroups)
-    kernel[(programs * p.HV, p.V // BV)](
+    launcher(kernel)[(programs * p.HV, p.V // BV)](
         desc(sp.k, p.H * p.K, [BT, BK], tile), desc(sp.q, p.H * p.K, [BT, BK], tile),
         desc(sp.v, p.HV * p.V, [BT, BV], vtile), desc(sp.inverse, p.HV * BT, [BT, BT], tile),
         desc(sp.scores, p.HV * BT, [BT, BT], tile), desc(sp.o, p.HV * p.V, [BT, BV], vtile),

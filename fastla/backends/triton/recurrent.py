@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from fastla.backends.triton import cdiv, next_pow2, sm_count
+from fastla.backends.triton.launch import launcher
 from fastla.core.problem import Problem
 
 # Gate computed in the op.
@@ -298,7 +299,7 @@ def run(p: Problem, config: DecodeConfig | None = None):
     if cu is None and p.cu_seqlens_host is not None:
         cu = torch.tensor(p.cu_seqlens_host, dtype=torch.int64, device=p.device)
     grid = (N * HV, cdiv(V, BV))           # heads on axis 0: axis 1 is limited to 65535
-    _recurrent_fwd_kernel[grid](
+    launcher(_recurrent_fwd_kernel)[grid](
         p.q, p.k, p.v, p.g if p.g is not None else dummy, p.gk if p.gk is not None else dummy,
         p.beta if p.beta is not None else dummy,
         p.A_log if p.A_log is not None else dummy, p.dt_bias if p.dt_bias is not None else dummy,

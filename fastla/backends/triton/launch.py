@@ -1,0 +1,110 @@
+"""Kernel launches without Triton's per-call argument binding (host time per call).
+
+Triton 3.6's ``JITFunction.run`` binds and specializes every argument on every launch, builds a
+cache key from strings of the specialization and the options, then launches: 30-45 us a launch
+of the GDN kernels on the H200 machine's host (docs/notes/gdn-prefill.md). ``Launcher`` wraps a
+``@triton.jit`` or ``@gluon.jit`` kernel with a cache of its compiled binaries keyed by what
+Triton specializes on, computed cheaply:
+
+* tensors: dtype and whether the data pointer is 16-byte aligned (``"D"``);
+* ints: equal to 1 (a constexpr), divisible by 16, and the i32 / i64 / u64 range; only the range
+  for ints in ``do_not_specialize``;
+* floats, bools, None and anything else: their type (a TMA descriptor: dtype, box and layout);
+* keyword arguments (constexprs and launch options) by value.
+
+A key not seen yet launches through Triton (compiling as needed) and keeps the compiled kernel
+it returns; later launches with the key call that kernel's launcher directly. Under the
+interpreter, or with Triton's launch hooks set (profilers), every launch goes through Triton.
+``tests/backends/test_launch.py`` checks the key against Triton's own specialization.
+"""
+from __future__ import annotations
+
+import torch
+
+_I32 = (-(2 ** 31), 2 ** 31)
+CACHED = True       # False: every launch through Triton (benchmarks/gdn_host_overhead.py compares)
+_LAUNCHERS: dict[int, "Launcher"] = {}
+
+
+def launcher(fn) -> "Launcher":
+    """The (one) Launcher of kernel ``fn``."""
+    found = _LAUNCHERS.get(id(fn))
+    if found is None or found.fn is not fn:
+        found = _LAUNCHERS[id(fn)] = Launcher(fn)
+    return found
+
+
+def _int_class(x: int) -> int:
+    """Triton's integer type of an argument: 0 i32, 1 i64, 2 u64."""
+    if _I32[0] <= x < _I32[1]:
+        return 0
+    return 2 if x >= 2 ** 63 else 1
+
+
+class Launcher:
+    """``Launcher(kernel)[grid](*args, **constexprs_and_options)``, as the kernel itself."""
+
+    def __init__(self, fn):
+        from triton.runtime.jit import JITFunction
+
+        self.fn = fn
+        params = fn.params if isinstance(fn, JITFunction) else ()      # not the interpreter's kernels
+        self._names = [p.name for p in params]
+        # per positional parameter: 0 tensor or other, 1 int specialized on value, 2 int not
+        self._int_mode = [0 if p.is_constexpr else (2 if p.do_not_specialize else 1) for p in params]
+        self._runtime = {p.name for p in params if not p.is_constexpr}   # must come positionally
+        self._defaults = {p.name: p.default for p in params if p.has_default}
+        self._cache: dict = {}
+        self._stream = None
+
+    def __getattr__(self, name):        # arg_names, params, ...: the kernel's
+        return getattr(self.fn, name)
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launch(grid, args, kwargs)
+
+    def key(self, args, kwargs) -> tuple:
+        k = []
+        modes = self._int_mode
+        for i, a in enumerate(args):
+            c = a.__class__
+            if c is torch.Tensor or isinstance(a, torch.Tensor):
+                k.append(a.dtype)
+                k.append(a.data_ptr() & 15 == 0)
+            elif c is int:
+                if modes[i] == 1:
+                    k.append((a == 1, a & 15 == 0, _int_class(a)))
+                else:
+                    k.append(_int_class(a))
+            elif hasattr(a, "block_shape"):                             # a TMA descriptor
+                k.append((a.base.dtype, tuple(a.block_shape), a.layout, getattr(a, "padding", None)))
+            else:
+                k.append(c)
+        k.append(tuple(kwargs.items()))
+        k.append(torch.cuda.current_device())
+        return tuple(k)
+
+    def launch(self, grid, args, kwargs):
+        from triton import knobs
+
+        if (not CACHED or not self._names or knobs.runtime.launch_enter_hook is not None
+                or not self._runtime.isdisjoint(kwargs)):
+            return self.fn[grid](*args, **kwargs)
+        key = self.key(args, kwargs)
+        compiled = self._cache.get(key)
+        if compiled is None:
+            compiled = self.fn[grid](*args, **kwargs)
+            self._cache[key] = compiled
+            return compiled
+        values = list(args)
+        for name in self._names[len(args):]:
+            values.append(kwargs[name] if name in kwargs else self._defaults[name])
+        g0, g1, g2 = (tuple(grid) + (1, 1))[:3]
+        compiled.run(g0, g1, g2, _current_stream(key[-1]), compiled.function, compiled.packed_metadata,
+                     None, None, None, *values)
+        return compiled
+
+
+def _current_stream(device: int) -> int:
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)       # Triton's own choice
+    return raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream

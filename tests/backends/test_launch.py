@@ -1,0 +1,64 @@
+"""The cached launcher's key (backends/triton/launch.py) separates every pair of argument lists
+that Triton 3.6 specializes differently: checked against Triton's own specialization on the CPU."""
+import itertools
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import triton.language as tl  # noqa: E402
+
+from fastla.backends.triton.launch import Launcher  # noqa: E402
+
+
+def _body(x, y, m, n, f, B: tl.constexpr):
+    pass
+
+
+def _kernel():
+    from triton.runtime.jit import JITFunction     # compiled, even where the suite sets TRITON_INTERPRET
+
+    return JITFunction(_body, do_not_specialize=["n"])
+
+
+def _triton_spec(kernel, args):
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    backend = CUDABackend(GPUTarget("cuda", 90, 32))
+    params = [p for p in kernel.params if not p.is_constexpr]
+    return tuple(native_specialize_impl(backend, a, p.is_const, not p.do_not_specialize, True)
+                 for a, p in zip(args, params))
+
+
+def test_key_separates_what_triton_specializes(monkeypatch):
+    kernel = _kernel()
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    base = torch.zeros(64, dtype=torch.float32)
+    tensors = [base, base[1:], base.to(torch.bfloat16), base.to(torch.bfloat16)[3:]]     # aligned, not
+    ints = [1, 2, 16, 17, 32, -16, 2 ** 31, 2 ** 31 - 16, 2 ** 63]
+    launcher = Launcher(kernel)
+    keys, specs = {}, {}
+    for x, y, m, n in itertools.product(tensors, tensors[:2], ints, ints):
+        args = (x, y, m, n, 0.5)
+        key = launcher.key(args, {"B": 4})
+        spec = _triton_spec(kernel, args)
+        assert keys.setdefault(key, spec) == spec, (key, spec, keys[key])    # one key, one specialization
+        specs.setdefault(spec, key)
+    assert len(keys) >= len(specs)
+    assert launcher.key((base, base, 16, 7, 0.5), {"B": 4}) != launcher.key((base, base, 16, 7, 0.5), {"B": 8})
+
+
+def test_keyword_runtime_arguments_go_through_triton():
+    calls = []
+
+    class Fake:
+        params = ()
+
+        def __getitem__(self, grid):
+            return lambda *a, **k: calls.append((grid, a, k))
+
+    Launcher(Fake())[(3,)](1, 2, B=4)
+    assert calls == [((3,), (1, 2), {"B": 4})]
