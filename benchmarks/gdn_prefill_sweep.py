@@ -31,8 +31,8 @@ VARIANTS = {
     "gluon": None,                         # the sm_90 tier (its scan, the Triton prologue), default plan
     "gluon-bv32": dict(SCAN_BLOCK_V=32),   # gluon-*: overrides of backends/gluon/chunk_delta.py's constants
     "gluon-bv64": dict(SCAN_BLOCK_V=64),
-    "gluon-unspec-bv32": dict(SCAN_BLOCK_V=32, SCAN_SPECIALIZED=False),    # the scan without warp specialization
-    "gluon-unspec-bv64": dict(SCAN_BLOCK_V=64, SCAN_SPECIALIZED=False),
+    "gluon-ws-bv32": dict(SCAN_BLOCK_V=32, SCAN_SPECIALIZED=True),     # the warp-specialized scan
+    "gluon-ws-bv64": dict(SCAN_BLOCK_V=64, SCAN_SPECIALIZED=True),
     "gluon-bv64-wg2": dict(SCAN_BLOCK_V=64, SCAN_WARPGROUPS=2),
     "gluon-bv128": dict(SCAN_BLOCK_V=128),  # two warpgroups
     "gluon-s3": dict(SCAN_BLOCK_V=64, SCAN_STAGES=3),   # three stages do not fit at 128 columns

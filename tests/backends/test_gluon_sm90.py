@@ -46,7 +46,7 @@ def _child_scan(name: str, folder: str) -> None:
     consts.update(SCAN_VARIANTS[name])
     if consts.pop("WS", False):
         kern = _scan_ws_sm90_kernel
-        del consts["WARPGROUPS"]
+        del consts["WARPGROUPS"], consts["STAGES"]
         consts["PREP_NREG"] = PREP_REGS
     else:
         kern = _scan_sm90_kernel
@@ -103,7 +103,7 @@ def test_launcher_builds_descriptors(monkeypatch):
             return lambda *args, **kw: launches.append((grid, args, dict(kw, kernel=self.name)))
 
     names = chunk_delta_sm90._scan_sm90_kernel.arg_names
-    assert chunk_delta_ws_sm90._scan_ws_sm90_kernel.arg_names[:len(names) - 1] == names[:-1]   # but the last constexpr
+    assert chunk_delta_ws_sm90._scan_ws_sm90_kernel.arg_names[:len(names) - 2] == names[:-2]   # but STAGES, WARPGROUPS
     monkeypatch.setattr(chunk_delta_sm90, "_scan_sm90_kernel", Recorder("plain"))
     monkeypatch.setattr(chunk_delta_ws_sm90, "_scan_ws_sm90_kernel", Recorder("specialized"))
     B, T, H, HV, K, V = 1, 32768, 16, 64, 128, 128
@@ -126,7 +126,13 @@ def test_launcher_builds_descriptors(monkeypatch):
     assert o_desc.base.data_ptr() == o.data_ptr() and v_desc.base.data_ptr() == v.data_ptr()
     assert list(p_desc.shape) == list(a_desc.shape) == [B * T, HV * 64]
     assert args64[names.index("n_rows")] == B * T and kw64["num_warps"] == 4
-    assert kw64["kernel"] == kw32["kernel"] == "specialized" and kw64["PREP_NREG"] == chunk_delta_ws_sm90.PREP_REGS
+    assert kw64["kernel"] == kw32["kernel"] == "plain" and kw64["WARPGROUPS"] == kw32["WARPGROUPS"] == 1
+    monkeypatch.setattr(gluon_chunk, "SCAN_SPECIALIZED", True)           # opt-in: the warp-specialized scan
+    gluon_chunk._sequence_scan(p, sp, 0, g, g, 1)
+    grid, args, kw = launches[-1]
+    assert kw["kernel"] == "specialized" and kw["PREP_NREG"] == chunk_delta_ws_sm90.PREP_REGS and kw["BV"] == 32
+    assert kw["num_warps"] == 4 and "STAGES" not in kw and [d.block_shape for d in args[:6]] == [d.block_shape for d in args32[:6]]
+    monkeypatch.setattr(gluon_chunk, "SCAN_SPECIALIZED", False)
 
     B, T, HV = 4, 8192, 32
     q, k, v = torch.empty(B, T, H, K, **bf), torch.empty(B, T, H, K, **bf), torch.empty(B, T, HV, V, **bf)

@@ -9,7 +9,7 @@ pytest.importorskip("triton")
 
 import triton.language as tl  # noqa: E402
 
-from fastla.backends.triton.launch import Launcher  # noqa: E402
+from fastla.backends.triton.launch import Launcher, hooks_active  # noqa: E402
 
 
 def _body(x, y, m, n, f, B: tl.constexpr):
@@ -62,3 +62,23 @@ def test_keyword_runtime_arguments_go_through_triton():
 
     Launcher(Fake())[(3,)](1, 2, B=4)
     assert calls == [((3,), (1, 2), {"B": 4})]
+
+
+def test_hooks_off_by_default_on_when_added():
+    """Triton 3.6 always has a (usually empty) chain of launch hooks; only a non-empty one sends
+    launches through Triton (which calls the hooks)."""
+    from triton import knobs
+
+    assert not hooks_active()
+    chain = knobs.runtime.launch_enter_hook
+    if not hasattr(chain, "add"):
+        pytest.skip("this Triton has no hook chain")
+
+    def hook(*_):
+        pass
+
+    chain.add(hook)
+    try:
+        assert hooks_active()
+    finally:
+        chain.remove(hook)

@@ -42,11 +42,15 @@ def bf16_inputs(**kw):
     return make_inputs(SPEC, dtype=torch.bfloat16, device="cuda", **kw)
 
 
-@pytest.fixture(params=[32, 64, 128], ids=["bv32", "bv64", "bv128"])
+@pytest.fixture(params=[(32, False), (64, False), (128, False), (32, True), (64, True)],
+                ids=["bv32", "bv64", "bv128", "ws-bv32", "ws-bv64"])
 def block_v(request, monkeypatch):
+    """The scan's tile width, and the warp-specialized scan (chunk_delta_ws_sm90.py) at its widths."""
     from fastla.backends.gluon import chunk_delta as gluon_chunk
-    monkeypatch.setattr(gluon_chunk, "SCAN_BLOCK_V", request.param)
-    return request.param
+    width, specialized = request.param
+    monkeypatch.setattr(gluon_chunk, "SCAN_BLOCK_V", width)
+    monkeypatch.setattr(gluon_chunk, "SCAN_SPECIALIZED", specialized)
+    return width
 
 
 @pytest.mark.parametrize("T", [1, 63, 64, 65, 200])

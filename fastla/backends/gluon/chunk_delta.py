@@ -17,8 +17,11 @@ from fastla.core.problem import Problem
 SCAN_BLOCK_V = None         # value columns per program (None: scan_tile's plan)
 SCAN_STAGES = 2             # chunks of tiles in flight
 SCAN_WARPGROUPS = None      # warpgroups splitting a program's columns (None: scan_tile's plan)
-SCAN_SPECIALIZED = True     # the warp-specialized scan (chunk_delta_ws_sm90.py) at the widths it fits
-SPECIALIZED_WIDTHS = (32, 64)   # its shared memory: 172 and 216 KB at K = 128 (128 columns do not fit)
+# The warp-specialized scan (chunk_delta_ws_sm90.py) at the widths it fits (shared memory: 164 and
+# 200 KB at K = 128): off by default, it measured 4-10% slower than the plain scan at 64 columns
+# on every swept shape (docs/notes/gdn-prefill.md, v10)
+SCAN_SPECIALIZED = False
+SPECIALIZED_WIDTHS = (32, 64)
 
 # Time of one chunk step of a program at each tile width (us, H200, K = V = 128 (applied to K = 64
 # too, unmeasured there), a full grid; one
@@ -112,7 +115,7 @@ def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments
     if SCAN_SPECIALIZED and BV in SPECIALIZED_WIDTHS and warpgroups == 1:
         kernel, launch = _scan_ws_sm90_kernel, dict(PREP_NREG=PREP_REGS, num_warps=4)
     else:
-        kernel, launch = _scan_sm90_kernel, dict(WARPGROUPS=warpgroups, num_warps=4 * warpgroups)
+        kernel, launch = _scan_sm90_kernel, dict(STAGES=SCAN_STAGES, WARPGROUPS=warpgroups, num_warps=4 * warpgroups)
     launcher(kernel)[(programs * p.HV, p.V // BV)](
         desc(sp.k, p.H * p.K, [BT, BK], tile), desc(sp.q, p.H * p.K, [BT, BK], tile),
         desc(sp.v, p.HV * p.V, [BT, BV], vtile), desc(sp.inverse, p.HV * BT, [BT, BT], tile),
@@ -124,7 +127,7 @@ def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments
         segments, seg_state, sp.T, sp.NT, rows, p.scale,
         H=p.H, HV=p.HV, K=p.K, V=p.V, BV=BV, SK=SK, SV=SV, HAS_H0=sp.h0 is not None, STORE_FINAL=sp.ht is not None,
         L2NORM=p.use_qk_l2norm, VARLEN=sp.cu_seqlens is not None, SEG=seg, BETA=sp.beta_mode,
-        STORE_STATES=sp.h_chunks is not None, STAGES=SCAN_STAGES, **launch,
+        STORE_STATES=sp.h_chunks is not None, **launch,
     )
 
 
