@@ -82,3 +82,19 @@ def test_hooks_off_by_default_on_when_added():
         assert hooks_active()
     finally:
         chain.remove(hook)
+
+
+def test_length_specialized_twin_only_for_aligned_multi_chunk_lengths():
+    """T and NT are specialized (a compiled twin without do_not_specialize) only for T a multiple
+    of 16 with more than one chunk: never the T = 1 or NT = 1 variants (docs/notes/gdn-prefill.md)."""
+    from triton.runtime.jit import JITFunction
+
+    from fastla.backends.triton.launch import launcher
+
+    kernel = JITFunction(_body, do_not_specialize=["m", "n"])
+    twin = launcher(kernel, 8192, 128).fn
+    assert twin is not kernel and twin.fn is kernel.fn
+    assert not any(p.do_not_specialize for p in twin.params)
+    assert launcher(kernel, 32768, 512).fn is twin                              # one twin per kernel
+    for T, NT in ((1, 1), (64, 1), (200, 4), (8191, 128)):
+        assert launcher(kernel, T, NT).fn is kernel, (T, NT)

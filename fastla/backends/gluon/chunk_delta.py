@@ -116,7 +116,7 @@ def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments
         kernel, launch = _scan_ws_sm90_kernel, dict(PREP_NREG=PREP_REGS, num_warps=4)
     else:
         kernel, launch = _scan_sm90_kernel, dict(STAGES=SCAN_STAGES, WARPGROUPS=warpgroups, num_warps=4 * warpgroups)
-    launcher(kernel)[(programs * p.HV, p.V // BV)](
+    launcher(kernel, sp.T, sp.NT)[(programs * p.HV, p.V // BV)](
         desc(sp.k, p.H * p.K, [BT, BK], tile), desc(sp.q, p.H * p.K, [BT, BK], tile),
         desc(sp.v, p.HV * p.V, [BT, BV], vtile), desc(sp.inverse, p.HV * BT, [BT, BT], tile),
         desc(sp.scores, p.HV * BT, [BT, BT], tile), desc(sp.o, p.HV * p.V, [BT, BV], vtile),

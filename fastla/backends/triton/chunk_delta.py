@@ -475,7 +475,7 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None):
         segments, seq_segments, n_seg = _segment_plan(p, counts, length)
         summary = torch.empty(n_seg, HV, K, V + K, dtype=torch.float32, device=dev)
         seg_start = torch.empty(n_seg, HV, K, V, dtype=torch.float32, device=dev)
-        launcher(_scan_kernel)[(n_seg * HV, cdiv(V + K, BV))](*args, segments, summary, T, NT, p.scale, BV=BV, SEG=1,
+        launcher(_scan_kernel, T, NT)[(n_seg * HV, cdiv(V + K, BV))](*args, segments, summary, T, NT, p.scale, BV=BV, SEG=1,
                                                              STORE_STATES=False, **common)
         launcher(_segment_combine_kernel)[(N * HV, cdiv(V, BV))](
             summary, seg_start, h0 if h0 is not None else o, seq_segments, HV=HV, K=K, V=V, BK=BK, BV=BV,
@@ -483,12 +483,12 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None):
         if sequence_scan is not None:
             sequence_scan(p, seq_pass, 2, segments, seg_start, n_seg)
         else:
-            launcher(_scan_kernel)[(n_seg * HV, cdiv(V, BV))](*args, segments, seg_start, T, NT, p.scale, BV=BV, SEG=2,
+            launcher(_scan_kernel, T, NT)[(n_seg * HV, cdiv(V, BV))](*args, segments, seg_start, T, NT, p.scale, BV=BV, SEG=2,
                                                              STORE_STATES=store_states, **common)
     elif sequence_scan is not None:
         sequence_scan(p, seq_pass, 0, dummy, dummy, N)
     else:
-        launcher(_scan_kernel)[(N * HV, cdiv(V, BV))](*args, dummy, dummy, T, NT, p.scale, BV=BV, SEG=0,
+        launcher(_scan_kernel, T, NT)[(N * HV, cdiv(V, BV))](*args, dummy, dummy, T, NT, p.scale, BV=BV, SEG=0,
                                                      STORE_STATES=store_states, **common)
     if p.return_intermediate_states:
         h = h_chunks[None] if varlen else h_chunks.view(B, NT, *state_shape)

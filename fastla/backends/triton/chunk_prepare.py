@@ -286,7 +286,7 @@ def launch(p, g, beta, beta_mode: int, total: int, tables, gcum, inverse, dot, c
     dummy = gcum
     vpp = values_per_program(HV // H, config.inverse_heads)
     BK = min(64, max(16, next_pow2(K)))
-    launcher(_inverse_kernel)[(total, HV // vpp)](
+    launcher(_inverse_kernel, T, NT)[(total, HV // vpp)](
         p.k, g, beta, p.A_log if p.A_log is not None else dummy, p.dt_bias if p.dt_bias is not None else dummy,
         inverse, gcum, cu if varlen else dummy, chunk_index if varlen else dummy,
         T, NT, H=H, HV=HV, K=K, BT=BT, BK=BK, VPP=vpp, DOT=dot, L2NORM=p.use_qk_l2norm, GATE=p.gate_in_op == "gdn",
@@ -302,7 +302,7 @@ def launch_scores(p, q, k, total: int, tables, gcum, scores, rq, rk, dot, config
     cu, chunk_index = tables
     varlen = cu is not None
     dummy = gcum
-    launcher(_scores_kernel)[(total, p.H)](
+    launcher(_scores_kernel, p.T, cdiv(p.T, BT))[(total, p.H)](
         q, k, gcum, scores, rq if rq is not None else dummy, rk if rk is not None else dummy,
         cu if varlen else dummy, chunk_index if varlen else dummy, p.T, cdiv(p.T, BT), p.scale,
         H=p.H, HV=p.HV, K=p.K, BT=BT, BK=max(16, next_pow2(p.K)), DOT=dot, L2NORM=p.use_qk_l2norm,
