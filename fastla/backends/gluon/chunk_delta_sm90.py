@@ -54,7 +54,9 @@ def _chunk_vectors(gcum, beta, rq, rk, r, bos, eos, c, valid, i_h, i_hv, H: gl.c
                    L2NORM: gl.constexpr):
     """Chunk c's per-row G, raw beta, 1/|k|, 1/|q| [BT] and its last row's G (0 where not ``valid``).
     Nothing here uses the loaded values, so loads issued a chunk ahead are waited for a chunk
-    later (activating beta here stalled every step on the load)."""
+    later (activating beta here stalled every step on the load). The warp-specialized scan's
+    chain loads the same less beta (chunk_delta_ws_sm90._row_vectors; one function here changes
+    this kernel's load order and SASS)."""
     t0 = bos + c * BT
     m_t = (r < eos - t0) & valid
     row = (t0 + r) * HV + i_hv
@@ -84,6 +86,83 @@ def _issue_chunk(k_desc, q_desc, v_desc, p_desc, a_desc, k_s, q_s, v_s, p_s, a_s
     tma.async_copy_global_to_shared(a_desc, [t0, i_hv * BT], bar, a_s.index(stage), pred=pred)
 
 
+@gluon.jit
+def _program(segments, cu_seqlens, chunk_start, T, NT, H: gl.constexpr, HV: gl.constexpr, VARLEN: gl.constexpr,
+             SEG: gl.constexpr):
+    """This program's value head, q/k head, sequence (or segment) and chunk range: (i_hv, i_h,
+    i_s, i_n, bos, eos, first_chunk, c_begin, n_chunks, is_last), int64."""
+    i_p = gl.program_id(0).to(gl.int64)
+    i_hv = i_p % HV
+    i_h = i_hv // (HV // H)
+    i_s = i_p // HV
+    if SEG == 0:
+        i_n = i_s
+        c_begin = i_n * 0
+        is_last = i_n >= 0
+    else:
+        i_n = gl.load(segments + 4 * i_s).to(gl.int64)
+        c_begin = gl.load(segments + 4 * i_s + 1).to(gl.int64)
+        is_last = gl.load(segments + 4 * i_s + 3) != 0
+    bos, eos, first_chunk = _sequence(cu_seqlens, chunk_start, i_n, T, NT, VARLEN)
+    if SEG == 0:
+        n_chunks = (eos - bos + BT - 1) // BT
+    else:
+        n_chunks = gl.load(segments + 4 * i_s + 2).to(gl.int64)
+    return i_hv, i_h, i_s, i_n, bos, eos, first_chunk, c_begin, n_chunks, is_last
+
+
+@gluon.jit
+def _initial_state(h0, seg_state, i_n, i_s, i_hv, o_j, o_v, p_half, acc: gl.constexpr, HV: gl.constexpr,
+                   K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, SK: gl.constexpr, HAS_H0: gl.constexpr,
+                   SEG: gl.constexpr):
+    """The state halves [BK, BV] fp32 (key rows j * 64 ..) a program starts from: a segment
+    replay's recovered state, h0, or zeros."""
+    NK: gl.constexpr = K // BK
+    S0 = gl.zeros([BK, BV], gl.float32, acc)
+    S1 = gl.zeros([BK, BV], gl.float32, acc)
+    if SEG == 2:
+        seg_base = seg_state + (i_s * HV + i_hv) * K * V + o_j[:, None] * V + o_v[None, :]
+        S0 = gl.load(seg_base)
+        if NK == 2:
+            S1 = gl.load(seg_base + BK * V)
+    elif HAS_H0:
+        h0_base = h0 + (i_n * HV + i_hv) * K * V + p_half
+        S0 = gl.load(h0_base).to(gl.float32)
+        if NK == 2:
+            S1 = gl.load(h0_base + BK * SK).to(gl.float32)
+    return S0, S1
+
+
+@gluon.jit
+def _store_output(out, o_desc, o_s, o, t0, eos, r, o_v, i_hv, i_v, n_rows, HV: gl.constexpr, V: gl.constexpr,
+                  BV: gl.constexpr):
+    """A chunk's output [BT, BV]: a whole chunk by a TMA store from shared memory (the previous
+    chunk's store, issued a step ago, has left the tile); a sequence's partial last chunk by
+    masked stores, its tile sent past the last row (TMA writes nothing out of bounds; a whole
+    tile would reach the next sequence). No branch: ptxas (sm_90a) crashes on one around the TMA
+    store."""
+    whole = eos - t0 >= BT
+    tma.store_wait(0)
+    gl.thread_barrier()
+    o_s.store(out.to(gl.bfloat16))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [gl.where(whole, t0, n_rows).to(gl.int32), i_hv * V + i_v * BV], o_s)
+    o_ptr = o + ((t0 + r) * HV + i_hv)[:, None] * V + o_v[None, :]
+    gl.store(o_ptr, out.to(o.dtype.element_ty), mask=(r < eos - t0)[:, None] & (eos - t0 < BT))
+
+
+@gluon.jit
+def _store_final(ht, S0, S1, i_n, i_hv, p_half, o_j, is_last, HV: gl.constexpr, K: gl.constexpr,
+                 V: gl.constexpr, SK: gl.constexpr):
+    """The final state (segments: the last one's only)."""
+    NK: gl.constexpr = K // BK
+    ht_base = ht + (i_n * HV + i_hv) * K * V + p_half
+    m_last = (o_j >= 0)[:, None] & is_last
+    gl.store(ht_base, S0.to(ht.dtype.element_ty), mask=m_last)
+    if NK == 2:
+        gl.store(ht_base + BK * SK, S1.to(ht.dtype.element_ty), mask=m_last)
+
+
 @gluon.jit(do_not_specialize=["T", "NT", "n_rows"])     # T = 1 would compile a variant of its own
 def _scan_sm90_kernel(
     k_desc, q_desc, v_desc, p_desc, a_desc, o_desc,
@@ -101,43 +180,16 @@ def _scan_sm90_kernel(
     rows: gl.constexpr = gl.SliceLayout(1, acc)
     cols: gl.constexpr = gl.SliceLayout(0, acc)
 
-    i_p = gl.program_id(0).to(gl.int64)
     i_v = gl.program_id(1)
-    i_hv = i_p % HV
-    i_h = i_hv // (HV // H)
-    i_s = i_p // HV
-    if SEG == 0:
-        i_n = i_s
-        c_begin = i_n * 0
-        is_last = i_n >= 0
-    else:
-        i_n = gl.load(segments + 4 * i_s).to(gl.int64)
-        c_begin = gl.load(segments + 4 * i_s + 1).to(gl.int64)
-        is_last = gl.load(segments + 4 * i_s + 3) != 0
-    bos, eos, first_chunk = _sequence(cu_seqlens, chunk_start, i_n, T, NT, VARLEN)
-    if SEG == 0:
-        n_chunks = (eos - bos + BT - 1) // BT
-    else:
-        n_chunks = gl.load(segments + 4 * i_s + 2).to(gl.int64)
+    i_hv, i_h, i_s, i_n, bos, eos, first_chunk, c_begin, n_chunks, is_last = _program(
+        segments, cu_seqlens, chunk_start, T, NT, H, HV, VARLEN, SEG)
 
     r = gl.arange(0, BT, layout=rows)                                       # chunk rows
     o_j = gl.arange(0, BK, layout=rows)                                     # key rows of a state half
     o_v = i_v * BV + gl.arange(0, BV, layout=cols)                          # value columns
     p_half = o_j[:, None] * SK + o_v[None, :] * SV                          # [BK, BV] in one head's state
 
-    # the state halves [BK, BV] fp32 (key rows j * 64 ..)
-    S0 = gl.zeros([BK, BV], gl.float32, acc)
-    S1 = gl.zeros([BK, BV], gl.float32, acc)
-    if SEG == 2:
-        seg_base = seg_state + (i_s * HV + i_hv) * K * V + o_j[:, None] * V + o_v[None, :]
-        S0 = gl.load(seg_base)
-        if NK == 2:
-            S1 = gl.load(seg_base + BK * V)
-    elif HAS_H0:
-        h0_base = h0 + (i_n * HV + i_hv) * K * V + p_half
-        S0 = gl.load(h0_base).to(gl.float32)
-        if NK == 2:
-            S1 = gl.load(h0_base + BK * SK).to(gl.float32)
+    S0, S1 = _initial_state(h0, seg_state, i_n, i_s, i_hv, o_j, o_v, p_half, acc, HV, K, V, BV, SK, HAS_H0, SEG)
 
     tile: gl.constexpr = k_desc.layout
     k_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES * NK, BT, BK], tile)
@@ -221,18 +273,7 @@ def _scan_sm90_kernel(
         s_s.index(0).store(S0.to(gl.bfloat16))
         fence_async_shared()
         out = warpgroup_mma_wait(num_outstanding=0, deps=(out,))
-        # the output: a whole chunk by a TMA store from shared memory (the previous chunk's store,
-        # issued a step ago, has left the tile); a sequence's partial last chunk by masked stores,
-        # its tile sent past the last row (TMA writes nothing out of bounds; a whole tile would
-        # reach the next sequence). No branch: ptxas (sm_90a) crashes on one around the TMA store.
-        whole = eos - t0 >= BT
-        tma.store_wait(0)
-        gl.thread_barrier()
-        o_s.store(out.to(gl.bfloat16))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [gl.where(whole, t0, n_rows).to(gl.int32), i_hv32 * V + i_v * BV], o_s)
-        o_ptr = o + ((t0 + r) * HV + i_hv)[:, None] * V + o_v[None, :]
-        gl.store(o_ptr, out.to(o.dtype.element_ty), mask=m_t[:, None] & (eos - t0 < BT))
+        _store_output(out, o_desc, o_s, o, t0, eos, r, o_v, i_hv32, i_v, n_rows, HV, V, BV)
         # the stage is free: chunk i + STAGES into it
         gl.thread_barrier()
         _issue_chunk(k_desc, q_desc, v_desc, p_desc, a_desc, k_s, q_s, v_s, p_s, a_s, bars.index(stage), stage,
@@ -242,8 +283,4 @@ def _scan_sm90_kernel(
     for st in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(st))
     if STORE_FINAL:
-        ht_base = ht + (i_n * HV + i_hv) * K * V + p_half
-        m_last = (o_j >= 0)[:, None] & is_last                              # segments: the last one only
-        gl.store(ht_base, S0.to(ht.dtype.element_ty), mask=m_last)
-        if NK == 2:
-            gl.store(ht_base + BK * SK, S1.to(ht.dtype.element_ty), mask=m_last)
+        _store_final(ht, S0, S1, i_n, i_hv, p_half, o_j, is_last, HV, K, V, SK)

@@ -13,16 +13,21 @@ Inputs as in chunk_delta_sm90.py (same descriptors, prologue and row vectors). G
     wait W_i, U_i;  V_new = U - W S  and  Q = q S  issued together; release W_i, U_i
     V_new, D = diag(rk e^(G_last - G)) V_new -> smem
     S = e^G_last S + k^T D  and  O = diag(scale rq e^G) Q + A_qk V_new;  S -> bf16 smem
-    release the chunk's stage;  O -> smem -> TMA store (a partial last chunk: masked stores)
-  prep (worker, warps 4-7): the TMA loads of STAGES chunks in flight, and per chunk
+    release the chunk's slots;  O -> smem -> TMA store (a partial last chunk: masked stores)
+  prep (worker, warps 4-7): every TMA load, and per chunk
     P diag(beta), P diag(beta rk e^G) (registers, the A operands)  ->  U = . v,  -W = -(. k)
-    -> shared memory (two buffers), a chunk ahead of the chain.
+    -> shared memory, a chunk ahead of the chain.
 So the chain waits twice per chunk on products (three times in chunk_delta_sm90.py) and never
-issues a TMA load. mbarriers: ``loaded[s]`` (TMA -> both), ``freed[s]`` (chain -> prep: stage s
-may be refilled), ``wu_ready[b]`` / ``wu_free[b]`` (prep <-> chain, W and U buffer b).
+issues a TMA load. Load rings: keys three chunks deep (both partitions read them: the prep for
+W of chunk i + 1, the chain for S of chunk i), the chain's q and A_qk two, the prep's P and v two;
+a chunk's loads wait only on the step before. mbarriers: ``k_loaded`` / ``k_freed`` [3],
+``c_loaded`` / ``c_freed`` [2] (chain -> prep: a slot may be refilled), ``p_loaded`` [2] (the prep
+refills its own), ``wu_ready`` / ``wu_free`` (W and U, one buffer).
 
-Budget (K = V = 128, STAGES = 2, sm_90 compile): see tests/backends/test_gluon_sm90.py; BV 64
-needs ~216 KB of shared memory (W bf16 and U fp32 double-buffered), so 128 columns do not fit.
+Budget (K = V = 128, sm_90 compile, tests/backends/test_gluon_sm90.py): 200 KB of shared memory
+at BV 64, 164 KB at 32; the prep warpgroup at PREP_REGS registers, the chain at 256; no spills.
+Measured (docs/notes/gdn-prefill.md, v10): 4-10% slower than chunk_delta_sm90.py at 64 columns on
+every swept shape, so opt-in (``SCAN_SPECIALIZED`` in chunk_delta.py).
 """
 from __future__ import annotations
 
@@ -32,8 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
-from fastla.backends.gluon.chunk_delta_sm90 import BK, BT
-from fastla.backends.triton.chunk_index import _sequence
+from fastla.backends.gluon.chunk_delta_sm90 import BK, BT, _initial_state, _program, _store_final, _store_output
 from fastla.backends.triton.chunk_prepare import _activate_beta
 
 PREP_REGS = 232     # registers per thread of the prep warpgroup (setmaxnreg; 192 spills at 64 columns)
@@ -189,19 +193,7 @@ def _chain_partition(k_s, q_s, a_s, s_s, w_s, u_s, vn_s, vd_s, o_s, k_loaded, k_
     o_v = i_v * BV + gl.arange(0, BV, layout=cols)                          # value columns
     p_half = o_j[:, None] * SK + o_v[None, :] * SV                          # [BK, BV] in one head's state
 
-    # the state halves [BK, BV] fp32 (key rows j * 64 ..)
-    S0 = gl.zeros([BK, BV], gl.float32, acc)
-    S1 = gl.zeros([BK, BV], gl.float32, acc)
-    if SEG == 2:
-        seg_base = seg_state + (i_s * HV + i_hv) * K * V + o_j[:, None] * V + o_v[None, :]
-        S0 = gl.load(seg_base)
-        if NK == 2:
-            S1 = gl.load(seg_base + BK * V)
-    elif HAS_H0:
-        h0_base = h0 + (i_n * HV + i_hv) * K * V + p_half
-        S0 = gl.load(h0_base).to(gl.float32)
-        if NK == 2:
-            S1 = gl.load(h0_base + BK * SK).to(gl.float32)
+    S0, S1 = _initial_state(h0, seg_state, i_n, i_s, i_hv, o_j, o_v, p_half, acc, HV, K, V, BV, SK, HAS_H0, SEG)
     s_s.index(0).store(S0.to(gl.bfloat16))
     if NK == 2:
         s_s.index(1).store(S1.to(gl.bfloat16))
@@ -258,24 +250,11 @@ def _chain_partition(k_s, q_s, a_s, s_s, w_s, u_s, vn_s, vd_s, o_s, k_loaded, k_
         fence_async_shared()
         out = warpgroup_mma_wait(num_outstanding=0, deps=(out,))
         mbarrier.arrive(c_freed.index(cs), count=1)
-        # the output: a whole chunk by a TMA store from shared memory; a sequence's partial last
-        # chunk by masked stores, its tile sent past the last row (TMA writes nothing out of bounds)
-        whole = eos - t0 >= BT
-        tma.store_wait(0)
-        gl.thread_barrier()
-        o_s.store(out.to(gl.bfloat16))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [gl.where(whole, t0, n_rows).to(gl.int32), i_hv * V + i_v * BV], o_s)
-        o_ptr = o + ((t0 + r) * HV + i_hv)[:, None] * V + o_v[None, :]
-        gl.store(o_ptr, out.to(o.dtype.element_ty), mask=m_t[:, None] & (eos - t0 < BT))
+        _store_output(out, o_desc, o_s, o, t0, eos, r, o_v, i_hv, i_v, n_rows, HV, V, BV)
 
     tma.store_wait(0)
     if STORE_FINAL:
-        ht_base = ht + (i_n * HV + i_hv) * K * V + p_half
-        m_last = (o_j >= 0)[:, None] & is_last                              # segments: the last one only
-        gl.store(ht_base, S0.to(ht.dtype.element_ty), mask=m_last)
-        if NK == 2:
-            gl.store(ht_base + BK * SK, S1.to(ht.dtype.element_ty), mask=m_last)
+        _store_final(ht, S0, S1, i_n, i_hv, p_half, o_j, is_last, HV, K, V, SK)
 
 
 @gluon.jit(do_not_specialize=["T", "NT", "n_rows"])
@@ -289,24 +268,9 @@ def _scan_ws_sm90_kernel(
     STORE_STATES: gl.constexpr, PREP_NREG: gl.constexpr,
 ):
     NK: gl.constexpr = K // BK
-    i_p = gl.program_id(0).to(gl.int64)
     i_v = gl.program_id(1)
-    i_hv = i_p % HV
-    i_h = i_hv // (HV // H)
-    i_s = i_p // HV
-    if SEG == 0:
-        i_n = i_s
-        c_begin = i_n * 0
-        is_last = i_n >= 0
-    else:
-        i_n = gl.load(segments + 4 * i_s).to(gl.int64)
-        c_begin = gl.load(segments + 4 * i_s + 1).to(gl.int64)
-        is_last = gl.load(segments + 4 * i_s + 3) != 0
-    bos, eos, first_chunk = _sequence(cu_seqlens, chunk_start, i_n, T, NT, VARLEN)
-    if SEG == 0:
-        n_chunks = (eos - bos + BT - 1) // BT
-    else:
-        n_chunks = gl.load(segments + 4 * i_s + 2).to(gl.int64)
+    i_hv, i_h, i_s, i_n, bos, eos, first_chunk, c_begin, n_chunks, is_last = _program(
+        segments, cu_seqlens, chunk_start, T, NT, H, HV, VARLEN, SEG)
 
     tile: gl.constexpr = k_desc.layout
     k_s = gl.allocate_shared_memory(gl.bfloat16, [3 * NK, BT, BK], tile)        # keys: three chunks
