@@ -20,10 +20,12 @@ interpreter, or with Triton's launch hooks set (profilers), every launch goes th
 from __future__ import annotations
 
 import torch
+from triton import knobs
+from triton.runtime.jit import JITFunction
 
 _I32 = (-(2 ** 31), 2 ** 31)
 CACHED = True       # False: every launch through Triton (benchmarks/gdn_host_overhead.py compares)
-_LAUNCHERS: dict[int, "Launcher"] = {}
+_LAUNCHERS: dict[tuple[int, bool], "Launcher"] = {}
 
 
 def launcher(fn, T: int | None = None, NT: int | None = None) -> "Launcher":
@@ -31,11 +33,11 @@ def launcher(fn, T: int | None = None, NT: int | None = None) -> "Launcher":
     ``do_not_specialize`` keeps them runtime values): when T is a multiple of 16 and there is
     more than one chunk, the Launcher of ``fn``'s twin that lets Triton specialize them (see
     ``length_specialized``)."""
-    if T is not None and T % 16 == 0 and NT > 1:
-        fn = length_specialized(fn)
-    found = _LAUNCHERS.get(id(fn))
-    if found is None or found.fn is not fn:
-        found = _LAUNCHERS[id(fn)] = Launcher(fn)
+    twin = T is not None and T % 16 == 0 and NT > 1
+    found = _LAUNCHERS.get((id(fn), twin))
+    if found is None or found.base is not fn:
+        found = _LAUNCHERS[(id(fn), twin)] = Launcher(length_specialized(fn) if twin else fn)
+        found.base = fn
     return found
 
 
@@ -49,12 +51,10 @@ def length_specialized(fn):
     T and NT runtime values by default because the variant Triton compiles for T = 1 (a constant
     single-trip chunk loop) faulted on the H200 (docs/notes/gdn-prefill.md); ``launcher`` takes
     this twin only for T a multiple of 16 with NT > 1, which never compiles T = 1 or NT = 1."""
-    from triton.runtime.jit import JITFunction
-
     if not isinstance(fn, JITFunction):                     # the interpreter's, or a test's stand-in
         return fn
     twin = _TWINS.get(id(fn))
-    if twin is None:
+    if twin is None or twin[0] is not fn:
         twin = _TWINS[id(fn)] = (fn, type(fn)(fn.fn))
     return twin[1]
 
@@ -70,9 +70,8 @@ class Launcher:
     """``Launcher(kernel)[grid](*args, **constexprs_and_options)``, as the kernel itself."""
 
     def __init__(self, fn):
-        from triton.runtime.jit import JITFunction
-
         self.fn = fn
+        self.base = fn          # the kernel ``launcher`` was asked for (fn may be its twin)
         params = fn.params if isinstance(fn, JITFunction) else ()      # not the interpreter's kernels
         self._names = [p.name for p in params]
         # per positional parameter: 0 tensor or other, 1 int specialized on value, 2 int not
@@ -90,17 +89,12 @@ class Launcher:
 
     def key(self, args, kwargs) -> tuple:
         k = []
-        modes = self._int_mode
-        for i, a in enumerate(args):
+        for a, mode in zip(args, self._int_mode):
             c = a.__class__
             if c is torch.Tensor or isinstance(a, torch.Tensor):
-                k.append(a.dtype)
-                k.append(a.data_ptr() & 15 == 0)
+                k += (a.dtype, a.data_ptr() & 15 == 0)
             elif c is int:
-                if modes[i] == 1:
-                    k.append((a == 1, a & 15 == 0, _int_class(a)))
-                else:
-                    k.append(_int_class(a))
+                k.append((a == 1, a & 15 == 0, _int_class(a)) if mode == 1 else _int_class(a))
             elif hasattr(a, "block_shape"):                             # a TMA descriptor
                 k.append((a.base.dtype, tuple(a.block_shape), a.layout, getattr(a, "padding", None)))
             else:
@@ -129,8 +123,6 @@ class Launcher:
 
 def hooks_active() -> bool:
     """Whether Triton's launch hooks are set (3.6 keeps an always-present chain of them)."""
-    from triton import knobs
-
     hook = knobs.runtime.launch_enter_hook
     return hook is not None and bool(getattr(hook, "calls", True))
 
