@@ -16,6 +16,10 @@ def _body(x, y, m, n, f, B: tl.constexpr):
     pass
 
 
+def _body_with_default(x, m, B: tl.constexpr, C: tl.constexpr = 3):
+    pass
+
+
 def _kernel():
     from triton.runtime.jit import JITFunction     # compiled, even where the suite sets TRITON_INTERPRET
 
@@ -34,34 +38,71 @@ def _triton_spec(kernel, args):
 
 
 def test_key_separates_what_triton_specializes(monkeypatch):
+    import enum
+
+    class Small(enum.IntEnum):
+        ONE = 1
+        SIXTEEN = 16
+        SEVENTEEN = 17
+
     kernel = _kernel()
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     base = torch.zeros(64, dtype=torch.float32)
     tensors = [base, base[1:], base.to(torch.bfloat16), base.to(torch.bfloat16)[3:]]     # aligned, not
-    ints = [1, 2, 16, 17, 32, -16, 2 ** 31, 2 ** 31 - 16, 2 ** 63]
+    ints = [1, 2, 16, 17, 32, -16, 2 ** 31, 2 ** 31 - 16, 2 ** 63, Small.ONE, Small.SIXTEEN, Small.SEVENTEEN,
+            True, False, None]
     launcher = Launcher(kernel)
-    keys, specs = {}, {}
-    for x, y, m, n in itertools.product(tensors, tensors[:2], ints, ints):
+    keys = {}
+    for x, y, m, n in itertools.product(tensors, tensors[:2], ints, ints[:9]):
         args = (x, y, m, n, 0.5)
         key = launcher.key(args, {"B": 4})
         spec = _triton_spec(kernel, args)
         assert keys.setdefault(key, spec) == spec, (key, spec, keys[key])    # one key, one specialization
-        specs.setdefault(spec, key)
-    assert len(keys) >= len(specs)
-    assert launcher.key((base, base, 16, 7, 0.5), {"B": 4}) != launcher.key((base, base, 16, 7, 0.5), {"B": 8})
+    assert len(set(keys.values())) > 20
+    base_args = (base, base, 16, 7, 0.5)
+    assert launcher.key(base_args, {"B": 4}) != launcher.key(base_args, {"B": 8})
+    assert launcher.key(base_args + (4,), {}) != launcher.key(base_args + (8,), {})    # a positional constexpr
 
 
-def test_keyword_runtime_arguments_go_through_triton():
-    calls = []
+class _Compiled:
+    function, packed_metadata = "function", "metadata"
 
-    class Fake:
-        params = ()
+    def __init__(self):
+        self.launches = []
 
+    def run(self, *args):
+        self.launches.append(args)
+
+
+def test_cached_launch_passes_triton_arguments(monkeypatch):
+    """The second launch of a specialization calls the compiled kernel's launcher with what
+    Triton's JITFunction.run passes: the grid padded to three, the stream, the function, its
+    metadata, no launch metadata or hooks, then every parameter in order (constexprs, defaults).
+    A runtime argument by keyword, or a callable grid, goes through Triton each time."""
+    from triton.runtime.jit import JITFunction
+
+    from fastla.backends.triton import launch
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(launch, "_current_stream", lambda device: 1234)
+    compiled, through_triton = _Compiled(), []
+
+    class Triton:                                   # stands in for the kernel's own [grid](...) launch
         def __getitem__(self, grid):
-            return lambda *a, **k: calls.append((grid, a, k))
+            return lambda *a, **k: through_triton.append((grid, a, k)) or compiled
 
-    Launcher(Fake())[(3,)](1, 2, B=4)
-    assert calls == [((3,), (1, 2), {"B": 4})]
+    launcher = Launcher(JITFunction(_body_with_default))
+    launcher.fn = Triton()
+    x = torch.zeros(8)
+    for _ in range(3):
+        launcher[(5,)](x, 7, B=2, num_warps=4)
+    assert len(through_triton) == 1 and len(compiled.launches) == 2            # compiled once, then cached
+    assert compiled.launches[0] == (5, 1, 1, 1234, "function", "metadata", None, None, None, x, 7, 2, 3)
+    launcher[(5,)](x, m=7, B=2)                                                 # runtime m by keyword
+    launcher[lambda meta: (5,)](x, 7, B=2)                                      # a callable grid
+    assert len(through_triton) == 3 and len(compiled.launches) == 2
+    launcher[(5, 2)](x, 7, B=3)                                                 # another constexpr: another key
+    assert len(through_triton) == 4
 
 
 def test_hooks_off_by_default_on_when_added():

@@ -6,15 +6,16 @@ of the GDN kernels on the H200 machine's host (docs/notes/gdn-prefill.md). ``Lau
 ``@triton.jit`` or ``@gluon.jit`` kernel with a cache of its compiled binaries keyed by what
 Triton specializes on, computed cheaply:
 
-* tensors: dtype and whether the data pointer is 16-byte aligned (``"D"``);
-* ints: equal to 1 (a constexpr), divisible by 16, and the i32 / i64 / u64 range; only the range
-  for ints in ``do_not_specialize``;
-* floats, bools, None and anything else: their type (a TMA descriptor: dtype, box and layout);
-* keyword arguments (constexprs and launch options) by value.
+* tensors (anything with a data pointer): dtype and whether the pointer is 16-byte aligned (``"D"``);
+* ints (not bools): equal to 1 (a constexpr), divisible by 16, and the i32 / i64 / u64 range; only
+  the range for ints in ``do_not_specialize``;
+* constexprs, positional or keyword, and launch options: by value;
+* floats, bools, None and anything else: their type (a TMA descriptor: dtype, box and layout).
 
 A key not seen yet launches through Triton (compiling as needed) and keeps the compiled kernel
 it returns; later launches with the key call that kernel's launcher directly. Under the
-interpreter, or with Triton's launch hooks set (profilers), every launch goes through Triton.
+interpreter, with Triton's launch hooks set (profilers), its debug or instrumentation knobs on, a
+callable grid, or a runtime argument passed by keyword, every launch goes through Triton.
 ``tests/backends/test_launch.py`` checks the key against Triton's own specialization.
 """
 from __future__ import annotations
@@ -55,12 +56,15 @@ def length_specialized(fn):
         return fn
     twin = _TWINS.get(id(fn))
     if twin is None or twin[0] is not fn:
-        twin = _TWINS[id(fn)] = (fn, type(fn)(fn.fn))
+        options = dict(do_not_specialize_on_alignment=fn.do_not_specialize_on_alignment, debug=fn.debug,
+                       noinline=fn.noinline, launch_metadata=fn.launch_metadata)
+        twin = _TWINS[id(fn)] = (fn, type(fn)(fn.fn, **options))
     return twin[1]
 
 
 def _int_class(x: int) -> int:
-    """Triton's integer type of an argument: 0 i32, 1 i64, 2 u64."""
+    """Triton's integer type of an argument: 0 i32, 1 i64, 2 u64 (Triton refuses >= 2**64 at the
+    first launch, which is never cached)."""
     if _I32[0] <= x < _I32[1]:
         return 0
     return 2 if x >= 2 ** 63 else 1
@@ -74,14 +78,16 @@ class Launcher:
         self.base = fn          # the kernel ``launcher`` was asked for (fn may be its twin)
         params = fn.params if isinstance(fn, JITFunction) else ()      # not the interpreter's kernels
         self._names = [p.name for p in params]
-        # per positional parameter: 0 tensor or other, 1 int specialized on value, 2 int not
-        self._int_mode = [0 if p.is_constexpr else (2 if p.do_not_specialize else 1) for p in params]
+        # per positional parameter: 0 a constexpr (keyed by value), 1 a runtime value specialized
+        # on (an int's 1 / 16), 2 one that is not (do_not_specialize)
+        self._mode = [0 if p.is_constexpr else (2 if p.do_not_specialize else 1) for p in params]
         self._runtime = {p.name for p in params if not p.is_constexpr}   # must come positionally
         self._defaults = {p.name: p.default for p in params if p.has_default}
         self._cache: dict = {}
-        self._stream = None
 
     def __getattr__(self, name):        # arg_names, params, ...: the kernel's
+        if name == "fn":
+            raise AttributeError(name)
         return getattr(self.fn, name)
 
     def __getitem__(self, grid):
@@ -89,14 +95,17 @@ class Launcher:
 
     def key(self, args, kwargs) -> tuple:
         k = []
-        for a, mode in zip(args, self._int_mode):
+        for a, mode in zip(args, self._mode):
             c = a.__class__
-            if c is torch.Tensor or isinstance(a, torch.Tensor):
-                k += (a.dtype, a.data_ptr() & 15 == 0)
-            elif c is int:
+            if mode == 0:
+                k.append(("constexpr", a))
+            elif c is torch.Tensor or hasattr(a, "data_ptr"):
+                k += (getattr(a, "dtype", None), a.data_ptr() & 15 == 0)
+            elif isinstance(a, int) and c is not bool:
                 k.append((a == 1, a & 15 == 0, _int_class(a)) if mode == 1 else _int_class(a))
             elif hasattr(a, "block_shape"):                             # a TMA descriptor
-                k.append((a.base.dtype, tuple(a.block_shape), a.layout, getattr(a, "padding", None)))
+                k.append((c, a.base.dtype, tuple(a.block_shape), getattr(a, "layout", None),
+                          getattr(a, "padding", None)))
             else:
                 k.append(c)
         k.append(tuple(kwargs.items()))
@@ -104,7 +113,8 @@ class Launcher:
         return tuple(k)
 
     def launch(self, grid, args, kwargs):
-        if not CACHED or not self._names or hooks_active() or not self._runtime.isdisjoint(kwargs):
+        if (not CACHED or not self._names or callable(grid) or hooks_active()
+                or not self._runtime.isdisjoint(kwargs)):
             return self.fn[grid](*args, **kwargs)
         key = self.key(args, kwargs)
         compiled = self._cache.get(key)
@@ -122,9 +132,13 @@ class Launcher:
 
 
 def hooks_active() -> bool:
-    """Whether Triton's launch hooks are set (3.6 keeps an always-present chain of them)."""
-    hook = knobs.runtime.launch_enter_hook
-    return hook is not None and bool(getattr(hook, "calls", True))
+    """Whether Triton's launch hooks (3.6 keeps always-present chains of them, empty by default),
+    its debug mode or its instrumentation are on: then every launch goes through Triton."""
+    rt = knobs.runtime
+    for hook in (rt.launch_enter_hook, rt.launch_exit_hook):
+        if hook is not None and bool(getattr(hook, "calls", True)):
+            return True
+    return bool(rt.debug) or knobs.compilation.instrumentation_mode not in ("", None)
 
 
 def _current_stream(device: int) -> int:
