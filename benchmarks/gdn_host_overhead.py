@@ -3,7 +3,12 @@ calls back to back without synchronising (the launch queue absorbs them while th
 the GPU time per call for comparison, and the host functions that cost the most (cProfile).
 
     python benchmarks/gdn_host_overhead.py [--shapes NAME,..] [--tiers gluon,triton] [--calls 50]
-"""
+    python benchmarks/gdn_host_overhead.py --stub     # no GPU needed: launches stubbed
+
+``--stub`` times the host path on CPU tensors with every kernel launch replaced by the cached
+launcher's bookkeeping (its key lookup and argument list; no driver call) and the tiers told that
+they can run: the validation, dispatch, planning, allocations and launch keys of a call, without
+a GPU (the driver's own launch, ~5 us a kernel, is not in it)."""
 from __future__ import annotations
 
 import argparse
@@ -29,39 +34,74 @@ def main() -> int:
     ap.add_argument("--tiers", default="gluon,triton")
     ap.add_argument("--calls", type=int, default=50)
     ap.add_argument("--launch", default="cached,triton", help="cached: fastla's launcher; triton: Triton's every time")
+    ap.add_argument("--stub", action="store_true", help="CPU tensors, launches stubbed (no GPU needed)")
     args = ap.parse_args()
+    if args.stub:
+        _stub_launches()
+        args.launch = "cached"
     for shape in args.shapes.split(","):
-        kw = call_kwargs(make_inputs(get_config(shape), "cuda"))
+        kw = call_kwargs(make_inputs(get_config(shape), "cpu" if args.stub else "cuda"))
         for tier, how in itertools.product(args.tiers.split(","), args.launch.split(",")):
             launch.CACHED = how == "cached"
             with use_tier(tier, strict=True), torch.no_grad():
                 call = lambda: chunk_gated_delta_rule(**kw)  # noqa: E731
                 for _ in range(3):
                     call()
-                torch.cuda.synchronize()
+                _sync(args.stub)
                 start = time.perf_counter()
                 for _ in range(args.calls):
                     call()
                 host = (time.perf_counter() - start) / args.calls
-                torch.cuda.synchronize()
-                events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-                events[0].record()
-                for _ in range(args.calls):
-                    call()
-                events[1].record()
-                torch.cuda.synchronize()
-                gpu = events[0].elapsed_time(events[1]) / args.calls * 1e-3
+                gpu = float("nan") if args.stub else _eager_wall(call, args.calls)
                 prof = cProfile.Profile()
                 prof.enable()
                 for _ in range(args.calls):
                     call()
                 prof.disable()
-                torch.cuda.synchronize()
+                _sync(args.stub)
             out = io.StringIO()
             pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(12)
             print(f"{shape:28s} {tier:7s} {how:6s} host {host * 1e6:7.1f} us per call, eager wall {gpu * 1e6:7.1f} us")
             print("\n".join(line for line in out.getvalue().splitlines()[6:] if line.strip()))
     return 0
+
+
+def _sync(stub: bool) -> None:
+    if not stub:
+        torch.cuda.synchronize()
+
+
+def _eager_wall(call, calls: int) -> float:
+    torch.cuda.synchronize()
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    events[0].record()
+    for _ in range(calls):
+        call()
+    events[1].record()
+    torch.cuda.synchronize()
+    return events[0].elapsed_time(events[1]) / calls * 1e-3
+
+
+def _stub_launches() -> None:
+    """CPU tensors through the GPU tiers' host code: the tiers report that they can run, and a
+    launch does the cached launcher's work (key, argument list) but calls no driver."""
+    import fastla.backends.gluon.chunk_delta as gluon_chunk
+    import fastla.backends.triton as triton_backend
+
+    triton_backend.available = lambda device: None
+    gluon_chunk.available = lambda device: None
+    torch.cuda.current_device = lambda: 0
+
+    def launch_stub(self, grid, args, kwargs):
+        if not self._names:
+            return None
+        self.key(args, kwargs)
+        values = list(args)
+        for name in self._names[len(args):]:
+            values.append(kwargs[name] if name in kwargs else self._defaults[name])
+        return None
+
+    launch.Launcher.launch = launch_stub
 
 
 if __name__ == "__main__":

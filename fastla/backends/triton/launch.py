@@ -25,6 +25,7 @@ from triton import knobs
 from triton.runtime.jit import JITFunction
 
 _I32 = (-(2 ** 31), 2 ** 31)
+_Tensor = torch.Tensor
 CACHED = True       # False: every launch through Triton (benchmarks/gdn_host_overhead.py compares)
 _LAUNCHERS: dict[tuple[int, bool], "Launcher"] = {}
 
@@ -97,9 +98,11 @@ class Launcher:
         k = []
         for a, mode in zip(args, self._mode):
             c = a.__class__
-            if mode == 0:
+            if c is _Tensor:
+                k += (a.dtype, a.data_ptr() & 15 == 0)
+            elif mode == 0:
                 k.append(("constexpr", a))
-            elif c is torch.Tensor or hasattr(a, "data_ptr"):
+            elif hasattr(a, "data_ptr"):
                 k += (getattr(a, "dtype", None), a.data_ptr() & 15 == 0)
             elif isinstance(a, int) and c is not bool:
                 k.append((a == 1, a & 15 == 0, _int_class(a)) if mode == 1 else _int_class(a))
