@@ -29,7 +29,7 @@ def check(t, tol=TOL, **opts):
     assert_close("final_state", ht, rht, tol)
 
 
-@pytest.mark.parametrize("T", [1, 63, 64, 65, 130])
+@pytest.mark.parametrize("T", [1, 63, 64, 65, 128, 130])    # 128: the length-specialized twins (launch.py)
 @pytest.mark.parametrize("device", DEVICES)
 def test_lengths(T, device):
     check(make_inputs(SPEC, B=2, T=T, H=2, HV=4, K=32, V=32, device=device))
