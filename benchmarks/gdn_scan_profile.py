@@ -37,7 +37,7 @@ PHASES = [
     ("        b_egl = gl.exp(b_Gl)\n", "V_new, D to smem", True),
     ("            S0, S1 = warpgroup_mma_wait(num_outstanding=1, deps=(S0, S1))\n", "state update (output issued)", False),
     ("        out = warpgroup_mma_wait(num_outstanding=0, deps=(out,))\n", "state to smem, output wait", False),
-    ("        gl.store(o_ptr, out.to(o.dtype.element_ty), mask=m_t[:, None] & (eos - t0 < BT))\n", "output epilogue", False),
+    ("        _store_output(out, o_desc, o_s, o, t0, eos, r, o_v, i_hv32, i_v, n_rows, HV, V, BV)\n", "output epilogue", False),
     ("i + STAGES < n_chunks, K, V, BV, NK)\n", "barrier, next TMA issue", False),
 ]
 CLOCK = '''
@@ -67,7 +67,7 @@ def _instrument(src: str) -> str:
     init = "    zero = gl.zeros([BT, BV], gl.float32, acc)\n"
     src = once(init, init + "".join(f"    ph{j} = gl.zeros([BT], gl.int32, rows)\n" for j in range(1, n + 1)))
     end = "    tma.store_wait(0)\n    for st in gl.static_range(STAGES):\n"
-    store = (f"    pb = prof + (i_p * gl.num_programs(1) + i_v) * {SLOTS}\n"
+    store = (f"    pb = prof + (gl.program_id(0).to(gl.int64) * gl.num_programs(1) + i_v) * {SLOTS}\n"
              + "".join(f"    gl.store(pb + {j} + r * 0, ph{j}, mask=r == 0)\n" for j in range(1, n + 1))
              + f"    gl.store(pb + {SLOTS - 1} + r * 0, r * 0 + n_chunks.to(gl.int32), mask=r == 0)\n")
     return once(end, store + end)
