@@ -1,5 +1,6 @@
-"""Cycle profile of one chunk step of the Gluon GDN scan (backends/gluon/chunk_delta_sm90.py) on
-the GPU: where a step's time goes, phase by phase.
+"""Cycle profile of one chunk step of the Gluon GDN scan (backends/gluon/chunk_delta_sm90.py, or
+with ``--kernel ws`` the warp-specialized one's chain partition, chunk_delta_ws_sm90.py) on the
+GPU: where a step's time goes, phase by phase.
 
 It builds an instrumented copy of the kernel (in a temporary folder; the shipped kernel is not
 touched): ``%clock`` is read at the phase boundaries listed in ``PHASES`` (each names a line of
@@ -10,8 +11,8 @@ cost a few cycles each and the accumulators a few registers, so phases near a re
 are perturbed somewhat. A marker that no longer matches the kernel stops the script: update
 ``PHASES`` with the kernel.
 
-    python benchmarks/gdn_scan_profile.py [--shapes NAME[:BV],..]        (K = 128 shapes: the markers
-                                                                        are in the two-half branch)
+    python benchmarks/gdn_scan_profile.py [--kernel plain|ws] [--shapes NAME[:BV],..]
+                                        (K = 128 shapes: the markers are in the two-half branch)
 
 Measured numbers and their reading: docs/notes/gdn-prefill.md (v9).
 """
@@ -25,7 +26,7 @@ import tempfile
 
 import torch
 
-KERNEL = pathlib.Path(__file__).resolve().parents[1] / "fastla" / "backends" / "gluon" / "chunk_delta_sm90.py"
+GLUON = pathlib.Path(__file__).resolve().parents[1] / "fastla" / "backends" / "gluon"
 
 # (line of the kernel's step, phase that ends at it, read the clock before the line?)
 PHASES = [
@@ -40,6 +41,39 @@ PHASES = [
     ("        _store_output(out, o_desc, o_s, o, t0, eos, r, o_v, i_hv32, i_v, n_rows, HV, V, BV)\n", "output epilogue", False),
     ("i + STAGES < n_chunks, K, V, BV, NK)\n", "barrier, next TMA issue", False),
 ]
+# the warp-specialized scan's chain partition (the prep partition runs beside it)
+WS_PHASES = [
+    ("        b_G, b_Gl, b_rk, b_rq = n_G, n_Gl, n_rk, n_rq\n", None, True),
+    ("        mbarrier.wait(c_loaded.index(cs), ((i // 2) & 1).to(gl.int32))\n", "top, q / A_qk tiles wait", False),
+    ("        mbarrier.wait(wu_ready, (i & 1).to(gl.int32))\n", "W, U wait (the prep)", False),
+    ("        vn = warpgroup_mma_wait(num_outstanding=NK, deps=(vn,))\n", "V_new = U - W S (Q issued)", False),
+    ("        b_egl = gl.exp(b_Gl)\n", "V_new, D to smem", True),
+    ("        S0 = warpgroup_mma(k_s.index(ks * NK).permute((1, 0)), vd_s, S0 * b_egl, is_async=True)\n",
+     "Q wait, keys wait", True),
+    ("            S0, S1 = warpgroup_mma_wait(num_outstanding=1, deps=(S0, S1))\n", "state update (output issued)", False),
+    ("        out = warpgroup_mma_wait(num_outstanding=0, deps=(out,))\n", "state to smem, output wait", False),
+    ("        _store_output(out, o_desc, o_s, o, t0, eos, r, o_v, i_hv, i_v, n_rows, HV, V, BV)\n", "output epilogue", False),
+]
+# per kernel: file, kernel name, phases, where the clock helper goes, how ``prof`` reaches the
+# instrumented function (text replacements), the line after which the phase counters start, and
+# the line before which they are stored
+TARGETS = {
+    "plain": dict(
+        file="chunk_delta_sm90.py", kernel="_scan_sm90_kernel", phases=PHASES, clock_before="BT = gl.constexpr(64)",
+        prof=[("STAGES: gl.constexpr, WARPGROUPS: gl.constexpr,\n):",
+               "STAGES: gl.constexpr, WARPGROUPS: gl.constexpr, prof=None,\n):")],
+        init="    zero = gl.zeros([BT, BV], gl.float32, acc)\n",
+        end="    tma.store_wait(0)\n    for st in gl.static_range(STAGES):\n"),
+    "ws": dict(
+        file="chunk_delta_ws_sm90.py", kernel="_scan_ws_sm90_kernel", phases=WS_PHASES, clock_before="PREP_REGS = ",
+        prof=[("STORE_STATES: gl.constexpr, PREP_NREG: gl.constexpr,\n):",
+               "STORE_STATES: gl.constexpr, PREP_NREG: gl.constexpr, prof=None,\n):"),
+              ("L2NORM: gl.constexpr, SEG: gl.constexpr, STORE_STATES: gl.constexpr):",
+               "L2NORM: gl.constexpr, SEG: gl.constexpr, STORE_STATES: gl.constexpr, prof):"),
+              ("HAS_H0, STORE_FINAL, L2NORM, SEG, STORE_STATES)),", "HAS_H0, STORE_FINAL, L2NORM, SEG, STORE_STATES, prof)),")],
+        init="    zero = gl.zeros([BT, BV], gl.float32, acc)\n",
+        end="    tma.store_wait(0)\n    if STORE_FINAL:\n"),
+}
 CLOCK = '''
 @gluon.jit
 def _clock(x):
@@ -49,24 +83,26 @@ def _clock(x):
 SLOTS = 16          # int32 per program: phases 1.., steps in the last slot
 
 
-def _instrument(src: str) -> str:
+def _instrument(src: str, target: dict) -> str:
     def once(old: str, new: str) -> str:
         if src.count(old) != 1:
-            raise SystemExit(f"marker not found once in the kernel (update PHASES): {old.strip()!r}")
+            raise SystemExit(f"marker not found once in the kernel (update the phases): {old.strip()!r}")
         return src.replace(old, new)
 
-    n = len(PHASES) - 1
-    src = once("BT = gl.constexpr(64)", CLOCK + "BT = gl.constexpr(64)")
-    src = once("STAGES: gl.constexpr, WARPGROUPS: gl.constexpr,\n):", "STAGES: gl.constexpr, WARPGROUPS: gl.constexpr, prof=None,\n):")
-    for j, (line, _, before) in enumerate(PHASES):
+    phases = target["phases"]
+    n = len(phases) - 1
+    src = once(target["clock_before"], CLOCK + target["clock_before"])
+    for old, new in target["prof"]:
+        src = once(old, new)
+    for j, (line, _, before) in enumerate(phases):
         indent = line[:len(line) - len(line.lstrip())] or " " * 8
         read = f"{indent}clk{j} = _clock(r)\n"
         src = once(line, read + line if before else line + read)
     last = f"        clk{n} = _clock(r)\n"
     src = once(last, last + "".join(f"        ph{j} += clk{j} - clk{j - 1}\n" for j in range(1, n + 1)))
-    init = "    zero = gl.zeros([BT, BV], gl.float32, acc)\n"
+    init = target["init"]
     src = once(init, init + "".join(f"    ph{j} = gl.zeros([BT], gl.int32, rows)\n" for j in range(1, n + 1)))
-    end = "    tma.store_wait(0)\n    for st in gl.static_range(STAGES):\n"
+    end = target["end"]
     store = (f"    pb = prof + (gl.program_id(0).to(gl.int64) * gl.num_programs(1) + i_v) * {SLOTS}\n"
              + "".join(f"    gl.store(pb + {j} + r * 0, ph{j}, mask=r == 0)\n" for j in range(1, n + 1))
              + f"    gl.store(pb + {SLOTS - 1} + r * 0, r * 0 + n_chunks.to(gl.int32), mask=r == 0)\n")
@@ -83,53 +119,61 @@ def _load(src: str, folder: str):
     return module
 
 
-def profile(module, kw: dict, block_v: int | None) -> tuple[tuple[int, int], float, list[float]]:
+def profile(module, target: dict, kw: dict, block_v: int | None) -> tuple[tuple[int, int], float, list[float]]:
     """(grid, chunks per program, cycles per step of each phase) of one call."""
-    from fastla.backends.gluon import chunk_delta, chunk_delta_sm90
+    from fastla.backends.gluon import chunk_delta, chunk_delta_sm90, chunk_delta_ws_sm90
     from fastla.core.dispatch import use_tier
     from fastla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     buf = torch.zeros(SLOTS, dtype=torch.int32, device="cuda")
     seen = {}
+    name = target["kernel"]
+    shipped = chunk_delta_ws_sm90 if name == "_scan_ws_sm90_kernel" else chunk_delta_sm90
 
     class Instrumented:
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
                 buf.resize_(grid[0] * grid[1] * SLOTS).zero_()
-                module._scan_sm90_kernel[grid](*args, prof=buf, **kwargs)
+                getattr(module, name)[grid](*args, prof=buf, **kwargs)
                 seen["grid"] = grid
             return launch
 
-    saved, saved_bv = chunk_delta_sm90._scan_sm90_kernel, chunk_delta.SCAN_BLOCK_V
-    chunk_delta_sm90._scan_sm90_kernel, chunk_delta.SCAN_BLOCK_V = Instrumented(), block_v
+    saved = getattr(shipped, name), chunk_delta.SCAN_BLOCK_V, chunk_delta.SCAN_SPECIALIZED
+    setattr(shipped, name, Instrumented())
+    chunk_delta.SCAN_BLOCK_V, chunk_delta.SCAN_SPECIALIZED = block_v, shipped is chunk_delta_ws_sm90
     try:
         with use_tier("gluon", strict=True), torch.no_grad():
             for _ in range(2):                                              # the second call is measured
                 chunk_gated_delta_rule(**kw)
             torch.cuda.synchronize()
     finally:
-        chunk_delta_sm90._scan_sm90_kernel, chunk_delta.SCAN_BLOCK_V = saved, saved_bv
+        setattr(shipped, name, saved[0])
+        chunk_delta.SCAN_BLOCK_V, chunk_delta.SCAN_SPECIALIZED = saved[1:]
+    if "grid" not in seen:
+        raise SystemExit(f"the {name} scan did not run for this shape (the tile plan chose another kernel)")
     per = buf.view(-1, SLOTS).double().cpu()
     steps = per[:, SLOTS - 1].clamp(min=1)
-    cycles = (per[:, 1:len(PHASES)] / steps[:, None]).mean(0).tolist()
+    cycles = (per[:, 1:len(target["phases"])] / steps[:, None]).mean(0).tolist()
     return seen["grid"], steps.mean().item(), cycles
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--kernel", choices=list(TARGETS), default="plain")
     ap.add_argument("--shapes", default="gdn/h16-hv64/1x32768:64,gdn/h16-hv64/1x32768:32,gdn/h4-hv16/1x8192")
     args = ap.parse_args()
     from fastla.bench.inputs import call_kwargs, make_inputs
     from fastla.bench.registry import get_config
 
+    target = TARGETS[args.kernel]
     with tempfile.TemporaryDirectory() as folder:
-        module = _load(_instrument(KERNEL.read_text()), folder)
+        module = _load(_instrument((GLUON / target["file"]).read_text(), target), folder)
         for item in args.shapes.split(","):
             name, _, bv = item.partition(":")
             kw = call_kwargs(make_inputs(get_config(name), "cuda"))
-            grid, steps, cycles = profile(module, kw, int(bv) if bv else None)
-            print(f"{item}: grid {grid}, {steps:.0f} chunks per program, {sum(cycles):.0f} cycles per step")
-            for (_, phase, _), c in zip(PHASES[1:], cycles):
+            grid, steps, cycles = profile(module, target, kw, int(bv) if bv else None)
+            print(f"{args.kernel} {item}: grid {grid}, {steps:.0f} chunks per program, {sum(cycles):.0f} cycles per step")
+            for (_, phase, _), c in zip(target["phases"][1:], cycles):
                 print(f"    {phase:32s} {c:7.0f}")
     return 0
 

@@ -157,3 +157,19 @@ def test_scan_tile_plan():
     assert scan_tile(32, 128, 132) == (32, 1)              # 1x32k HV32
     assert scan_tile(64, 96, 132) == (32, 1)               # only 32 divides V = 96
     assert scan_tile(64, 64, 132) == (32, 1) and scan_tile(132, 64, 132) == (64, 1)     # K = V = 64
+
+
+@pytest.mark.parametrize("kernel", ["plain", "ws"])
+def test_scan_profile_markers_match_the_kernels(kernel):
+    """benchmarks/gdn_scan_profile.py instruments a copy of each Gluon scan at marker lines: every
+    marker must still occur exactly once (it stops otherwise, on the GPU machine's time)."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "gdn_scan_profile.py"
+    spec = importlib.util.spec_from_file_location("gdn_scan_profile", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    target = tool.TARGETS[kernel]
+    src = tool._instrument((tool.GLUON / target["file"]).read_text(), target)
+    assert src.count("_clock(r)") == len(target["phases"]) and "prof=None" in src
