@@ -96,9 +96,7 @@ def _stub_launches() -> None:
         if not self._names:
             return None
         self.key(args, kwargs)
-        values = list(args)
-        for name in self._names[len(args):]:
-            values.append(kwargs[name] if name in kwargs else self._defaults[name])
+        self.arguments(args, kwargs)
         return None
 
     launch.Launcher.launch = launch_stub

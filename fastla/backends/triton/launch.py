@@ -125,13 +125,18 @@ class Launcher:
             compiled = self.fn[grid](*args, **kwargs)
             self._cache[key] = compiled
             return compiled
+        g0, g1, g2 = (tuple(grid) + (1, 1))[:3]
+        compiled.run(g0, g1, g2, _current_stream(key[-1]), compiled.function, compiled.packed_metadata,
+                     None, None, None, *self.arguments(args, kwargs))
+        return compiled
+
+    def arguments(self, args, kwargs) -> list:
+        """Every parameter's value in order, as Triton passes them to a compiled kernel's launcher:
+        the positional ones, then keywords (constexprs) or defaults."""
         values = list(args)
         for name in self._names[len(args):]:
             values.append(kwargs[name] if name in kwargs else self._defaults[name])
-        g0, g1, g2 = (tuple(grid) + (1, 1))[:3]
-        compiled.run(g0, g1, g2, _current_stream(key[-1]), compiled.function, compiled.packed_metadata,
-                     None, None, None, *values)
-        return compiled
+        return values
 
 
 def hooks_active() -> bool:
@@ -144,6 +149,8 @@ def hooks_active() -> bool:
     return bool(rt.debug) or knobs.compilation.instrumentation_mode not in ("", None)
 
 
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)     # Triton's own choice (CUDA builds)
+
+
 def _current_stream(device: int) -> int:
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)       # Triton's own choice
-    return raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
+    return _RAW_STREAM(device) if _RAW_STREAM is not None else torch.cuda.current_stream(device).cuda_stream
