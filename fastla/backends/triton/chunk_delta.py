@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastla.backends.triton import cdiv, chunk_prepare, interpreting, next_pow2, sm_count
+from fastla.backends.triton import cdiv, chunk_prepare, chunk_prepare_kda, interpreting, next_pow2, sm_count
 from fastla.backends.triton.chunk_index import BT, _sequence
 from fastla.backends.triton.chunk_prepare import _activate_beta
 from fastla.backends.triton.launch import launcher
@@ -50,14 +50,14 @@ from fastla.core.problem import Problem
 # general kernel ran T = 63 and 65; a variant per T = 1 would cost a compile too
 @triton.jit(do_not_specialize=["T", "NT"])
 def _scan_kernel(
-    q, k, v, beta, p_in, a_in, rq, rk, gcum, o, h0, ht, h_chunks, cu_seqlens, chunk_start, segments, seg_state,
-    T, NT, scale,
+    q, k, v, beta, p_in, a_in, rq, rk, gcum, kd, decay, o, h0, ht, h_chunks, cu_seqlens, chunk_start, segments,
+    seg_state, T, NT, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     SK: tl.constexpr, SV: tl.constexpr, DOT: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, L2NORM: tl.constexpr,
     VARLEN: tl.constexpr, SEG: tl.constexpr, BETA: tl.constexpr,
-    STORE_STATES: tl.constexpr,
+    STORE_STATES: tl.constexpr, GK: tl.constexpr,
 ):
     """SEG 0: program (sequence x value head, V tile) runs a whole sequence from h0.
     SEG 1 (segment summary): program (segment x value head, tile of the V + K columns) runs one
@@ -70,11 +70,20 @@ def _scan_kernel(
     A = scale diag(rq) q k^T diag(rk) e^(G_i - G_j) of the prologue,
     O = scale diag(rq e^G) q S + A V_new, so neither
     V_new nor the chunk states reach HBM (STORE_STATES: the chunk-start states are stored too,
-    for return_intermediate_states)."""
+    for return_intermediate_states).
+    GK (KDA, per-channel gates): q, k are the prologue's gated qg = scale q e^G and kg = k e^G
+    [B, T, HV, K] (chunk_prepare_kda.py), kd = k e^(G_last - G) and decay = e^(G_last) per chunk
+    [chunks, HV, K]: V_new = P diag(beta) (v - kg S), O = qg S + A V_new,
+    S = diag(decay) S + kd^T V_new."""
     i_p = tl.program_id(0).to(tl.int64)                                    # axis 0: up to 2^31 - 1 programs
     i_v = tl.program_id(1)
     i_hv = i_p % HV
-    i_h = i_hv // (HV // H)                                                 # GVA: the q/k head
+    if GK:
+        QK_HEADS: tl.constexpr = HV                                         # gated q / k: one per value head
+        i_h = i_hv
+    else:
+        QK_HEADS: tl.constexpr = H
+        i_h = i_hv // (HV // H)                                             # GVA: the q/k head
     if SEG == 0:
         i_n = i_p // HV
         bos, eos, first_chunk = _sequence(cu_seqlens, chunk_start, i_n, T, NT, VARLEN)
@@ -106,7 +115,7 @@ def _scan_kernel(
             b_S = tl.load(h0 + i_n * HV * K * V + state + p_tile, mask=m_h, other=0.0).to(tl.float32)
 
     r = tl.arange(0, BT)
-    off_kr = r[:, None] * (H * K) + o_k[None, :]                            # [BT, BK] in k
+    off_kr = r[:, None] * (QK_HEADS * K) + o_k[None, :]                     # [BT, BK] in q, k, kd
     off_p = r[:, None] * (HV * BT) + r[None, :]                             # [BT, BT] in P
     lower_blocks = r[None, :] // 16 <= r[:, None] // 16
     off_v = r[:, None] * (HV * V) + o_v[None, :]                            # [BT, BV]
@@ -125,32 +134,44 @@ def _scan_kernel(
             m_tv = m_t[:, None]
         else:
             m_tv = m_t[:, None] & m_v[None, :]
-        last = tl.minimum(eos - bos - c * BT, BT) - 1
-        b_Gl = tl.load(gcum + base + last * HV)                             # G at the chunk's last token
-        b_G = tl.load(gcum + base + r * HV, mask=m_t, other=0.0)                                  # [BT]
         b_beta = _activate_beta(tl.load(beta + base + r * HV, mask=m_t, other=0.0), m_t, BETA)
         b_P = tl.load(p_in + base * BT + off_p, mask=m_t[:, None] & lower_blocks, other=0.0).to(DOT)  # [BT, BT]
-        b_k = tl.load(k + (t0 * H + i_h) * K + off_kr, mask=m_tk, other=0.0).to(DOT)             # [BT, BK]
-        b_rk = tl.full([BT], 1.0, tl.float32)
-        if L2NORM:
-            b_rk = tl.load(rk + t0 * H + i_h + r * H, mask=m_t, other=0.0)
+        qk_row0 = (t0 * QK_HEADS + i_h) * K
+        b_k = tl.load(k + qk_row0 + off_kr, mask=m_tk, other=0.0).to(DOT)                        # [BT, BK]
         b_v = tl.load(v + base * V + off_v, mask=m_t[:, None] & (o_v < V)[None, :], other=0.0).to(tl.float32)
         b_Sd = b_S.to(DOT)
         b_x = tl.dot(b_k, b_Sd)                                                                   # [BT, BV]: k S
         if SEG != 1:
-            b_q = tl.load(q + (t0 * H + i_h) * K + off_kr, mask=m_tk, other=0.0).to(DOT)           # [BT, BK]
+            b_q = tl.load(q + qk_row0 + off_kr, mask=m_tk, other=0.0).to(DOT)                     # [BT, BK]
             b_qs = tl.dot(b_q, b_Sd)                                                              # [BT, BV]: q S
-        b_y = b_beta[:, None] * (b_v - (b_rk * tl.exp(b_G))[:, None] * b_x)
-        b_vn = tl.dot(b_P, b_y.to(DOT))                                                           # [BT, BV]
-        b_vd = b_vn * tl.where(m_t, b_rk * tl.exp(b_Gl - b_G), 0.0)[:, None]
-        b_S = b_S * tl.exp(b_Gl) + tl.dot(tl.trans(b_k), b_vd.to(DOT))    # [BK, BV]
-        if SEG != 1:
-            b_rq = tl.full([BT], 1.0, tl.float32)
+        if GK:
+            b_y = b_beta[:, None] * (b_v - b_x)
+            b_vn = tl.dot(b_P, b_y.to(DOT))                                                       # [BT, BV]
+            b_kd = tl.load(kd + qk_row0 + off_kr, mask=m_tk, other=0.0).to(DOT)                  # [BT, BK]
+            b_decay = tl.load(decay + ((first_chunk + c) * HV + i_hv) * K + o_k, mask=m_k, other=0.0)  # [BK]
+            b_S = b_S * b_decay[:, None] + tl.dot(tl.trans(b_kd), b_vn.to(DOT))
+            if SEG != 1:
+                b_A = tl.load(a_in + base * BT + off_p, mask=m_t[:, None], other=0.0).to(DOT)      # [BT, BT]
+                b_o = b_qs + tl.dot(b_A, b_vn.to(DOT))
+                tl.store(o + base * V + off_v, b_o.to(o.dtype.element_ty), mask=m_tv)
+        else:
+            last = tl.minimum(eos - bos - c * BT, BT) - 1
+            b_Gl = tl.load(gcum + base + last * HV)                         # G at the chunk's last token
+            b_G = tl.load(gcum + base + r * HV, mask=m_t, other=0.0)                              # [BT]
+            b_rk = tl.full([BT], 1.0, tl.float32)
             if L2NORM:
-                b_rq = tl.load(rq + t0 * H + i_h + r * H, mask=m_t, other=0.0)
-            b_A = tl.load(a_in + base * BT + off_p, mask=m_t[:, None], other=0.0).to(DOT)          # [BT, BT]
-            b_o = (scale * b_rq * tl.exp(b_G))[:, None] * b_qs + tl.dot(b_A, b_vn.to(DOT))
-            tl.store(o + base * V + off_v, b_o.to(o.dtype.element_ty), mask=m_tv)
+                b_rk = tl.load(rk + t0 * H + i_h + r * H, mask=m_t, other=0.0)
+            b_y = b_beta[:, None] * (b_v - (b_rk * tl.exp(b_G))[:, None] * b_x)
+            b_vn = tl.dot(b_P, b_y.to(DOT))                                                       # [BT, BV]
+            b_vd = b_vn * tl.where(m_t, b_rk * tl.exp(b_Gl - b_G), 0.0)[:, None]
+            b_S = b_S * tl.exp(b_Gl) + tl.dot(tl.trans(b_k), b_vd.to(DOT))    # [BK, BV]
+            if SEG != 1:
+                b_rq = tl.full([BT], 1.0, tl.float32)
+                if L2NORM:
+                    b_rq = tl.load(rq + t0 * H + i_h + r * H, mask=m_t, other=0.0)
+                b_A = tl.load(a_in + base * BT + off_p, mask=m_t[:, None], other=0.0).to(DOT)      # [BT, BT]
+                b_o = (scale * b_rq * tl.exp(b_G))[:, None] * b_qs + tl.dot(b_A, b_vn.to(DOT))
+                tl.store(o + base * V + off_v, b_o.to(o.dtype.element_ty), mask=m_tv)
 
     if SEG == 1:
         tl.store(seg_state + (i_s * HV + i_hv) * K * (V + K) + o_k[:, None] * (V + K) + o_v[None, :], b_S,
@@ -375,7 +396,7 @@ def supports(p: Problem) -> str | None:
         length = _segments(p, default_config(p), counts)
         if length and not HOST_TABLES.cached(_segment_key(p, counts, length)):
             return "a first call with this shape must come before CUDA-graph capture (it builds the segment table)"
-    tensors = [p.q, p.k, p.v, p.g, p.beta, p.initial_state, p.A_log, p.dt_bias]
+    tensors = [p.q, p.k, p.v, p.g, p.gk, p.beta, p.initial_state, p.A_log, p.dt_bias]
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors):
         return "inputs require grad: no Triton backward yet (the torch tier has autograd)"
     if not all(x.is_contiguous() for x in tensors if x is not None):
@@ -429,25 +450,37 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None):
     bf16 = p.q.dtype == torch.bfloat16 and not interpreting()
     op_dtype = torch.bfloat16 if bf16 else torch.float32
     dot = tl.bfloat16 if bf16 else tl.float32
-    g = p.g if p.g is not None else p.q.new_zeros(B, T, HV, dtype=torch.float32)
     beta = p.beta if p.beta is not None else p.q.new_ones(B, T, HV, dtype=torch.float32)
     if p.beta is None or not p.beta_sigmoid:
         beta_mode = BETA_GIVEN                                              # beta omitted: the ones above
     else:
         beta_mode = BETA_SIGMOID2 if p.allow_neg_eigval else BETA_SIGMOID
-    gcum = torch.empty(B, T, HV, dtype=torch.float32, device=dev)
     inverse = torch.empty(B, T, HV, BT, dtype=op_dtype, device=dev)
     scores = torch.empty(B, T, HV, BT, dtype=op_dtype, device=dev)
-    # 1 / |q| and 1 / |k| only with the l2norm in the op (the kernels read them under L2NORM)
-    rq, rk = ((torch.empty(B, T, H, dtype=torch.float32, device=dev) for _ in range(2)) if p.use_qk_l2norm
-              else (None, None))
     BK, BVF = max(16, next_pow2(K)), max(16, next_pow2(V))   # tl.dot needs >= 16
-    dummy = gcum
-    q, k = (p.q, p.k) if p.q.dtype == op_dtype or bf16 else (p.q.to(op_dtype), p.k.to(op_dtype))
-    if total:
-        tables = (cu, chunk_index) if varlen else (None, None)
-        chunk_prepare.launch(p, g, beta, beta_mode, total, tables, gcum, inverse, dot, config)
-        chunk_prepare.launch_scores(p, q, k, total, tables, gcum, scores, rq, rk, dot, config)
+    tables = (cu, chunk_index) if varlen else (None, None)
+    channel_gate = p.gk is not None
+    if channel_gate:
+        # KDA: the scan reads the gated queries and keys of the prologue (per value head)
+        q, k, kd = (torch.empty(B, T, HV, K, dtype=op_dtype, device=dev) for _ in range(3))
+        decay = torch.empty(max(total, 1), HV, K, dtype=torch.float32, device=dev)
+        gcum = rq = rk = None
+        dummy = decay
+        if total:
+            chunk_prepare_kda.launch(p, p.q, p.k, beta, beta_mode, total, tables, inverse, scores, k, kd, q, decay,
+                                     dot)
+    else:
+        g = p.g if p.g is not None else p.q.new_zeros(B, T, HV, dtype=torch.float32)
+        gcum = torch.empty(B, T, HV, dtype=torch.float32, device=dev)
+        # 1 / |q| and 1 / |k| only with the l2norm in the op (the kernels read them under L2NORM)
+        rq, rk = ((torch.empty(B, T, H, dtype=torch.float32, device=dev) for _ in range(2)) if p.use_qk_l2norm
+                  else (None, None))
+        dummy = gcum
+        kd = decay = None
+        q, k = (p.q, p.k) if p.q.dtype == op_dtype or bf16 else (p.q.to(op_dtype), p.k.to(op_dtype))
+        if total:
+            chunk_prepare.launch(p, g, beta, beta_mode, total, tables, gcum, inverse, dot, config)
+            chunk_prepare.launch_scores(p, q, k, total, tables, gcum, scores, rq, rk, dot, config)
 
     o = torch.empty(B, T, HV, V, dtype=p.o_dtype, device=dev)
     state_shape = (HV, V, K) if p.state_v_first else (HV, K, V)
@@ -460,11 +493,13 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None):
     counts = _chunk_counts(p)
     length = _segments(p, config, counts)
     common = dict(H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, SK=SK, SV=SV, DOT=dot, HAS_H0=h0 is not None,
-                  STORE_FINAL=ht is not None, L2NORM=p.use_qk_l2norm, VARLEN=varlen, BETA=beta_mode,
+                  STORE_FINAL=ht is not None, L2NORM=p.use_qk_l2norm and not channel_gate, VARLEN=varlen,
+                  BETA=beta_mode, GK=channel_gate,
                   num_warps=config.scan_warps, num_stages=config.scan_stages)
     if rq is None:
         rq = rk = dummy
-    args = (q, k, p.v, beta, inverse, scores, rq, rk, gcum, o,
+    args = (q, k, p.v, beta, inverse, scores, rq, rk, gcum if gcum is not None else dummy,
+            kd if kd is not None else dummy, decay if decay is not None else dummy, o,
             h0 if h0 is not None else o, ht if ht is not None else o, h_chunks,
             cu if varlen else dummy, chunk_start if varlen else dummy)
     if sequence_scan is not None:

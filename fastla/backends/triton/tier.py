@@ -9,4 +9,5 @@ RECURRENT_OPS = (
 
 for _op in RECURRENT_OPS:
     dispatch.register(_op, "triton", recurrent.supports)(recurrent.run)
-dispatch.register("chunk_gated_delta_rule", "triton", chunk_delta.supports)(chunk_delta.run)
+for _op in ("chunk_gated_delta_rule", "chunk_kda"):
+    dispatch.register(_op, "triton", chunk_delta.supports)(chunk_delta.run)

@@ -1,0 +1,110 @@
+"""The Triton KDA chunked forward (chunk_prepare_kda.py + the scan's per-channel step) against the
+fp64 reference, through the public op; on the CPU it runs in the Triton interpreter."""
+import pytest
+import torch
+
+from fastla.backends.triton import interpreting
+from fastla.core.dispatch import use_tier
+from fastla.ops.kda import chunk_kda, naive_recurrent_kda
+from tests.helpers import DEVICES, OPS, assert_close, call_chunk, call_reference, make_inputs
+
+SPEC = OPS["kda"]
+TOL = 2e-5 if interpreting() else 1e-2          # fp32 operands in the interpreter; bf16 / tf32 on a GPU
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def on_triton(fn, *args, **kwargs):
+    with use_tier("triton", strict=True), torch.no_grad():
+        return fn(*args, **kwargs)
+
+
+def check(t, tol=TOL, **opts):
+    o, ht = on_triton(call_chunk, SPEC, t, output_final_state=True, **opts)
+    opts.pop("cu_seqlens_cpu", None)
+    ro, rht = call_reference(SPEC, t, output_final_state=True, **opts)
+    assert_close("o", o, ro, tol)
+    assert_close("final_state", ht, rht, tol)
+
+
+@pytest.mark.parametrize("T", [1, 65, 130])
+@pytest.mark.parametrize("device", DEVICES)
+def test_lengths_and_gva(T, device):
+    check(make_inputs(SPEC, B=2, T=T, H=1, HV=2, K=32, V=16, device=device))
+
+
+@pytest.mark.parametrize("strength", [1e-3, 100.0])
+def test_decay_strength(strength):
+    """100: in-block decay spans far beyond SPAN_LIMIT (the exact pairwise diagonal), no inf / NaN."""
+    check(make_inputs(SPEC, B=1, T=80, H=1, K=32, V=16, strength=strength))
+
+
+def test_varlen_and_state_v_first():
+    lengths = [1, 63, 64, 65, 7]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
+    t = make_inputs(SPEC, B=1, T=sum(lengths), H=1, HV=2, K=32, V=16, N=len(lengths), v_first=True)
+    check(t, cu_seqlens=cu, cu_seqlens_cpu=cu, state_v_first=True)
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+def test_everything_in_op(lower_bound):
+    """KDA gate (softplus or bounded sigmoid), l2norm, beta sigmoid and negative eigenvalues in the op."""
+    B, T, H, HV, K, V = 1, 70, 1, 2, 32, 16
+    gen = torch.Generator().manual_seed(1)
+    t = dict(q=torch.randn(B, T, H, K, generator=gen), k=torch.randn(B, T, H, K, generator=gen),
+             v=torch.randn(B, T, HV, V, generator=gen), g=torch.randn(B, T, HV, K, generator=gen),
+             beta=torch.randn(B, T, HV, generator=gen), initial_state=torch.randn(B, HV, K, V, generator=gen))
+    opts = dict(use_gate_in_kernel=True, A_log=torch.randn(HV, generator=gen) * 0.5,
+                dt_bias=torch.randn(HV * K, generator=gen), lower_bound=lower_bound,
+                use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True,
+                output_final_state=True)
+    o, ht = on_triton(chunk_kda, **t, **opts)
+    q, k, v = t.pop("q"), t.pop("k"), t.pop("v")
+    ro, rht = naive_recurrent_kda(q, k, v, **t, **opts)
+    assert_close("o", o, ro, TOL)
+    assert_close("final_state", ht, rht, TOL)
+
+
+def test_segments_and_intermediate_states(monkeypatch):
+    """Sequence parallelism (summary with the exact per-channel transition, combine, replay) and
+    the chunk-start states, against the torch tier."""
+    from fastla.backends.triton import chunk_delta
+    monkeypatch.setattr(chunk_delta, "default_config", lambda p: chunk_delta.ChunkConfig(segment_chunks=1))
+    t = make_inputs(SPEC, B=1, T=150, H=1, K=16, V=16)
+    opts = dict(output_final_state=True, return_intermediate_states=True)
+    with torch.inference_mode():
+        o, ht, h = on_triton(call_chunk, SPEC, t, **opts)
+        with use_tier("torch", strict=True):
+            ro, rht, rh = call_chunk(SPEC, t, **opts)
+    assert_close("o", o, ro, TOL)
+    assert_close("final_state", ht, rht, TOL)
+    assert_close("h", h, rh, TOL)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("case", ["dense", "varlen", "strong-decay", "unbounded-gate", "v-first-k64"])
+def test_bf16_wide_heads(case):
+    """bf16 at K = V = 128 (the shipped tiles) against fp64, every option as the registry uses it."""
+    K = V = 64 if case == "v-first-k64" else 128
+    lengths = [1, 300, 64, 1000, 77] if case == "varlen" else None
+    B, T = (1, sum(lengths)) if lengths else (2, 1000)
+    t = make_inputs(SPEC, B=B, T=T, H=2, HV=4, K=K, V=V, dtype=torch.bfloat16, device="cuda",
+                    strength=100.0 if case == "strong-decay" else 1.0, N=len(lengths) if lengths else None,
+                    v_first=case == "v-first-k64")
+    opts = dict(use_qk_l2norm_in_kernel=True, state_v_first=case == "v-first-k64")
+    if case == "unbounded-gate":
+        opts.update(use_gate_in_kernel=True, A_log=torch.randn(4, device="cuda") * 0.5,
+                    dt_bias=torch.randn(4 * K, device="cuda"))
+        t["g"] = torch.randn_like(t["g"]) * 3
+    if lengths:
+        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
+        opts.update(cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu)
+    o, ht = on_triton(call_chunk, SPEC, t, output_final_state=True, **opts)
+    opts.pop("cu_seqlens_cpu", None)
+    ref = {n: x.double() for n, x in t.items()}
+    ro, rht = call_reference(SPEC, ref, output_final_state=True,
+                             **{n: (x.double() if torch.is_tensor(x) and x.is_floating_point() else x)
+                                for n, x in opts.items()})
+    assert torch.isfinite(o).all() and torch.isfinite(ht).all()
+    assert_close("o", o, ro, 2e-2)
+    assert_close("final_state", ht, rht, 2e-2)
