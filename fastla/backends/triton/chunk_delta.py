@@ -1,4 +1,4 @@
-"""Triton chunked forward of the gated delta rule (GDN): prologue, then a scan that writes the output.
+"""Triton chunked forward of the gated delta rule (GDN) and of KDA: prologue, then a scan that writes the output.
 
 Inputs as the public op takes them, contiguous: q, k ``[B, T, H, K]`` (GVA: value head ``j``
 reads head ``j // (HV // H)``), v ``[B, T, HV, V]``, g / beta ``[B, T, HV]`` (raw when the gate
@@ -18,8 +18,10 @@ registers, per chunk
 so W and U of the WY form, V_new and the chunk states never reach HBM (the chunk states are
 stored only for return_intermediate_states); and the final state. With segments (sequence
 parallelism, ``segment_length``) the same kernel runs a summary pass (SEG 1, no output) and a
-replay pass (SEG 2) around ``_segment_combine_kernel``. The Gluon tier (backends/gluon) runs
-its own sm_90 kernel for the sequence passes and reuses the rest through ``run``.
+replay pass (SEG 2) around ``_segment_combine_kernel``. KDA (per-channel gate ``gk``
+``[B, T, HV, K]``) runs its own prologue (chunk_prepare_kda.py) and the scan's ``GK`` step.
+The Gluon tier (backends/gluon) runs its own sm_90 kernel for the GDN sequence passes and
+reuses the rest through ``run``.
 
 Precision as FLA's chunk kernels: bf16 operands with fp32 accumulation for the products with
 the state, the scores and P (bf16 inputs; fp32 operands otherwise), tf32 for the inverse's
