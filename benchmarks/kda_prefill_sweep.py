@@ -1,0 +1,92 @@
+"""KDA prefill sweep on the GPU: launch variants of the Triton chunked forward (the KDA prologue,
+backends/triton/chunk_prepare_kda.py, and the scan's per-channel step) on registry shapes, against
+FLA 0.6.0 in the same process: CUDA-graph time, per-kernel split, output error vs FLA.
+
+    python benchmarks/kda_prefill_sweep.py [--out DIR] [--shapes NAME,..] [--variants default,bv32s3,..]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+
+import torch
+import triton
+from triton.testing import do_bench_cudagraph
+
+import fastla  # noqa: F401  (registers the tiers)
+from benchmarks.gdn_prefill_sweep import kernel_split, rel
+from fastla.backends.triton import chunk_delta
+from fastla.bench.inputs import call_kwargs, make_inputs
+from fastla.bench.registry import get_config
+from fastla.core.dispatch import use_tier
+from fastla.ops.kda import chunk_kda
+
+VARIANTS = {
+    "default": None,
+    "bv32s3": dict(scan_block_v=32, scan_stages=3, scan_warps=4),
+    "bv64w8": dict(scan_block_v=64, scan_stages=2, scan_warps=8),
+    "bv16": dict(scan_block_v=16, scan_stages=2, scan_warps=4),
+    "no-segments": dict(segment_chunks=0),
+    "seg16": dict(segment_chunks=16),
+}
+SHAPES = "kda/h64/1x8192,kda/h64/2x16384,kda/h96/varlen8x15193"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--shapes", default=SHAPES)
+    ap.add_argument("--variants", default="default")
+    args = ap.parse_args()
+    names = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
+    try:
+        from fla.ops.kda import chunk_kda as fla_op
+    except Exception:
+        fla_op = None
+    rows = []
+    original = chunk_delta.default_config
+    for shape in args.shapes.split(","):
+        kw = call_kwargs(make_inputs(get_config(shape), "cuda"))
+        fla_o = fla_us = None
+        if fla_op is not None:
+            fla_o = fla_op(**kw)[0]
+            fla_us = 1e3 * do_bench_cudagraph(lambda: fla_op(**kw), rep=100)
+            fla_split = kernel_split(lambda: fla_op(**kw))
+            print(f"{shape:24s} FLA {fla_us:9.1f} us: " + ", ".join(f"{k} {v:.0f}" for k, v in fla_split.items()),
+                  flush=True)
+        for name in names:
+            over = VARIANTS[name]
+            chunk_delta.default_config = lambda p, o=over: (
+                original(p) if o is None else dataclasses.replace(original(p), **o))
+            try:
+                with use_tier("triton", strict=True), torch.no_grad():
+                    call = lambda: chunk_kda(**kw)  # noqa: E731
+                    o = call()[0]
+                    err_fla = rel(o, fla_o) if fla_o is not None else None
+                    us = 1e3 * do_bench_cudagraph(call, rep=100)
+                    split = kernel_split(call)
+            except Exception as exc:  # a variant that does not compile or launch is reported, not fatal
+                print(f"{shape:24s} {name:12s} FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                rows.append(dict(shape=shape, variant=name, error=str(exc)[:400]))
+                continue
+            finally:
+                chunk_delta.default_config = original
+            prep = sum(v for k, v in split.items() if "prepare" in k)
+            scan = sum(v for k, v in split.items() if "scan" in k)
+            rows.append(dict(shape=shape, variant=name, us=us, prepare_us=prep, scan_us=scan, kernels=split,
+                             err_vs_fla=err_fla, fla_us=fla_us))
+            speed = f"{fla_us / us:5.2f}x" if fla_us else "  -  "
+            print(f"{shape:24s} {name:12s} {us:9.1f} us (prepare {prep:8.1f}, scan {scan:8.1f}) FLA {fla_us or 0:9.1f} "
+                  f"{speed} | vs FLA {err_fla if err_fla is None else f'{err_fla:.1e}'}", flush=True)
+        kw = fla_o = None
+        torch.cuda.empty_cache()
+    with open(os.path.join(args.out, "kda_prefill_sweep.json"), "w") as f:
+        json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                       rows=rows), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
