@@ -25,8 +25,12 @@ from fastla.ops.kda import chunk_kda
 
 VARIANTS = {
     "default": None,
+    "prep-w2-bk16": dict(kda_prepare_warps=2, kda_prepare_block_k=16),
+    "prep-w4-bk16": dict(kda_prepare_warps=4, kda_prepare_block_k=16),
     "bv32s3": dict(scan_block_v=32, scan_stages=3, scan_warps=4),
-    "bv64w8": dict(scan_block_v=64, scan_stages=2, scan_warps=8),
+    "bv32": dict(scan_block_v=32, scan_stages=2, scan_warps=4),
+    "bv64w4": dict(scan_block_v=64, scan_stages=2, scan_warps=4),
+    "bv128w8": dict(scan_block_v=128, scan_stages=2, scan_warps=8),
     "bv16": dict(scan_block_v=16, scan_stages=2, scan_warps=4),
     "no-segments": dict(segment_chunks=0),
     "seg16": dict(segment_chunks=16),

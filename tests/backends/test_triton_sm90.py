@@ -106,10 +106,15 @@ GDN_KERNELS = {
                     {"q": "*bf16", "k": "*bf16", "g": "*bf16", "beta": "*bf16", "A_log": "*fp32", "dt_bias": "*fp32",
                      "p_out": "*bf16", "a_out": "*bf16", "kg": "*bf16", "kd": "*bf16", "qg": "*bf16",
                      "decay": "*fp32", "cu_seqlens": "*i64", "chunk_index": "*i32"},
-                    dict(BK=16, GATE=3, HAS_A=True, HAS_BIAS=True, BETA=2), 8, 1),
+                    dict(BK=32, GATE=3, HAS_A=True, HAS_BIAS=True, BETA=2, SCORES=False), 4, 1),
+    "kda-prepare-scores": ("chunk_prepare_kda._kda_prepare_kernel",
+                           {"q": "*bf16", "k": "*bf16", "g": "*bf16", "beta": "*bf16", "A_log": "*fp32",
+                            "dt_bias": "*fp32", "p_out": "*bf16", "a_out": "*bf16", "kg": "*bf16", "kd": "*bf16",
+                            "qg": "*bf16", "decay": "*fp32", "cu_seqlens": "*i64", "chunk_index": "*i32"},
+                           dict(BK=32, GATE=3, HAS_A=True, HAS_BIAS=True, BETA=2, SCORES=True), 4, 1),
     "kda-scan": ("chunk_delta._scan_kernel", SCAN_POINTERS,
-                 dict(BV=32, SK=128, SV=1, HAS_H0=True, STORE_FINAL=True, SEG=0, BETA=2, STORE_STATES=False,
-                      L2NORM=False, GK=True), 4, 2),
+                 dict(BV=64, SK=128, SV=1, HAS_H0=True, STORE_FINAL=True, SEG=0, BETA=2, STORE_STATES=False,
+                      L2NORM=False, GK=True), 8, 2),
 }
 
 
@@ -156,10 +161,10 @@ def _run_child(call: str, tmp_path, module: str = "tests.backends.test_triton_sm
 
 @pytest.mark.parametrize("name", list(GDN_KERNELS))
 def test_gdn_chunk_kernels_compile_for_sm90(name, tmp_path):
-    """Tensor-core products in the SASS (wgmma; mma.sync for the inverse's 16x16 blocks, too small
+    """Tensor-core products in the SASS (wgmma; mma.sync for the prologues' 16x16 blocks, too small
     for a warpgroup), within Hopper's 227 KB of shared memory, spills bounded."""
     res = _run_child(f"_child_gdn({name!r}, {str(tmp_path)!r})", tmp_path)
-    assert (res["hmma"] if name == "inverse" else res["hgmma"]) > 0, res
+    assert (res["hmma"] if name == "inverse" or name.startswith("kda-prepare") else res["hgmma"]) > 0, res
     assert res["shared_bytes"] <= 227 * 1024, res
     assert res["LOCAL"] == 0, res
     assert res["STACK"] == 0, res

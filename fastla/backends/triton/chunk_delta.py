@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections import OrderedDict
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -227,6 +228,8 @@ class ChunkConfig:
     scan_stages: int = 2
     segment_chunks: int | None = None   # sequence parallelism: chunks per segment (None: heuristic, 0: off)
     scores_warps: int = 4
+    kda_prepare_warps: int = 4          # KDA prologue (chunk_prepare_kda.py): warps and channels per slice
+    kda_prepare_block_k: int = 32
 
 
 def default_config(p: Problem) -> ChunkConfig:
@@ -239,7 +242,12 @@ def default_config(p: Problem) -> ChunkConfig:
     when the plan predicts a gain (1x32k HV8 scan: 0.44 ms split at BV 32 vs 1.99 whole at BV 64).
     The plan is cached per (chunk counts, heads, head dims, SMs): the split's search is host work
     that grows with the number of sequences."""
-    return _planned_config(_chunk_counts(p), p.HV, p.V, p.K, sm_count(p.device))
+    config = _planned_config(_chunk_counts(p), p.HV, p.V, p.K, sm_count(p.device))
+    if p.gk is not None:
+        # KDA's scan reads three [BT, K] tiles per chunk (kg, kd, qg): 64-column tiles at 8 warps
+        # (benchmarks/results/kda_prefill_sweep-v1.json: 1x8k H64 scan 544 us vs 988 at 32 columns)
+        config = dataclasses.replace(config, scan_block_v=64, scan_warps=8, scan_stages=2)
+    return config
 
 
 @functools.lru_cache(maxsize=1024)
@@ -384,7 +392,7 @@ def supports(p: Problem) -> str | None:
     if reason:
         return reason
     if p.chunk_size != BT:
-        return f"chunk_size {p.chunk_size} (the Triton GDN forward uses {BT})"
+        return f"chunk_size {p.chunk_size} (the Triton chunked forward uses {BT})"
     if p.K > 128 or p.V > 128:
         return "head dims above 128"
     if p.q.dtype == torch.float64:
@@ -470,7 +478,7 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None):
         dummy = decay
         if total:
             chunk_prepare_kda.launch(p, p.q, p.k, beta, beta_mode, total, tables, inverse, scores, k, kd, q, decay,
-                                     dot)
+                                     dot, config.kda_prepare_block_k, config.kda_prepare_warps)
     else:
         g = p.g if p.g is not None else p.q.new_zeros(B, T, HV, dtype=torch.float32)
         gcum = torch.empty(B, T, HV, dtype=torch.float32, device=dev)

@@ -37,7 +37,7 @@ import triton.language as tl
 
 from fastla.backends.triton import next_pow2
 from fastla.backends.triton.chunk_index import BT, _chunk
-from fastla.backends.triton.chunk_prepare import _activate_beta
+from fastla.backends.triton.chunk_prepare import _activate_beta, _diag_inverse, _key_block, _mm, _store_block
 from fastla.backends.triton.launch import launcher
 from fastla.backends.triton.recurrent import GATE_KDA, GATE_KDA_BOUNDED, GATE_NONE, _softplus
 
@@ -47,13 +47,14 @@ SPAN_LIMIT = tl.constexpr(80.0)
 
 
 @triton.jit
-def _log_decay(g, A_log, dt_bias, lower_bound, base, n_left, i_hv, o_k, BT: tl.constexpr, HV: tl.constexpr,
-               K: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """The chunk's log decay [BT, BK] in channels o_k (the KDA gate when GATE is in the op); 0 off
-    the chunk and off the K channels, so every cumsum holds G_last past the chunk's end."""
-    r = tl.arange(0, BT)
-    m = (r < n_left)[:, None] & (o_k < K)[None, :]
-    x = tl.load(g + base + r[:, None] * (HV * K) + o_k[None, :], mask=m, other=0.0).to(tl.float32)
+def _log_decay_rows(g, A_log, dt_bias, lower_bound, base, blk: tl.constexpr, n_left, i_hv, o_k, HV: tl.constexpr,
+                    K: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Log decay of the chunk's rows 16 blk .. 16 blk + 15 in channels o_k [16, BK] (the KDA gate
+    when GATE is in the op); 0 off the chunk and off the K channels, so the cumsum holds G_last
+    past the chunk's end."""
+    t = blk * 16 + tl.arange(0, 16)
+    m = (t < n_left)[:, None] & (o_k < K)[None, :]
+    x = tl.load(g + base + t[:, None] * (HV * K) + o_k[None, :], mask=m, other=0.0).to(tl.float32)
     if GATE != 0:
         if HAS_BIAS:
             x = x + tl.load(dt_bias + i_hv * K + o_k, mask=o_k < K, other=0.0).to(tl.float32)[None, :]
@@ -70,57 +71,71 @@ def _log_decay(g, A_log, dt_bias, lower_bound, base, n_left, i_hv, o_k, BT: tl.c
 
 
 @triton.jit
-def _rows(x, BT: tl.constexpr, BK: tl.constexpr):
-    """[4, 16, BK] -> [BT, BK] (the chunk's rows in order)."""
-    return tl.reshape(x, (BT, BK))
+def _store_rows(out, base, x, blk: tl.constexpr, n_left, o_k, HV: tl.constexpr, K: tl.constexpr):
+    """Rows 16 blk .. 16 blk + 15 of a chunk's [BT, K] tensor at out + base (row stride HV K)."""
+    t = blk * 16 + tl.arange(0, 16)
+    tl.store(out + base + t[:, None] * (HV * K) + o_k[None, :], x.to(out.dtype.element_ty),
+             mask=(t < n_left)[:, None] & (o_k < K)[None, :])
 
 
 @triton.jit
-def _row_of(x, j):
-    """Row j of each 16-token block of x [4, 16, BK] -> [4, BK]."""
-    sel = tl.arange(0, 16)[None, :, None] == j
-    return tl.sum(tl.where(sel, x, 0.0), 1)
+def _row_norms(x, base, blk: tl.constexpr, n_left, K: tl.constexpr, BK: tl.constexpr, stride):
+    """1 / |x_t| of the block's 16 rows over all K channels [16] (FLA's eps)."""
+    acc = tl.zeros([16], dtype=tl.float32)
+    for ks in range(0, tl.cdiv(K, BK)):
+        b = _key_block(x, base, blk, n_left, ks * BK + tl.arange(0, BK), K, stride).to(tl.float32)
+        acc += tl.sum(b * b, 1)
+    return tl.rsqrt(acc + 1e-6)
 
 
 @triton.jit
-def _diagonal_exact(k3, q3, W, BT: tl.constexpr):
-    """The diagonal blocks' per-channel products k_i . k_j and q_i . k_j (j <= i in one block)
-    pair by pair, e^(W_i - W_j) <= 1 exactly (W: the within-block cumsum [4, 16, BK]); [BT, BT]
-    with only the block-diagonal entries set."""
-    r16 = tl.arange(0, 16)
-    r = tl.arange(0, BT)
-    a = tl.zeros([BT, BT], dtype=tl.float32)
-    s = tl.zeros([BT, BT], dtype=tl.float32)
-    for j in range(16):
-        W_j = _row_of(W, j)                                                                    # [4, BK]
-        k_j = _row_of(k3, j)
-        keep = (r16 >= j)[None, :, None]
-        e = tl.where(keep, tl.exp(tl.where(keep, W - W_j[:, None, :], 0.0)), 0.0)              # [4, 16, BK]
-        a_j = tl.reshape(tl.sum(k3 * e * k_j[:, None, :], 2), (BT,))                         # [BT]
-        s_j = tl.reshape(tl.sum(q3 * e * k_j[:, None, :], 2), (BT,))
-        col = r[None, :] == (r // 16 * 16 + j)[:, None]
-        a = tl.where(col, a_j[:, None], a)
-        s = tl.where(col, s_j[:, None], s)
-    return a, s
+def _block(q, k, g, A_log, dt_bias, lower_bound, qk_row0, gate_base, blk: tl.constexpr, n_left, i_hv, o_k,
+           c_prev, r_left, r_key, HV: tl.constexpr, H: tl.constexpr, K: tl.constexpr, GATE: tl.constexpr,
+           HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, SCORES: tl.constexpr):
+    """One 16-token block in channels o_k: its gate cumsum G [16, BK] from c_prev (the cumsum
+    before it) and c_end; X = left e^(G - c_prev) (left: unit keys, or scaled unit queries with
+    SCORES) and F = k e^(c_end - G), both <= 1; the raw left rows and keys for the exact diagonal.
+    Returns (X, F, left, k, G, c_end)."""
+    x = _log_decay_rows(g, A_log, dt_bias, lower_bound, gate_base, blk, n_left, i_hv, o_k, HV, K, GATE, HAS_A,
+                        HAS_BIAS)
+    G = tl.cumsum(x, 0) + c_prev[None, :]
+    c_end = c_prev + tl.sum(x, 0)
+    kb = _key_block(k, qk_row0, blk, n_left, o_k, K, H * K).to(tl.float32) * r_key[:, None]
+    if SCORES:
+        left = _key_block(q, qk_row0, blk, n_left, o_k, K, H * K).to(tl.float32) * r_left[:, None]
+    else:
+        left = kb
+    X = left * tl.exp(G - c_prev[None, :])
+    F = kb * tl.exp(c_end[None, :] - G)
+    return X, F, left, kb, G, c_end
 
 
 @triton.jit
-def _block_diag_inverse(A, BT: tl.constexpr):
-    """(I + D)^-1 of the four diagonal [16, 16] blocks D of the strictly lower A [BT, BT], by forward
-    substitution on all four at once (row i of P_b is e_i - sum_(j<i) A_b[i, j] P_b[j, :]);
-    returned as the block-diagonal [BT, BT] matrix."""
-    b4 = tl.arange(0, 4)
-    same = (b4[:, None, None, None] == b4[None, None, :, None])                                # [4, 1, 4, 1]
-    D = tl.sum(tl.where(same, tl.reshape(A, (4, 16, 4, 16)), 0.0), 2)                        # [4, 16, 16]
-    Dt = tl.permute(D, (0, 2, 1))                                                              # A_b^T
-    r = tl.arange(0, 16)
-    P = tl.broadcast_to(tl.where(r[:, None] == r[None, :], 1.0, 0.0)[None, :, :], (4, 16, 16))
-    for i in range(1, 16):
-        a_i = tl.sum(tl.where((r == i)[None, None, :], Dt, 0.0), 2)                           # [4, 16]: A_b[i, :]
-        upd = tl.sum(a_i[:, :, None] * P, 1)                                                   # [4, 16]
-        P = tl.where((r == i)[None, :, None], P - upd[:, None, :], P)
-    full = tl.where(same, tl.broadcast_to(P[:, :, None, :], (4, 16, 4, 16)), 0.0)
-    return tl.reshape(full, (BT, BT))
+def _below(acc, X, F_c, c_prev, c_c, DOT: tl.constexpr):
+    """acc [16, 16] += X (F_c e^(c_(b-1) - c_c))^T for block c < b: every factor <= 1."""
+    R = F_c * tl.exp(c_prev - c_c)[None, :]
+    return tl.dot(X.to(DOT), tl.trans(R.to(DOT)), acc)
+
+
+@triton.jit
+def _diagonal(acc, X, F, left, kb, G, c_prev, c_end, DOT: tl.constexpr):
+    """acc [16, 16] += the block's own per-channel products left_i . k_j e^(G_i - G_j) (all
+    pairs; the caller masks j > i). Around the block's mid value m when its span c_prev - c_end
+    is at most SPAN_LIMIT in every channel (factors within e^(+-span / 2)), else pair by pair."""
+    span = tl.max(c_prev - c_end, 0)
+    if span <= SPAN_LIMIT:
+        h = tl.exp(0.5 * (c_prev - c_end))[None, :]                         # e^(c_prev - m) = e^(m - c_end)
+        acc = tl.dot((X * h).to(DOT), tl.trans((F * h).to(DOT)), acc)
+    else:
+        r = tl.arange(0, 16)
+        for j in range(16):
+            row = r[:, None] == j
+            G_j = tl.sum(tl.where(row, G, 0.0), 0)                                             # [BK]
+            k_j = tl.sum(tl.where(row, kb, 0.0), 0)
+            keep = r[:, None] >= j
+            e = tl.where(keep, tl.exp(tl.where(keep, G - G_j[None, :], 0.0)), 0.0)             # [16, BK], <= 1
+            acc += tl.where(r[None, :] == j, tl.sum(left * e * k_j[None, :], 1)[:, None], 0.0)
+    return acc
 
 
 @triton.jit(do_not_specialize=["T", "NT"])     # as chunk_delta._scan_kernel
@@ -129,8 +144,9 @@ def _kda_prepare_kernel(
     cu_seqlens, chunk_index, T, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     DOT: tl.constexpr, L2NORM: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr,
-    HAS_BIAS: tl.constexpr, BETA: tl.constexpr, VARLEN: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BETA: tl.constexpr, VARLEN: tl.constexpr, SCORES: tl.constexpr,
 ):
+    """SCORES False: A, P, kg, kd and decay; SCORES True: Aqk and qg (same grid, second launch)."""
     tl.static_assert(BT == 64, "four 16-token blocks")
     i_c = tl.program_id(0).to(tl.int64)
     i_hv = tl.program_id(1)
@@ -138,98 +154,134 @@ def _kda_prepare_kernel(
     i_n, c, bos, eos = _chunk(chunk_index, cu_seqlens, i_c, T, NT, VARLEN)
     t0 = bos + c * BT
     n_left = eos - t0                                                       # tokens of the chunk from t0, >= 1
-    r = tl.arange(0, BT)
-    m_t = r < n_left
     qk_row0 = (t0 * H + i_h) * K
     beta_base = t0 * HV + i_hv                                              # chunk row 0 in beta, P, Aqk
     gate_base = beta_base * K                                               # chunk row 0 in g, kg, kd, qg
-    off_qk = qk_row0 + r[:, None] * (H * K)                                 # [BT, 1]
-    off_g = gate_base + r[:, None] * (HV * K)
 
-    # 1 / |q|, 1 / |k| per row (over all K channels), scale folded into the queries
-    rk = tl.full([BT], 1.0, tl.float32)
-    rq = tl.full([BT], 1.0, tl.float32)
+    # 1 / |k| and scale / |q| per row of each block
+    one = tl.full([16], 1.0, tl.float32)
+    rk0, rk1, rk2, rk3 = one, one, one, one
+    rq0, rq1, rq2, rq3 = one * scale, one * scale, one * scale, one * scale
     if L2NORM:
-        sk = tl.zeros([BT], dtype=tl.float32)
-        sq = tl.zeros([BT], dtype=tl.float32)
-        for ks in range(0, tl.cdiv(K, BK)):
-            o_k = ks * BK + tl.arange(0, BK)
-            m = m_t[:, None] & (o_k < K)[None, :]
-            b_k = tl.load(k + off_qk + o_k[None, :], mask=m, other=0.0).to(tl.float32)
-            b_q = tl.load(q + off_qk + o_k[None, :], mask=m, other=0.0).to(tl.float32)
-            sk += tl.sum(b_k * b_k, 1)
-            sq += tl.sum(b_q * b_q, 1)
-        rk = tl.rsqrt(sk + 1e-6)
-        rq = tl.rsqrt(sq + 1e-6)
-    rq = rq * scale
+        rk0 = _row_norms(k, qk_row0, 0, n_left, K, BK, H * K)
+        rk1 = _row_norms(k, qk_row0, 1, n_left, K, BK, H * K)
+        rk2 = _row_norms(k, qk_row0, 2, n_left, K, BK, H * K)
+        rk3 = _row_norms(k, qk_row0, 3, n_left, K, BK, H * K)
+        if SCORES:
+            rq0 = scale * _row_norms(q, qk_row0, 0, n_left, K, BK, H * K)
+            rq1 = scale * _row_norms(q, qk_row0, 1, n_left, K, BK, H * K)
+            rq2 = scale * _row_norms(q, qk_row0, 2, n_left, K, BK, H * K)
+            rq3 = scale * _row_norms(q, qk_row0, 3, n_left, K, BK, H * K)
 
-    blk = r // 16
-    b4 = tl.arange(0, 4)
-    A = tl.zeros([BT, BT], dtype=tl.float32)                                # sum over channels, beta later
-    S = tl.zeros([BT, BT], dtype=tl.float32)
+    z = tl.zeros([16, 16], dtype=tl.float32)
+    a00, a10, a11, a20, a21, a22, a30, a31, a32, a33 = z, z, z, z, z, z, z, z, z, z
     for ks in range(0, tl.cdiv(K, BK)):
         o_k = ks * BK + tl.arange(0, BK)
-        m = m_t[:, None] & (o_k < K)[None, :]
-        x = tl.reshape(_log_decay(g, A_log, dt_bias, lower_bound, gate_base, n_left, i_hv, o_k, BT, HV, K, GATE,
-                                  HAS_A, HAS_BIAS), (4, 16, BK))
-        W = tl.cumsum(x, 1)                                                 # within-block cumsum [4, 16, BK]
-        Sb = tl.sum(x, 1)                                                   # block sums [4, BK], <= 0
-        c_end = tl.cumsum(Sb, 0)                                            # G at each block's end
-        c_prev = c_end - Sb                                                 # G before each block
-        G_last = tl.sum(Sb, 0)                                              # [BK]
-        k3 = tl.reshape(tl.load(k + off_qk + o_k[None, :], mask=m, other=0.0).to(tl.float32) * rk[:, None],
-                        (4, 16, BK))
-        q3 = tl.reshape(tl.load(q + off_qk + o_k[None, :], mask=m, other=0.0).to(tl.float32) * rq[:, None],
-                        (4, 16, BK))
-        E = tl.exp(W)                                                       # e^(G - c_prev) <= 1
-        L3 = k3 * E
-        Q3 = q3 * E
-        F3 = k3 * tl.exp(Sb[:, None, :] - W)                                # k e^(c_end - G), <= 1
-        up = tl.exp(c_prev)[:, None, :]
-        tl.store(kg + off_g + o_k[None, :], _rows(L3 * up, BT, BK).to(kg.dtype.element_ty), mask=m)
-        tl.store(qg + off_g + o_k[None, :], _rows(Q3 * up, BT, BK).to(qg.dtype.element_ty), mask=m)
-        kd3 = F3 * tl.exp(G_last[None, :] - c_end)[:, None, :]              # k e^(G_last - G)
-        tl.store(kd + off_g + o_k[None, :], _rows(kd3, BT, BK).to(kd.dtype.element_ty), mask=m)
-        tl.store(decay + (i_c * HV + i_hv) * K + o_k, tl.exp(G_last), mask=o_k < K)
+        c_start = tl.zeros([BK], dtype=tl.float32)
+        X0, F0, l0, k0, G0, c0 = _block(q, k, g, A_log, dt_bias, lower_bound, qk_row0, gate_base, 0, n_left, i_hv,
+                                        o_k, c_start, rq0, rk0, HV, H, K, GATE, HAS_A, HAS_BIAS, SCORES)
+        a00 = _diagonal(a00, X0, F0, l0, k0, G0, c_start, c0, DOT)
+        X1, F1, l1, k1, G1, c1 = _block(q, k, g, A_log, dt_bias, lower_bound, qk_row0, gate_base, 1, n_left, i_hv,
+                                        o_k, c0, rq1, rk1, HV, H, K, GATE, HAS_A, HAS_BIAS, SCORES)
+        a11 = _diagonal(a11, X1, F1, l1, k1, G1, c0, c1, DOT)
+        a10 = _below(a10, X1, F0, c0, c0, DOT)
+        X2, F2, l2, k2, G2, c2 = _block(q, k, g, A_log, dt_bias, lower_bound, qk_row0, gate_base, 2, n_left, i_hv,
+                                        o_k, c1, rq2, rk2, HV, H, K, GATE, HAS_A, HAS_BIAS, SCORES)
+        a22 = _diagonal(a22, X2, F2, l2, k2, G2, c1, c2, DOT)
+        a20 = _below(a20, X2, F0, c1, c0, DOT)
+        a21 = _below(a21, X2, F1, c1, c1, DOT)
+        X3, F3, l3, k3, G3, c3 = _block(q, k, g, A_log, dt_bias, lower_bound, qk_row0, gate_base, 3, n_left, i_hv,
+                                        o_k, c2, rq3, rk3, HV, H, K, GATE, HAS_A, HAS_BIAS, SCORES)
+        a33 = _diagonal(a33, X3, F3, l3, k3, G3, c2, c3, DOT)
+        a30 = _below(a30, X3, F0, c2, c0, DOT)
+        a31 = _below(a31, X3, F1, c2, c1, DOT)
+        a32 = _below(a32, X3, F2, c2, c2, DOT)
+        # c3 = G_last in these channels (the gates past the chunk's end are 0)
+        if SCORES:                                                          # qg = scale q e^G
+            _store_rows(qg, gate_base, X0, 0, n_left, o_k, HV, K)
+            _store_rows(qg, gate_base, X1 * tl.exp(c0)[None, :], 1, n_left, o_k, HV, K)
+            _store_rows(qg, gate_base, X2 * tl.exp(c1)[None, :], 2, n_left, o_k, HV, K)
+            _store_rows(qg, gate_base, X3 * tl.exp(c2)[None, :], 3, n_left, o_k, HV, K)
+        else:                                                               # kg = k e^G, kd = k e^(G_last - G)
+            _store_rows(kg, gate_base, X0, 0, n_left, o_k, HV, K)
+            _store_rows(kg, gate_base, X1 * tl.exp(c0)[None, :], 1, n_left, o_k, HV, K)
+            _store_rows(kg, gate_base, X2 * tl.exp(c1)[None, :], 2, n_left, o_k, HV, K)
+            _store_rows(kg, gate_base, X3 * tl.exp(c2)[None, :], 3, n_left, o_k, HV, K)
+            _store_rows(kd, gate_base, F0 * tl.exp(c3 - c0)[None, :], 0, n_left, o_k, HV, K)
+            _store_rows(kd, gate_base, F1 * tl.exp(c3 - c1)[None, :], 1, n_left, o_k, HV, K)
+            _store_rows(kd, gate_base, F2 * tl.exp(c3 - c2)[None, :], 2, n_left, o_k, HV, K)
+            _store_rows(kd, gate_base, F3, 3, n_left, o_k, HV, K)
+            tl.store(decay + (i_c * HV + i_hv) * K + o_k, tl.exp(c3), mask=o_k < K)
 
-        L = _rows(L3, BT, BK).to(DOT)
-        Q = _rows(Q3, BT, BK).to(DOT)
-        for b in tl.static_range(1, 4):                                     # row block b against blocks < b
-            cp_b = tl.sum(tl.where(b4[:, None] == b, c_prev, 0.0), 0)                        # [BK]
-            before = (b4 < b)[:, None]
-            f = tl.where(before, tl.exp(tl.where(before, cp_b[None, :] - c_end, 0.0)), 0.0)  # [4, BK], <= 1
-            R = tl.trans(_rows(F3 * f[:, None, :], BT, BK).to(DOT))                           # [BK, BT]
-            rows_b = (blk == b)[:, None]
-            A += tl.where(rows_b, tl.dot(L, R), 0.0)
-            S += tl.where(rows_b, tl.dot(Q, R), 0.0)
-        span = tl.max(tl.max(-Sb, 1), 0)
-        if span <= SPAN_LIMIT:
-            h = tl.exp(-0.5 * Sb)[:, None, :]                                # e^(span_b / 2) per channel
-            R = tl.trans(_rows(F3 * h, BT, BK).to(DOT))                                        # k e^(m - G)
-            a_d = tl.dot(_rows(L3 * h, BT, BK).to(DOT), R)                                     # k e^(G - m)
-            s_d = tl.dot(_rows(Q3 * h, BT, BK).to(DOT), R)
-        else:
-            a_d, s_d = _diagonal_exact(k3, q3, W, BT)
-        diag = blk[:, None] == blk[None, :]
-        A += tl.where(diag, a_d, 0.0)
-        S += tl.where(diag, s_d, 0.0)
+    r = tl.arange(0, 16)
+    row0 = beta_base * BT
+    stride = HV * BT
+    if SCORES:
+        lower = r[:, None] >= r[None, :]
+        _store_block(a_out, row0, tl.where(lower, a00, 0.0), 0, 0, n_left, stride, BT)
+        _store_block(a_out, row0, tl.where(lower, a11, 0.0), 1, 1, n_left, stride, BT)
+        _store_block(a_out, row0, tl.where(lower, a22, 0.0), 2, 2, n_left, stride, BT)
+        _store_block(a_out, row0, tl.where(lower, a33, 0.0), 3, 3, n_left, stride, BT)
+        _store_block(a_out, row0, a10, 1, 0, n_left, stride, BT)
+        _store_block(a_out, row0, a20, 2, 0, n_left, stride, BT)
+        _store_block(a_out, row0, a21, 2, 1, n_left, stride, BT)
+        _store_block(a_out, row0, a30, 3, 0, n_left, stride, BT)
+        _store_block(a_out, row0, a31, 3, 1, n_left, stride, BT)
+        _store_block(a_out, row0, a32, 3, 2, n_left, stride, BT)
+        _zero_upper(a_out, row0, n_left, stride, BT)
+    else:
+        t = tl.arange(0, 16)
+        b0 = _activate_beta(tl.load(beta + beta_base + t * HV, mask=t < n_left, other=0.0), t < n_left, BETA)
+        b1 = _activate_beta(tl.load(beta + beta_base + (16 + t) * HV, mask=16 + t < n_left, other=0.0),
+                            16 + t < n_left, BETA)
+        b2 = _activate_beta(tl.load(beta + beta_base + (32 + t) * HV, mask=32 + t < n_left, other=0.0),
+                            32 + t < n_left, BETA)
+        b3 = _activate_beta(tl.load(beta + beta_base + (48 + t) * HV, mask=48 + t < n_left, other=0.0),
+                            48 + t < n_left, BETA)
+        strict = r[:, None] > r[None, :]
+        a00 = tl.where(strict, b0[:, None] * a00, 0.0)
+        a11 = tl.where(strict, b1[:, None] * a11, 0.0)
+        a22 = tl.where(strict, b2[:, None] * a22, 0.0)
+        a33 = tl.where(strict, b3[:, None] * a33, 0.0)
+        a10 = b1[:, None] * a10
+        a20 = b2[:, None] * a20
+        a21 = b2[:, None] * a21
+        a30 = b3[:, None] * a30
+        a31 = b3[:, None] * a31
+        a32 = b3[:, None] * a32
+        # P = (I + A)^-1: the diagonal blocks by forward substitution, then block forward
+        # substitution P_bc = -P_bb sum_(c <= d < b) A_bd P_dc (as the GDN prologue)
+        p00, p11, p22, p33 = _diag_inverse(a00, a11, a22, a33)
+        p10 = -_mm(p11, _mm(a10, p00))
+        p21 = -_mm(p22, _mm(a21, p11))
+        p32 = -_mm(p33, _mm(a32, p22))
+        p20 = -_mm(p22, _mm(a20, p00) + _mm(a21, p10))
+        p31 = -_mm(p33, _mm(a31, p11) + _mm(a32, p21))
+        p30 = -_mm(p33, _mm(a30, p00) + _mm(a31, p10) + _mm(a32, p20))
+        _store_block(p_out, row0, p00, 0, 0, n_left, stride, BT)
+        _store_block(p_out, row0, p10, 1, 0, n_left, stride, BT)
+        _store_block(p_out, row0, p11, 1, 1, n_left, stride, BT)
+        _store_block(p_out, row0, p20, 2, 0, n_left, stride, BT)
+        _store_block(p_out, row0, p21, 2, 1, n_left, stride, BT)
+        _store_block(p_out, row0, p22, 2, 2, n_left, stride, BT)
+        _store_block(p_out, row0, p30, 3, 0, n_left, stride, BT)
+        _store_block(p_out, row0, p31, 3, 1, n_left, stride, BT)
+        _store_block(p_out, row0, p32, 3, 2, n_left, stride, BT)
+        _store_block(p_out, row0, p33, 3, 3, n_left, stride, BT)
+        _zero_upper(p_out, row0, n_left, stride, BT)
 
-    b_beta = _activate_beta(tl.load(beta + beta_base + r * HV, mask=m_t, other=0.0), m_t, BETA)
-    A = tl.where(r[:, None] > r[None, :], b_beta[:, None] * A, 0.0)
-    S = tl.where(r[:, None] >= r[None, :], S, 0.0)
 
-    # P = (I + A)^-1 = (I + M)^-1 D^-1 with D = I + A's diagonal blocks and M = D^-1 (A - diag blocks),
-    # strictly block lower (M^4 = 0): (I + M)^-1 = I - M (I - M (I - M)), tf32 products
-    Dinv = _block_diag_inverse(A, BT)
-    eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
-    M = tl.dot(Dinv, tl.where(blk[:, None] > blk[None, :], A, 0.0), input_precision="tf32")
-    Y = eye - M
-    Y = eye - tl.dot(M, Y, input_precision="tf32")
-    Y = eye - tl.dot(M, Y, input_precision="tf32")
-    P = tl.dot(Y, Dinv, input_precision="tf32")
-    off_p = beta_base * BT + r[:, None] * (HV * BT) + r[None, :]
-    tl.store(p_out + off_p, P.to(p_out.dtype.element_ty), mask=m_t[:, None])
-    tl.store(a_out + off_p, S.to(a_out.dtype.element_ty), mask=m_t[:, None])
+@triton.jit
+def _zero_upper(out, row0, n_left, stride, BT: tl.constexpr):
+    """Zeros the six blocks above the block diagonal of a chunk's [BT, BT] matrix (whole rows
+    for the scan's tile loads)."""
+    zero = tl.zeros([16, 16], dtype=tl.float32)
+    _store_block(out, row0, zero, 0, 1, n_left, stride, BT)
+    _store_block(out, row0, zero, 0, 2, n_left, stride, BT)
+    _store_block(out, row0, zero, 0, 3, n_left, stride, BT)
+    _store_block(out, row0, zero, 1, 2, n_left, stride, BT)
+    _store_block(out, row0, zero, 1, 3, n_left, stride, BT)
+    _store_block(out, row0, zero, 2, 3, n_left, stride, BT)
 
 
 def gate_mode(p) -> int:
@@ -240,7 +292,7 @@ def gate_mode(p) -> int:
 
 
 def launch(p, q, k, beta, beta_mode: int, total: int, tables, inverse, scores, kg, kd, qg, decay, dot,
-           warps: int = 8) -> None:
+           block_k: int = 32, warps: int = 1) -> None:
     """Runs the prologue over ``total`` chunks (``tables`` = (cu_seqlens, chunk index) or Nones):
     writes P into ``inverse``, Aqk into ``scores`` ``[B, T, HV, BT]``, the gated keys and queries
     into ``kg``, ``kd``, ``qg`` ``[B, T, HV, K]`` and e^(G_last) into ``decay`` ``[total, HV, K]``."""
@@ -248,11 +300,13 @@ def launch(p, q, k, beta, beta_mode: int, total: int, tables, inverse, scores, k
     varlen = cu is not None
     dummy = decay
     NT = -(-p.T // BT)
-    launcher(_kda_prepare_kernel, p.T, NT)[(total, p.HV)](
-        q, k, p.gk, beta, p.A_log if p.A_log is not None else dummy, p.dt_bias if p.dt_bias is not None else dummy,
-        float(p.lower_bound) if p.lower_bound is not None else 0.0, p.scale,
-        inverse, scores, kg, kd, qg, decay, cu if varlen else dummy, chunk_index if varlen else dummy, p.T, NT,
-        H=p.H, HV=p.HV, K=p.K, BT=BT, BK=16, DOT=dot, L2NORM=p.use_qk_l2norm,
-        GATE=gate_mode(p), HAS_A=p.A_log is not None, HAS_BIAS=p.dt_bias is not None, BETA=beta_mode,
-        VARLEN=varlen, num_warps=warps, num_stages=1,
-    )
+    for scores_pass in (False, True):
+        launcher(_kda_prepare_kernel, p.T, NT)[(total, p.HV)](
+            q, k, p.gk, beta, p.A_log if p.A_log is not None else dummy,
+            p.dt_bias if p.dt_bias is not None else dummy,
+            float(p.lower_bound) if p.lower_bound is not None else 0.0, p.scale,
+            inverse, scores, kg, kd, qg, decay, cu if varlen else dummy, chunk_index if varlen else dummy, p.T, NT,
+            H=p.H, HV=p.HV, K=p.K, BT=BT, BK=min(block_k, max(16, next_pow2(p.K))), DOT=dot,
+            L2NORM=p.use_qk_l2norm, GATE=gate_mode(p), HAS_A=p.A_log is not None, HAS_BIAS=p.dt_bias is not None,
+            BETA=beta_mode, VARLEN=varlen, SCORES=scores_pass, num_warps=warps, num_stages=1,
+        )
