@@ -118,23 +118,33 @@ def _below(acc, X, F_c, c_prev, c_c, DOT: tl.constexpr):
 
 
 @triton.jit
-def _diagonal(acc, X, F, left, kb, G, c_prev, c_end, DOT: tl.constexpr):
+def _diagonal_mid(acc, X, F, c_prev, c_end, DOT: tl.constexpr):
+    """acc += (X h) (F h)^T, h = e^((c_prev - c_end) / 2): the factors around the block's mid value."""
+    h = tl.exp(0.5 * (c_prev - c_end))[None, :]                             # e^(c_prev - m) = e^(m - c_end)
+    return tl.dot((X * h).to(DOT), tl.trans((F * h).to(DOT)), acc)
+
+
+@triton.jit
+def _diagonal(acc, X, F, left, kb, G, c_prev, c_end, DOT: tl.constexpr, EXACT: tl.constexpr):
     """acc [16, 16] += the block's own per-channel products left_i . k_j e^(G_i - G_j) (all
     pairs; the caller masks j > i). Around the block's mid value m when its span c_prev - c_end
-    is at most SPAN_LIMIT in every channel (factors within e^(+-span / 2)), else pair by pair."""
-    span = tl.max(c_prev - c_end, 0)
-    if span <= SPAN_LIMIT:
-        h = tl.exp(0.5 * (c_prev - c_end))[None, :]                         # e^(c_prev - m) = e^(m - c_end)
-        acc = tl.dot((X * h).to(DOT), tl.trans((F * h).to(DOT)), acc)
+    is at most SPAN_LIMIT in every channel (factors within e^(+-span / 2)), else pair by pair;
+    without EXACT (gates bounded below by -5: spans <= 80 by construction) always around m."""
+    if EXACT:
+        span = tl.max(c_prev - c_end, 0)
+        if span <= SPAN_LIMIT:
+            acc = _diagonal_mid(acc, X, F, c_prev, c_end, DOT)
+        else:
+            r = tl.arange(0, 16)
+            for j in range(16):
+                row = r[:, None] == j
+                G_j = tl.sum(tl.where(row, G, 0.0), 0)                                         # [BK]
+                k_j = tl.sum(tl.where(row, kb, 0.0), 0)
+                keep = r[:, None] >= j
+                e = tl.where(keep, tl.exp(tl.where(keep, G - G_j[None, :], 0.0)), 0.0)         # [16, BK], <= 1
+                acc += tl.where(r[None, :] == j, tl.sum(left * e * k_j[None, :], 1)[:, None], 0.0)
     else:
-        r = tl.arange(0, 16)
-        for j in range(16):
-            row = r[:, None] == j
-            G_j = tl.sum(tl.where(row, G, 0.0), 0)                                             # [BK]
-            k_j = tl.sum(tl.where(row, kb, 0.0), 0)
-            keep = r[:, None] >= j
-            e = tl.where(keep, tl.exp(tl.where(keep, G - G_j[None, :], 0.0)), 0.0)             # [16, BK], <= 1
-            acc += tl.where(r[None, :] == j, tl.sum(left * e * k_j[None, :], 1)[:, None], 0.0)
+        acc = _diagonal_mid(acc, X, F, c_prev, c_end, DOT)
     return acc
 
 
@@ -144,7 +154,7 @@ def _kda_prepare_kernel(
     cu_seqlens, chunk_index, T, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     DOT: tl.constexpr, L2NORM: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr,
-    HAS_BIAS: tl.constexpr, BETA: tl.constexpr, VARLEN: tl.constexpr, SCORES: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BETA: tl.constexpr, VARLEN: tl.constexpr, SCORES: tl.constexpr, EXACT: tl.constexpr,
 ):
     """SCORES False: A, P, kg, kd and decay; SCORES True: Aqk and qg (same grid, second launch)."""
     tl.static_assert(BT == 64, "four 16-token blocks")
@@ -180,19 +190,19 @@ def _kda_prepare_kernel(
         c_start = tl.zeros([BK], dtype=tl.float32)
         X0, F0, l0, k0, G0, c0 = _block(q, k, g, A_log, dt_bias, lower_bound, qk_row0, gate_base, 0, n_left, i_hv,
                                         o_k, c_start, rq0, rk0, HV, H, K, GATE, HAS_A, HAS_BIAS, SCORES)
-        a00 = _diagonal(a00, X0, F0, l0, k0, G0, c_start, c0, DOT)
+        a00 = _diagonal(a00, X0, F0, l0, k0, G0, c_start, c0, DOT, EXACT)
         X1, F1, l1, k1, G1, c1 = _block(q, k, g, A_log, dt_bias, lower_bound, qk_row0, gate_base, 1, n_left, i_hv,
                                         o_k, c0, rq1, rk1, HV, H, K, GATE, HAS_A, HAS_BIAS, SCORES)
-        a11 = _diagonal(a11, X1, F1, l1, k1, G1, c0, c1, DOT)
+        a11 = _diagonal(a11, X1, F1, l1, k1, G1, c0, c1, DOT, EXACT)
         a10 = _below(a10, X1, F0, c0, c0, DOT)
         X2, F2, l2, k2, G2, c2 = _block(q, k, g, A_log, dt_bias, lower_bound, qk_row0, gate_base, 2, n_left, i_hv,
                                         o_k, c1, rq2, rk2, HV, H, K, GATE, HAS_A, HAS_BIAS, SCORES)
-        a22 = _diagonal(a22, X2, F2, l2, k2, G2, c1, c2, DOT)
+        a22 = _diagonal(a22, X2, F2, l2, k2, G2, c1, c2, DOT, EXACT)
         a20 = _below(a20, X2, F0, c1, c0, DOT)
         a21 = _below(a21, X2, F1, c1, c1, DOT)
         X3, F3, l3, k3, G3, c3 = _block(q, k, g, A_log, dt_bias, lower_bound, qk_row0, gate_base, 3, n_left, i_hv,
                                         o_k, c2, rq3, rk3, HV, H, K, GATE, HAS_A, HAS_BIAS, SCORES)
-        a33 = _diagonal(a33, X3, F3, l3, k3, G3, c2, c3, DOT)
+        a33 = _diagonal(a33, X3, F3, l3, k3, G3, c2, c3, DOT, EXACT)
         a30 = _below(a30, X3, F0, c2, c0, DOT)
         a31 = _below(a31, X3, F1, c2, c1, DOT)
         a32 = _below(a32, X3, F2, c2, c2, DOT)
@@ -291,6 +301,12 @@ def gate_mode(p) -> int:
     return GATE_KDA if p.lower_bound is None else GATE_KDA_BOUNDED
 
 
+def bounded_spans(p) -> bool:
+    """Whether every 16-token block's decay span is at most 16 x 5 <= SPAN_LIMIT by construction:
+    the bounded gate computed in the op with lower_bound >= -5 (safe_gate's range)."""
+    return p.gate_in_op == "kda" and p.lower_bound is not None and p.lower_bound >= -5
+
+
 def launch(p, q, k, beta, beta_mode: int, total: int, tables, inverse, scores, kg, kd, qg, decay, dot,
            block_k: int = 32, warps: int = 1) -> None:
     """Runs the prologue over ``total`` chunks (``tables`` = (cu_seqlens, chunk index) or Nones):
@@ -308,5 +324,6 @@ def launch(p, q, k, beta, beta_mode: int, total: int, tables, inverse, scores, k
             inverse, scores, kg, kd, qg, decay, cu if varlen else dummy, chunk_index if varlen else dummy, p.T, NT,
             H=p.H, HV=p.HV, K=p.K, BT=BT, BK=min(block_k, max(16, next_pow2(p.K))), DOT=dot,
             L2NORM=p.use_qk_l2norm, GATE=gate_mode(p), HAS_A=p.A_log is not None, HAS_BIAS=p.dt_bias is not None,
-            BETA=beta_mode, VARLEN=varlen, SCORES=scores_pass, num_warps=warps, num_stages=1,
+            BETA=beta_mode, VARLEN=varlen, SCORES=scores_pass, EXACT=not bounded_spans(p), num_warps=warps,
+            num_stages=1,
         )
