@@ -127,6 +127,44 @@ def _store_block(out, row0, X, bi: tl.constexpr, bj: tl.constexpr, n_left, strid
              mask=(t < n_left)[:, None])
 
 
+@triton.jit
+def _lower_inverse(a00, a10, a11, a20, a21, a22, a30, a31, a32, a33):
+    """P = (I + A)^-1 of a strictly lower [64, 64] A given as its ten lower [16, 16] blocks a_bc:
+    the four diagonal blocks by forward substitution, the six below by block forward
+    substitution P_bc = -P_bb sum_(c <= d < b) A_bd P_dc (tf32 products). Returns P's blocks."""
+    p00, p11, p22, p33 = _diag_inverse(a00, a11, a22, a33)
+    p10 = -_mm(p11, _mm(a10, p00))
+    p21 = -_mm(p22, _mm(a21, p11))
+    p32 = -_mm(p33, _mm(a32, p22))
+    p20 = -_mm(p22, _mm(a20, p00) + _mm(a21, p10))
+    p31 = -_mm(p33, _mm(a31, p11) + _mm(a32, p21))
+    p30 = -_mm(p33, _mm(a30, p00) + _mm(a31, p10) + _mm(a32, p20))
+    return p00, p10, p11, p20, p21, p22, p30, p31, p32, p33
+
+
+@triton.jit
+def _store_lower(out, row0, x00, x10, x11, x20, x21, x22, x30, x31, x32, x33, n_left, stride, BT: tl.constexpr):
+    """A chunk's block-lower [BT, BT] matrix from its ten lower [16, 16] blocks, zeros in the six
+    above (whole rows, so that the scans can load whole tiles), at out + row0 (row stride ``stride``)."""
+    zero = tl.zeros([16, 16], dtype=tl.float32)
+    _store_block(out, row0, x00, 0, 0, n_left, stride, BT)
+    _store_block(out, row0, zero, 0, 1, n_left, stride, BT)
+    _store_block(out, row0, zero, 0, 2, n_left, stride, BT)
+    _store_block(out, row0, zero, 0, 3, n_left, stride, BT)
+    _store_block(out, row0, x10, 1, 0, n_left, stride, BT)
+    _store_block(out, row0, x11, 1, 1, n_left, stride, BT)
+    _store_block(out, row0, zero, 1, 2, n_left, stride, BT)
+    _store_block(out, row0, zero, 1, 3, n_left, stride, BT)
+    _store_block(out, row0, x20, 2, 0, n_left, stride, BT)
+    _store_block(out, row0, x21, 2, 1, n_left, stride, BT)
+    _store_block(out, row0, x22, 2, 2, n_left, stride, BT)
+    _store_block(out, row0, zero, 2, 3, n_left, stride, BT)
+    _store_block(out, row0, x30, 3, 0, n_left, stride, BT)
+    _store_block(out, row0, x31, 3, 1, n_left, stride, BT)
+    _store_block(out, row0, x32, 3, 2, n_left, stride, BT)
+    _store_block(out, row0, x33, 3, 3, n_left, stride, BT)
+
+
 @triton.jit(do_not_specialize=["T", "NT"])     # as chunk_delta._scan_kernel
 def _inverse_kernel(
     k, g, beta, A_log, dt_bias, p_out, gcum, cu_seqlens, chunk_index, T, NT,
@@ -198,39 +236,15 @@ def _inverse_kernel(
         a11 = _a_block(g11, r1, r1, b1, G1, G1, True)
         a22 = _a_block(g22, r2, r2, b2, G2, G2, True)
         a33 = _a_block(g33, r3, r3, b3, G3, G3, True)
-        p00, p11, p22, p33 = _diag_inverse(a00, a11, a22, a33)
         a10 = _a_block(g10, r1, r0, b1, G1, G0, False)
         a21 = _a_block(g21, r2, r1, b2, G2, G1, False)
         a32 = _a_block(g32, r3, r2, b3, G3, G2, False)
-        # block forward substitution: P_bc = -P_bb sum_{c <= d < b} A_bd P_dc
-        p10 = -_mm(p11, _mm(a10, p00))
-        p21 = -_mm(p22, _mm(a21, p11))
-        p32 = -_mm(p33, _mm(a32, p22))
         a20 = _a_block(g20, r2, r0, b2, G2, G0, False)
         a31 = _a_block(g31, r3, r1, b3, G3, G1, False)
-        p20 = -_mm(p22, _mm(a20, p00) + _mm(a21, p10))
-        p31 = -_mm(p33, _mm(a31, p11) + _mm(a32, p21))
         a30 = _a_block(g30, r3, r0, b3, G3, G0, False)
-        p30 = -_mm(p33, _mm(a30, p00) + _mm(a31, p10) + _mm(a32, p20))
-
-        row0 = base * BT
-        _store_block(p_out, row0, p00, 0, 0, n_left, HV * BT, BT)
-        _store_block(p_out, row0, p10, 1, 0, n_left, HV * BT, BT)
-        _store_block(p_out, row0, p11, 1, 1, n_left, HV * BT, BT)
-        _store_block(p_out, row0, p20, 2, 0, n_left, HV * BT, BT)
-        _store_block(p_out, row0, p21, 2, 1, n_left, HV * BT, BT)
-        _store_block(p_out, row0, p22, 2, 2, n_left, HV * BT, BT)
-        _store_block(p_out, row0, p30, 3, 0, n_left, HV * BT, BT)
-        _store_block(p_out, row0, p31, 3, 1, n_left, HV * BT, BT)
-        _store_block(p_out, row0, p32, 3, 2, n_left, HV * BT, BT)
-        _store_block(p_out, row0, p33, 3, 3, n_left, HV * BT, BT)
-        zero = tl.zeros([16, 16], dtype=tl.float32)                         # the upper blocks: whole rows
-        _store_block(p_out, row0, zero, 0, 1, n_left, HV * BT, BT)         # for the Gluon scan's TMA loads
-        _store_block(p_out, row0, zero, 0, 2, n_left, HV * BT, BT)
-        _store_block(p_out, row0, zero, 0, 3, n_left, HV * BT, BT)
-        _store_block(p_out, row0, zero, 1, 2, n_left, HV * BT, BT)
-        _store_block(p_out, row0, zero, 1, 3, n_left, HV * BT, BT)
-        _store_block(p_out, row0, zero, 2, 3, n_left, HV * BT, BT)
+        p00, p10, p11, p20, p21, p22, p30, p31, p32, p33 = _lower_inverse(a00, a10, a11, a20, a21, a22, a30, a31,
+                                                                          a32, a33)
+        _store_lower(p_out, base * BT, p00, p10, p11, p20, p21, p22, p30, p31, p32, p33, n_left, HV * BT, BT)
 
 
 @triton.jit(do_not_specialize=["T", "NT"])     # as chunk_delta._scan_kernel

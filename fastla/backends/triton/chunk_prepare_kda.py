@@ -37,7 +37,7 @@ import triton.language as tl
 
 from fastla.backends.triton import next_pow2
 from fastla.backends.triton.chunk_index import BT, _chunk
-from fastla.backends.triton.chunk_prepare import _activate_beta, _diag_inverse, _key_block, _mm, _store_block
+from fastla.backends.triton.chunk_prepare import _activate_beta, _key_block, _lower_inverse, _store_lower
 from fastla.backends.triton.launch import launcher
 from fastla.backends.triton.recurrent import GATE_KDA, GATE_KDA_BOUNDED, GATE_NONE, _softplus
 
@@ -225,73 +225,27 @@ def _kda_prepare_kernel(
 
     r = tl.arange(0, 16)
     row0 = beta_base * BT
-    stride = HV * BT
     if SCORES:
         lower = r[:, None] >= r[None, :]
-        _store_block(a_out, row0, tl.where(lower, a00, 0.0), 0, 0, n_left, stride, BT)
-        _store_block(a_out, row0, tl.where(lower, a11, 0.0), 1, 1, n_left, stride, BT)
-        _store_block(a_out, row0, tl.where(lower, a22, 0.0), 2, 2, n_left, stride, BT)
-        _store_block(a_out, row0, tl.where(lower, a33, 0.0), 3, 3, n_left, stride, BT)
-        _store_block(a_out, row0, a10, 1, 0, n_left, stride, BT)
-        _store_block(a_out, row0, a20, 2, 0, n_left, stride, BT)
-        _store_block(a_out, row0, a21, 2, 1, n_left, stride, BT)
-        _store_block(a_out, row0, a30, 3, 0, n_left, stride, BT)
-        _store_block(a_out, row0, a31, 3, 1, n_left, stride, BT)
-        _store_block(a_out, row0, a32, 3, 2, n_left, stride, BT)
-        _zero_upper(a_out, row0, n_left, stride, BT)
+        _store_lower(a_out, row0, tl.where(lower, a00, 0.0), a10, tl.where(lower, a11, 0.0), a20, a21,
+                     tl.where(lower, a22, 0.0), a30, a31, a32, tl.where(lower, a33, 0.0), n_left, HV * BT, BT)
     else:
-        t = tl.arange(0, 16)
-        b0 = _activate_beta(tl.load(beta + beta_base + t * HV, mask=t < n_left, other=0.0), t < n_left, BETA)
-        b1 = _activate_beta(tl.load(beta + beta_base + (16 + t) * HV, mask=16 + t < n_left, other=0.0),
-                            16 + t < n_left, BETA)
-        b2 = _activate_beta(tl.load(beta + beta_base + (32 + t) * HV, mask=32 + t < n_left, other=0.0),
-                            32 + t < n_left, BETA)
-        b3 = _activate_beta(tl.load(beta + beta_base + (48 + t) * HV, mask=48 + t < n_left, other=0.0),
-                            48 + t < n_left, BETA)
         strict = r[:, None] > r[None, :]
-        a00 = tl.where(strict, b0[:, None] * a00, 0.0)
-        a11 = tl.where(strict, b1[:, None] * a11, 0.0)
-        a22 = tl.where(strict, b2[:, None] * a22, 0.0)
-        a33 = tl.where(strict, b3[:, None] * a33, 0.0)
-        a10 = b1[:, None] * a10
-        a20 = b2[:, None] * a20
-        a21 = b2[:, None] * a21
-        a30 = b3[:, None] * a30
-        a31 = b3[:, None] * a31
-        a32 = b3[:, None] * a32
-        # P = (I + A)^-1: the diagonal blocks by forward substitution, then block forward
-        # substitution P_bc = -P_bb sum_(c <= d < b) A_bd P_dc (as the GDN prologue)
-        p00, p11, p22, p33 = _diag_inverse(a00, a11, a22, a33)
-        p10 = -_mm(p11, _mm(a10, p00))
-        p21 = -_mm(p22, _mm(a21, p11))
-        p32 = -_mm(p33, _mm(a32, p22))
-        p20 = -_mm(p22, _mm(a20, p00) + _mm(a21, p10))
-        p31 = -_mm(p33, _mm(a31, p11) + _mm(a32, p21))
-        p30 = -_mm(p33, _mm(a30, p00) + _mm(a31, p10) + _mm(a32, p20))
-        _store_block(p_out, row0, p00, 0, 0, n_left, stride, BT)
-        _store_block(p_out, row0, p10, 1, 0, n_left, stride, BT)
-        _store_block(p_out, row0, p11, 1, 1, n_left, stride, BT)
-        _store_block(p_out, row0, p20, 2, 0, n_left, stride, BT)
-        _store_block(p_out, row0, p21, 2, 1, n_left, stride, BT)
-        _store_block(p_out, row0, p22, 2, 2, n_left, stride, BT)
-        _store_block(p_out, row0, p30, 3, 0, n_left, stride, BT)
-        _store_block(p_out, row0, p31, 3, 1, n_left, stride, BT)
-        _store_block(p_out, row0, p32, 3, 2, n_left, stride, BT)
-        _store_block(p_out, row0, p33, 3, 3, n_left, stride, BT)
-        _zero_upper(p_out, row0, n_left, stride, BT)
+        b0 = _beta_rows(beta, beta_base, 0, n_left, HV, BETA)
+        b1 = _beta_rows(beta, beta_base, 1, n_left, HV, BETA)
+        b2 = _beta_rows(beta, beta_base, 2, n_left, HV, BETA)
+        b3 = _beta_rows(beta, beta_base, 3, n_left, HV, BETA)
+        p00, p10, p11, p20, p21, p22, p30, p31, p32, p33 = _lower_inverse(
+            tl.where(strict, b0 * a00, 0.0), b1 * a10, tl.where(strict, b1 * a11, 0.0), b2 * a20, b2 * a21,
+            tl.where(strict, b2 * a22, 0.0), b3 * a30, b3 * a31, b3 * a32, tl.where(strict, b3 * a33, 0.0))
+        _store_lower(p_out, row0, p00, p10, p11, p20, p21, p22, p30, p31, p32, p33, n_left, HV * BT, BT)
 
 
 @triton.jit
-def _zero_upper(out, row0, n_left, stride, BT: tl.constexpr):
-    """Zeros the six blocks above the block diagonal of a chunk's [BT, BT] matrix (whole rows
-    for the scan's tile loads)."""
-    zero = tl.zeros([16, 16], dtype=tl.float32)
-    _store_block(out, row0, zero, 0, 1, n_left, stride, BT)
-    _store_block(out, row0, zero, 0, 2, n_left, stride, BT)
-    _store_block(out, row0, zero, 0, 3, n_left, stride, BT)
-    _store_block(out, row0, zero, 1, 2, n_left, stride, BT)
-    _store_block(out, row0, zero, 1, 3, n_left, stride, BT)
-    _store_block(out, row0, zero, 2, 3, n_left, stride, BT)
+def _beta_rows(beta, base, blk: tl.constexpr, n_left, HV: tl.constexpr, BETA: tl.constexpr):
+    """beta of the block's 16 rows as a column [16, 1] (activated as the op asks; 0 off the chunk)."""
+    t = blk * 16 + tl.arange(0, 16)
+    return _activate_beta(tl.load(beta + base + t * HV, mask=t < n_left, other=0.0), t < n_left, BETA)[:, None]
 
 
 def gate_mode(p) -> int:
