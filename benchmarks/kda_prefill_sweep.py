@@ -25,6 +25,7 @@ from fastla.ops.kda import chunk_kda
 
 VARIANTS = {
     "default": None,
+    "prep-w1-bk16": dict(kda_prepare_warps=1, kda_prepare_block_k=16),
     "prep-w2-bk16": dict(kda_prepare_warps=2, kda_prepare_block_k=16),
     "prep-w4-bk16": dict(kda_prepare_warps=4, kda_prepare_block_k=16),
     "bv32s3": dict(scan_block_v=32, scan_stages=3, scan_warps=4),
