@@ -2,7 +2,9 @@
 head, the per-channel gate's cumsum, the WY factor P, the causal scores and the gated keys and
 queries that the scan (chunk_delta.py, ``GK``) multiplies with the state.
 
-``_kda_prepare_kernel``, grid ``(chunks, HV)``, 4 warps. With G [BT, K] the in-chunk cumsum of
+``_kda_prepare_kernel``, grid ``(chunks, HV)``, launched twice (SCORES False: A, P, kg, kd,
+decay; SCORES True: Aqk, qg), 4 warps, K in slices of BK = 32 channels (fp32 [16, 16] block
+accumulators across slices, mma.sync products). With G [BT, K] the in-chunk cumsum of
 the log decay (the KDA gate computed here when it is in the op), unit keys and queries when the
 l2norm is in the op, and per-channel products ``(a * b)_ij = sum_c a_ic b_jc e^(G_ic - G_jc)``:
     A   = strict_lower(diag(beta) (k * k)),  P = (I + A)^-1                  [BT, BT]
@@ -20,12 +22,14 @@ the end of block b (c_-1 = 0, G decreasing):
   m = (c_(b-1) + c_b) / 2 lie within e^(+-span / 2), span = max over channels of c_(b-1) - c_b;
   that form is used when span <= SPAN_LIMIT (always with safe_gate: span <= 16 x 5), else the
   block is summed pair by pair with exact exponentials (unbounded gates under strong decay).
-Only two exponentials per gate element. P follows as in the GDN prologue (chunk_prepare.py):
+Two exponentials per gate element and launch; without bounded spans (EXACT) the pairwise path
+is compiled in. P follows as in the GDN prologue (chunk_prepare.py):
 the four diagonal blocks by forward substitution, the six lower blocks by block substitution.
 
 Writes P and Aqk ``[B, T, HV, BT]`` (whole rows, zero above the block diagonal), kg, kd, qg
 ``[B, T, HV, K]`` in the product dtype and decay ``[chunks, HV, K]`` fp32. Budget (sm_90,
-K = 128, tests/backends/test_triton_sm90.py): under 255 registers at 4 warps, no spill.
+K = 128, tests/backends/test_triton_sm90.py): 234 / 216 registers at 4 warps, no spill.
+Measured latency-bound (docs/notes/kda-prefill.md): 2.2 ms for both launches at 1x8k H64.
 Traffic per token and value head (bf16, K = 128): 768 bytes of gated keys and queries and
 256 of P and Aqk written; q and k read once per value head (from L2 within a GVA group).
 Measurements: docs/notes/kda-prefill.md.
