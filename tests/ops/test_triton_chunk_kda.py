@@ -80,6 +80,16 @@ def test_segments_and_intermediate_states(monkeypatch):
     assert_close("h", h, rh, TOL)
 
 
+@pytest.mark.parametrize("warps,block_k", [(4, 32), (1, 16)])
+def test_prologue_launch_variants(warps, block_k, monkeypatch):
+    """The prologue's other launch shapes (the sweep times them) compute the same function; K = 64
+    runs two or four channel slices."""
+    from fastla.backends.triton import chunk_delta
+    config = chunk_delta.ChunkConfig(kda_prepare_warps=warps, kda_prepare_block_k=block_k)
+    monkeypatch.setattr(chunk_delta, "default_config", lambda p: config)
+    check(make_inputs(SPEC, B=1, T=70, H=1, K=64, V=16))
+
+
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("case", ["dense", "varlen", "strong-decay", "unbounded-gate", "v-first-k64"])
