@@ -3,7 +3,7 @@ head, the per-channel gate's cumsum, the WY factor P, the causal scores and the 
 queries that the scan (chunk_delta.py, ``GK``) multiplies with the state.
 
 ``_kda_prepare_kernel``, grid ``(chunks, HV)``, launched twice (SCORES False: A, P, kg, kd,
-decay; SCORES True: Aqk, qg), 2 warps, K in slices of BK = 16 channels (fp32 [16, 16] block
+decay; SCORES True: Aqk, qg), 4 warps, K in slices of BK = 32 channels (fp32 [16, 16] block
 accumulators across slices, mma.sync products). With G [BT, K] the in-chunk cumsum of
 the log decay (the KDA gate computed here when it is in the op), unit keys and queries when the
 l2norm is in the op, and per-channel products ``(a * b)_ij = sum_c a_ic b_jc e^(G_ic - G_jc)``:
@@ -28,8 +28,8 @@ the four diagonal blocks by forward substitution, the six lower blocks by block 
 
 Writes P and Aqk ``[B, T, HV, BT]`` (whole rows, zero above the block diagonal), kg, kd, qg
 ``[B, T, HV, K]`` in the product dtype and decay ``[chunks, HV, K]`` fp32. Budget (sm_90,
-K = 128, tests/backends/test_triton_sm90.py): 255 / 199 registers at 2 warps, no spill.
-Measured latency-bound (docs/notes/kda-prefill.md): 1.96 ms for both launches at 1x8k H64.
+K = 128, tests/backends/test_triton_sm90.py): 234 / 216 registers at 4 warps, no spill.
+Measured latency-bound (docs/notes/kda-prefill.md): 2.2 ms for both launches at 1x8k H64.
 Traffic per token and value head (bf16, K = 128): 768 bytes of gated keys and queries and
 256 of P and Aqk written; q and k read once per value head (from L2 within a GVA group).
 Measurements: docs/notes/kda-prefill.md.
@@ -266,7 +266,7 @@ def bounded_spans(p) -> bool:
 
 
 def launch(p, q, k, beta, beta_mode: int, total: int, tables, inverse, scores, kg, kd, qg, decay, dot,
-           block_k: int = 16, warps: int = 2) -> None:
+           block_k: int = 32, warps: int = 4) -> None:
     """Runs the prologue over ``total`` chunks (``tables`` = (cu_seqlens, chunk index) or Nones):
     writes P into ``inverse``, Aqk into ``scores`` ``[B, T, HV, BT]``, the gated keys and queries
     into ``kg``, ``kd``, ``qg`` ``[B, T, HV, K]`` and e^(G_last) into ``decay`` ``[total, HV, K]``."""
