@@ -1,5 +1,7 @@
 """The Triton KDA chunked forward (chunk_prepare_kda.py + the scan's per-channel step) against the
 fp64 reference, through the public op; on the CPU it runs in the Triton interpreter."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -90,11 +92,9 @@ def test_prologue_launch_variants(warps, block_k, monkeypatch):
     check(make_inputs(SPEC, B=1, T=70, H=1, K=64, V=16))
 
 
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("case", ["dense", "varlen", "strong-decay", "unbounded-gate", "v-first-k64"])
-def test_bf16_wide_heads(case):
-    """bf16 at K = V = 128 (the shipped tiles) against fp64, every option as the registry uses it."""
+def bf16_case(case: str):
+    """Inputs and options of a GPU case: bf16 at K = V = 128 (64 for v-first-k64), every option as
+    the registry uses it."""
     K = V = 64 if case == "v-first-k64" else 128
     lengths = [1, 300, 64, 1000, 77] if case == "varlen" else None
     B, T = (1, sum(lengths)) if lengths else (2, 1000)
@@ -102,15 +102,21 @@ def test_bf16_wide_heads(case):
                     strength=100.0 if case == "strong-decay" else 1.0, N=len(lengths) if lengths else None,
                     v_first=case == "v-first-k64")
     opts = dict(use_qk_l2norm_in_kernel=True, state_v_first=case == "v-first-k64")
-    if case == "unbounded-gate":
+    if case in ("unbounded-gate", "bounded-gate"):
         opts.update(use_gate_in_kernel=True, A_log=torch.randn(4, device="cuda") * 0.5,
-                    dt_bias=torch.randn(4 * K, device="cuda"))
+                    dt_bias=torch.randn(4 * K, device="cuda"), use_beta_sigmoid_in_kernel=True)
+        opts.update(lower_bound=-5.0) if case == "bounded-gate" else None
         t["g"] = torch.randn_like(t["g"]) * 3
     if lengths:
         cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
         opts.update(cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu)
-    o, ht = on_triton(call_chunk, SPEC, t, output_final_state=True, **opts)
-    opts.pop("cu_seqlens_cpu", None)
+    return t, opts
+
+
+def check_fp64(t, opts, **extra):
+    """The Triton tier's output and final state against the fp64 reference (tolerance 2e-2)."""
+    o, ht, *rest = on_triton(call_chunk, SPEC, t, output_final_state=True, **opts, **extra)
+    opts = {n: x for n, x in opts.items() if n != "cu_seqlens_cpu"}
     ref = {n: x.double() for n, x in t.items()}
     ro, rht = call_reference(SPEC, ref, output_final_state=True,
                              **{n: (x.double() if torch.is_tensor(x) and x.is_floating_point() else x)
@@ -118,3 +124,44 @@ def test_bf16_wide_heads(case):
     assert torch.isfinite(o).all() and torch.isfinite(ht).all()
     assert_close("o", o, ro, 2e-2)
     assert_close("final_state", ht, rht, 2e-2)
+    return rest
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("case", ["dense", "varlen", "strong-decay", "unbounded-gate", "bounded-gate",
+                                  "v-first-k64"])
+def test_bf16_wide_heads(case):
+    """bf16 at K = V = 128 (the shipped tiles) against fp64, every option as the registry uses it."""
+    check_fp64(*bf16_case(case))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("case", ["dense", "strong-decay", "bounded-gate"])
+@pytest.mark.parametrize("warps,block_k,maxnreg", [(1, 16, None), (2, 16, None), (2, 16, 168), (1, 32, None),
+                                                   (4, 32, 168)])
+def test_bf16_prologue_launch_variants(case, warps, block_k, maxnreg, monkeypatch):
+    """The prologue's launch shapes that the sweep times, against fp64 on the GPU."""
+    from fastla.backends.triton import chunk_delta
+    original = chunk_delta.default_config
+    monkeypatch.setattr(chunk_delta, "default_config", lambda p: dataclasses.replace(
+        original(p), kda_prepare_warps=warps, kda_prepare_block_k=block_k, kda_prepare_maxnreg=maxnreg))
+    check_fp64(*bf16_case(case))
+
+
+@pytest.mark.gpu
+@gpu
+def test_bf16_segments_and_intermediate_states(monkeypatch):
+    """Sequence parallelism forced on (8-chunk segments) with the chunk-start states: output and
+    final state against fp64, the states against the unsplit run."""
+    from fastla.backends.triton import chunk_delta
+    original = chunk_delta.default_config
+    t, opts = bf16_case("bounded-gate")
+    t = {n: x[:1] for n, x in t.items()}
+    monkeypatch.setattr(chunk_delta, "default_config", lambda p: dataclasses.replace(original(p), segment_chunks=0))
+    (h_whole,) = check_fp64(t, opts, return_intermediate_states=True)
+    monkeypatch.setattr(chunk_delta, "default_config", lambda p: dataclasses.replace(original(p), segment_chunks=8))
+    (h,) = check_fp64(t, opts, return_intermediate_states=True)
+    assert torch.isfinite(h).all()
+    assert_close("h", h, h_whole, 2e-2)

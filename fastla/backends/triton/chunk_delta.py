@@ -233,6 +233,7 @@ class ChunkConfig:
     # 7658 vs 8593; benchmarks/results/kda_prefill_sweep-v2.txt) but has only been compared with FLA
     kda_prepare_warps: int = 4
     kda_prepare_block_k: int = 32
+    kda_prepare_maxnreg: int | None = None   # register cap (more programs per SM; spills past ~168)
 
 
 def default_config(p: Problem) -> ChunkConfig:
@@ -481,7 +482,8 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None):
         dummy = decay
         if total:
             chunk_prepare_kda.launch(p, p.q, p.k, beta, beta_mode, total, tables, inverse, scores, k, kd, q, decay,
-                                     dot, config.kda_prepare_block_k, config.kda_prepare_warps)
+                                     dot, config.kda_prepare_block_k, config.kda_prepare_warps,
+                                     config.kda_prepare_maxnreg)
     else:
         g = p.g if p.g is not None else p.q.new_zeros(B, T, HV, dtype=torch.float32)
         gcum = torch.empty(B, T, HV, dtype=torch.float32, device=dev)

@@ -43,19 +43,21 @@ from fastla.backends.triton import next_pow2
 from fastla.backends.triton.chunk_index import BT, _chunk
 from fastla.backends.triton.chunk_prepare import _activate_beta, _key_block, _lower_inverse, _store_lower
 from fastla.backends.triton.launch import launcher
-from fastla.backends.triton.recurrent import GATE_KDA, GATE_KDA_BOUNDED, GATE_NONE, _softplus
+from fastla.backends.triton.recurrent import GATE_KDA, GATE_KDA_BOUNDED, GATE_NONE
 
-# largest in-block decay span (natural log) of the tensor-core diagonal form: its factors stay
-# within e^(+-40), far inside the bf16 / fp32 range for any key magnitude below 1e20
-SPAN_LIMIT = tl.constexpr(80.0)
+# the kernel works in log2 units (tl.exp2 is one MUFU.EX2; tl.exp adds four instructions)
+LOG2E = tl.constexpr(1.4426950408889634)
+# largest in-block decay span of the tensor-core diagonal form, 80 nats in log2 units: its
+# factors stay within e^(+-40), far inside the bf16 / fp32 range for any key magnitude below 1e20
+SPAN_LIMIT = tl.constexpr(80.0 * 1.4426950408889634)
 
 
 @triton.jit
 def _log_decay_rows(g, A_log, dt_bias, lower_bound, base, blk: tl.constexpr, n_left, i_hv, o_k, HV: tl.constexpr,
                     K: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """Log decay of the chunk's rows 16 blk .. 16 blk + 15 in channels o_k [16, BK] (the KDA gate
-    when GATE is in the op); 0 off the chunk and off the K channels, so the cumsum holds G_last
-    past the chunk's end."""
+    """Log2 decay of the chunk's rows 16 blk .. 16 blk + 15 in channels o_k [16, BK] (the KDA gate
+    when GATE is in the op, times log2(e)); 0 off the chunk and off the K channels, so the cumsum
+    holds G_last past the chunk's end."""
     t = blk * 16 + tl.arange(0, 16)
     m = (t < n_left)[:, None] & (o_k < K)[None, :]
     x = tl.load(g + base + t[:, None] * (HV * K) + o_k[None, :], mask=m, other=0.0).to(tl.float32)
@@ -66,12 +68,12 @@ def _log_decay_rows(g, A_log, dt_bias, lower_bound, base, blk: tl.constexpr, n_l
             a = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
         else:
             a = 1.0
-        if GATE == 2:
-            x = -a * _softplus(x)
-        else:
-            x = lower_bound * tl.sigmoid(a * x)
-        x = tl.where(m, x, 0.0)
-    return x
+        if GATE == 2:                                                       # -a softplus(x) log2(e)
+            x = -a * tl.where(x > 20.0, LOG2E * x, tl.log2(1.0 + tl.exp2(LOG2E * x)))
+        else:                                                               # lower_bound sigmoid(a x) log2(e)
+            x = (LOG2E * lower_bound) / (1.0 + tl.exp2(-LOG2E * a * x))
+        return tl.where(m, x, 0.0)
+    return x * LOG2E
 
 
 @triton.jit
@@ -109,22 +111,22 @@ def _block(q, k, g, A_log, dt_bias, lower_bound, qk_row0, gate_base, blk: tl.con
         left = _key_block(q, qk_row0, blk, n_left, o_k, K, H * K).to(tl.float32) * r_left[:, None]
     else:
         left = kb
-    X = left * tl.exp(G - c_prev[None, :])
-    F = kb * tl.exp(c_end[None, :] - G)
+    X = left * tl.exp2(G - c_prev[None, :])
+    F = kb * tl.exp2(c_end[None, :] - G)
     return X, F, left, kb, G, c_end
 
 
 @triton.jit
 def _below(acc, X, F_c, c_prev, c_c, DOT: tl.constexpr):
     """acc [16, 16] += X (F_c e^(c_(b-1) - c_c))^T for block c < b: every factor <= 1."""
-    R = F_c * tl.exp(c_prev - c_c)[None, :]
+    R = F_c * tl.exp2(c_prev - c_c)[None, :]
     return tl.dot(X.to(DOT), tl.trans(R.to(DOT)), acc)
 
 
 @triton.jit
 def _diagonal_mid(acc, X, F, c_prev, c_end, DOT: tl.constexpr):
     """acc += (X h) (F h)^T, h = e^((c_prev - c_end) / 2): the factors around the block's mid value."""
-    h = tl.exp(0.5 * (c_prev - c_end))[None, :]                             # e^(c_prev - m) = e^(m - c_end)
+    h = tl.exp2(0.5 * (c_prev - c_end))[None, :]                             # e^(c_prev - m) = e^(m - c_end)
     return tl.dot((X * h).to(DOT), tl.trans((F * h).to(DOT)), acc)
 
 
@@ -145,7 +147,7 @@ def _diagonal(acc, X, F, left, kb, G, c_prev, c_end, DOT: tl.constexpr, EXACT: t
                 G_j = tl.sum(tl.where(row, G, 0.0), 0)                                         # [BK]
                 k_j = tl.sum(tl.where(row, kb, 0.0), 0)
                 keep = r[:, None] >= j
-                e = tl.where(keep, tl.exp(tl.where(keep, G - G_j[None, :], 0.0)), 0.0)         # [16, BK], <= 1
+                e = tl.where(keep, tl.exp2(tl.where(keep, G - G_j[None, :], 0.0)), 0.0)         # [16, BK], <= 1
                 acc += tl.where(r[None, :] == j, tl.sum(left * e * k_j[None, :], 1)[:, None], 0.0)
     else:
         acc = _diagonal_mid(acc, X, F, c_prev, c_end, DOT)
@@ -213,19 +215,19 @@ def _kda_prepare_kernel(
         # c3 = G_last in these channels (the gates past the chunk's end are 0)
         if SCORES:                                                          # qg = scale q e^G
             _store_rows(qg, gate_base, X0, 0, n_left, o_k, HV, K)
-            _store_rows(qg, gate_base, X1 * tl.exp(c0)[None, :], 1, n_left, o_k, HV, K)
-            _store_rows(qg, gate_base, X2 * tl.exp(c1)[None, :], 2, n_left, o_k, HV, K)
-            _store_rows(qg, gate_base, X3 * tl.exp(c2)[None, :], 3, n_left, o_k, HV, K)
+            _store_rows(qg, gate_base, X1 * tl.exp2(c0)[None, :], 1, n_left, o_k, HV, K)
+            _store_rows(qg, gate_base, X2 * tl.exp2(c1)[None, :], 2, n_left, o_k, HV, K)
+            _store_rows(qg, gate_base, X3 * tl.exp2(c2)[None, :], 3, n_left, o_k, HV, K)
         else:                                                               # kg = k e^G, kd = k e^(G_last - G)
             _store_rows(kg, gate_base, X0, 0, n_left, o_k, HV, K)
-            _store_rows(kg, gate_base, X1 * tl.exp(c0)[None, :], 1, n_left, o_k, HV, K)
-            _store_rows(kg, gate_base, X2 * tl.exp(c1)[None, :], 2, n_left, o_k, HV, K)
-            _store_rows(kg, gate_base, X3 * tl.exp(c2)[None, :], 3, n_left, o_k, HV, K)
-            _store_rows(kd, gate_base, F0 * tl.exp(c3 - c0)[None, :], 0, n_left, o_k, HV, K)
-            _store_rows(kd, gate_base, F1 * tl.exp(c3 - c1)[None, :], 1, n_left, o_k, HV, K)
-            _store_rows(kd, gate_base, F2 * tl.exp(c3 - c2)[None, :], 2, n_left, o_k, HV, K)
+            _store_rows(kg, gate_base, X1 * tl.exp2(c0)[None, :], 1, n_left, o_k, HV, K)
+            _store_rows(kg, gate_base, X2 * tl.exp2(c1)[None, :], 2, n_left, o_k, HV, K)
+            _store_rows(kg, gate_base, X3 * tl.exp2(c2)[None, :], 3, n_left, o_k, HV, K)
+            _store_rows(kd, gate_base, F0 * tl.exp2(c3 - c0)[None, :], 0, n_left, o_k, HV, K)
+            _store_rows(kd, gate_base, F1 * tl.exp2(c3 - c1)[None, :], 1, n_left, o_k, HV, K)
+            _store_rows(kd, gate_base, F2 * tl.exp2(c3 - c2)[None, :], 2, n_left, o_k, HV, K)
             _store_rows(kd, gate_base, F3, 3, n_left, o_k, HV, K)
-            tl.store(decay + (i_c * HV + i_hv) * K + o_k, tl.exp(c3), mask=o_k < K)
+            tl.store(decay + (i_c * HV + i_hv) * K + o_k, tl.exp2(c3), mask=o_k < K)
 
     r = tl.arange(0, 16)
     row0 = beta_base * BT
@@ -266,7 +268,7 @@ def bounded_spans(p) -> bool:
 
 
 def launch(p, q, k, beta, beta_mode: int, total: int, tables, inverse, scores, kg, kd, qg, decay, dot,
-           block_k: int = 32, warps: int = 4) -> None:
+           block_k: int = 32, warps: int = 4, maxnreg: int | None = None) -> None:
     """Runs the prologue over ``total`` chunks (``tables`` = (cu_seqlens, chunk index) or Nones):
     writes P into ``inverse``, Aqk into ``scores`` ``[B, T, HV, BT]``, the gated keys and queries
     into ``kg``, ``kd``, ``qg`` ``[B, T, HV, K]`` and e^(G_last) into ``decay`` ``[total, HV, K]``."""
@@ -274,6 +276,7 @@ def launch(p, q, k, beta, beta_mode: int, total: int, tables, inverse, scores, k
     varlen = cu is not None
     dummy = decay
     NT = -(-p.T // BT)
+    options = {} if maxnreg is None else {"maxnreg": maxnreg}
     for scores_pass in (False, True):
         launcher(_kda_prepare_kernel, p.T, NT)[(total, p.HV)](
             q, k, p.gk, beta, p.A_log if p.A_log is not None else dummy,
@@ -283,5 +286,5 @@ def launch(p, q, k, beta, beta_mode: int, total: int, tables, inverse, scores, k
             H=p.H, HV=p.HV, K=p.K, BT=BT, BK=min(block_k, max(16, next_pow2(p.K))), DOT=dot,
             L2NORM=p.use_qk_l2norm, GATE=gate_mode(p), HAS_A=p.A_log is not None, HAS_BIAS=p.dt_bias is not None,
             BETA=beta_mode, VARLEN=varlen, SCORES=scores_pass, EXACT=not bounded_spans(p), num_warps=warps,
-            num_stages=1,
+            num_stages=1, **options,
         )
