@@ -82,7 +82,7 @@ def test_segments_and_intermediate_states(monkeypatch):
     assert_close("h", h, rh, TOL)
 
 
-@pytest.mark.parametrize("warps,block_k", [(2, 16), (1, 16)])
+@pytest.mark.parametrize("warps,block_k", [(4, 32), (2, 16)])
 def test_prologue_launch_variants(warps, block_k, monkeypatch):
     """The prologue's other launch shapes (the sweep times them) compute the same function; K = 64
     runs two or four channel slices."""
@@ -139,8 +139,7 @@ def test_bf16_wide_heads(case):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("case", ["dense", "strong-decay", "bounded-gate"])
-@pytest.mark.parametrize("warps,block_k,maxnreg", [(1, 16, None), (2, 16, None), (2, 16, 168), (1, 32, None),
-                                                   (4, 32, 168)])
+@pytest.mark.parametrize("warps,block_k,maxnreg", [(2, 16, None), (1, 32, None), (4, 32, None), (2, 16, 168)])
 def test_bf16_prologue_launch_variants(case, warps, block_k, maxnreg, monkeypatch):
     """The prologue's launch shapes that the sweep times, against fp64 on the GPU."""
     from fastla.backends.triton import chunk_delta

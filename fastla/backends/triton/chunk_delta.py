@@ -228,11 +228,11 @@ class ChunkConfig:
     scan_stages: int = 2
     segment_chunks: int | None = None   # sequence parallelism: chunks per segment (None: heuristic, 0: off)
     scores_warps: int = 4
-    # KDA prologue (chunk_prepare_kda.py): warps and channels per slice. 4 / 32 is the shape the GPU
-    # tests checked against fp64; 2 / 16 measured 10% faster (1x8k H64: 1956 vs 2209 us; 2x16k H64:
-    # 7658 vs 8593; benchmarks/results/kda_prefill_sweep-v2.txt) but has only been compared with FLA
-    kda_prepare_warps: int = 4
-    kda_prepare_block_k: int = 32
+    # KDA prologue (chunk_prepare_kda.py): warps and channels per slice. One warp measured fastest
+    # (no barriers; 1x8k H64 both launches 1005 us vs 1468 at 2 warps and 1765 at 4 / 32,
+    # docs/notes/kda-prefill.md), 16 channels the largest slice without spills
+    kda_prepare_warps: int = 1
+    kda_prepare_block_k: int = 16
     kda_prepare_maxnreg: int | None = None   # register cap (more programs per SM; spills past ~168)
 
 

@@ -3,10 +3,11 @@ head, the per-channel gate's cumsum, the WY factor P, the causal scores and the 
 queries that the scan (chunk_delta.py, ``GK``) multiplies with the state.
 
 ``_kda_prepare_kernel``, grid ``(chunks, HV)``, launched twice (SCORES False: A, P, kg, kd,
-decay; SCORES True: Aqk, qg), 4 warps, K in slices of BK = 32 channels (fp32 [16, 16] block
-accumulators across slices, mma.sync products). With G [BT, K] the in-chunk cumsum of
-the log decay (the KDA gate computed here when it is in the op), unit keys and queries when the
-l2norm is in the op, and per-channel products ``(a * b)_ij = sum_c a_ic b_jc e^(G_ic - G_jc)``:
+decay; SCORES True: Aqk, qg), one warp (no barriers: the cumsums and reductions stay within the
+warp), K in slices of BK = 16 channels (fp32 [16, 16] block accumulators across slices, mma.sync
+products). With G [BT, K] the in-chunk cumsum of the log decay (the KDA gate computed here when it
+is in the op), unit keys and queries when the l2norm is in the op, and per-channel products
+``(a * b)_ij = sum_c a_ic b_jc e^(G_ic - G_jc)``:
     A   = strict_lower(diag(beta) (k * k)),  P = (I + A)^-1                  [BT, BT]
     Aqk = scale lower(q * k)                                                 [BT, BT]
     kg = k e^G,   kd = k e^(G_last - G),   qg = scale q e^G                  [BT, K]
@@ -14,22 +15,26 @@ l2norm is in the op, and per-channel products ``(a * b)_ij = sum_c a_ic b_jc e^(
 so the scan's chunk step is V_new = P diag(beta) (v - kg S), O = qg S + Aqk V_new,
 S = diag(decay) S + kd^T V_new (the GDN step with per-channel gates).
 
-The per-channel products go through tensor cores in 16-token blocks b, with c_b the cumsum at
-the end of block b (c_-1 = 0, G decreasing):
-- below the diagonal (block c < b): (k_b e^(G_b - c_(b-1))) (k_c e^(c_c - G_c) e^(c_(b-1) - c_c))^T,
-  every exponent <= 0, so no factor overflows for any decay;
-- on the diagonal: the factors k e^(G - m) and k e^(m - G) around the block's mid value
-  m = (c_(b-1) + c_b) / 2 lie within e^(+-span / 2), span = max over channels of c_(b-1) - c_b;
-  that form is used when span <= SPAN_LIMIT (always with safe_gate: span <= 16 x 5), else the
-  block is summed pair by pair with exact exponentials (unbounded gates under strong decay).
-Two exponentials per gate element and launch; without bounded spans (EXACT) the pairwise path
-is compiled in. P follows as in the GDN prologue (chunk_prepare.py):
-the four diagonal blocks by forward substitution, the six lower blocks by block substitution.
+The per-channel products go through tensor cores in 16-token blocks b, each taken on its own:
+L_b the gate's cumsum within the block, s_b = L_b,15 its span (<= 0), c_b = s_0 + .. + s_b the
+cumsum at the block's end, X_b = left e^(L_b) and F_b = k e^(s_b - L_b) (both <= 1):
+- below the diagonal (block c < b): X_b (F_c e^(c_(b-1) - c_c))^T, the factor 1 for c = b - 1
+  and a product of the blocks' e^(s) in between otherwise: every factor <= 1 for any decay;
+- on the diagonal: (X_b h) (F_b h)^T with h = e^(-s_b / 2), i.e. around the block's mid value,
+  factors within e^(+-span / 2), used when the span is <= SPAN_LIMIT (always with safe_gate:
+  span <= 16 x 5), else the block is summed pair by pair with exact exponentials (unbounded gates
+  under strong decay);
+- kg, qg = X_b e^(c_(b-1)), kd = F_b e^(c_3 - c_b), decay = e^(c_3), from the four e^(s_b).
+Work is in log2 units (tl.exp2 is one MUFU.EX2; tl.exp adds four instructions): per gate element
+and launch the gate's transform, X and F. Without bounded spans (EXACT) the pairwise path is
+compiled in. P follows as in the GDN prologue (chunk_prepare.py): the four diagonal blocks by
+forward substitution, the six lower blocks by block substitution.
 
 Writes P and Aqk ``[B, T, HV, BT]`` (whole rows, zero above the block diagonal), kg, kd, qg
 ``[B, T, HV, K]`` in the product dtype and decay ``[chunks, HV, K]`` fp32. Budget (sm_90,
-K = 128, tests/backends/test_triton_sm90.py): 234 / 216 registers at 4 warps, no spill.
-Measured latency-bound (docs/notes/kda-prefill.md): 2.2 ms for both launches at 1x8k H64.
+K = 128, tests/backends/test_triton_sm90.py): 254 / 247 registers at one warp and BK 16, no
+spill (each block's gated keys are stored as soon as it is done, which ends X_b's life early).
+Latency-bound: ~1.0 ms for both launches at 1x8k H64 (docs/notes/kda-prefill.md).
 Traffic per token and value head (bf16, K = 128): 768 bytes of gated keys and queries and
 256 of P and Aqk written; q and k read once per value head (from L2 within a GVA group).
 Measurements: docs/notes/kda-prefill.md.
@@ -96,61 +101,67 @@ def _row_norms(x, base, blk: tl.constexpr, n_left, K: tl.constexpr, BK: tl.const
 
 @triton.jit
 def _block(q, k, g, A_log, dt_bias, lower_bound, qk_row0, gate_base, blk: tl.constexpr, n_left, i_hv, o_k,
-           c_prev, r_left, r_key, HV: tl.constexpr, H: tl.constexpr, K: tl.constexpr, GATE: tl.constexpr,
+           r_left, r_key, HV: tl.constexpr, H: tl.constexpr, K: tl.constexpr, GATE: tl.constexpr,
            HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, SCORES: tl.constexpr):
-    """One 16-token block in channels o_k: its gate cumsum G [16, BK] from c_prev (the cumsum
-    before it) and c_end; X = left e^(G - c_prev) (left: unit keys, or scaled unit queries with
-    SCORES) and F = k e^(c_end - G), both <= 1; the raw left rows and keys for the exact diagonal.
-    Returns (X, F, left, k, G, c_end)."""
+    """One 16-token block in channels o_k [16, BK], on its own (blocks are independent): the
+    gate's cumsum within the block L = G - c_(b-1) and the block's span s = L_15 = c_b - c_(b-1)
+    [BK]; X = left e^L (left: unit keys, or scaled unit queries with SCORES) and
+    F = k e^(s - L) = k e^(c_b - G), both <= 1 and exact at the block's ends (F_15 = k); the raw
+    left rows and keys for the exact diagonal. Returns (X, F, left, k, L, s)."""
     x = _log_decay_rows(g, A_log, dt_bias, lower_bound, gate_base, blk, n_left, i_hv, o_k, HV, K, GATE, HAS_A,
                         HAS_BIAS)
-    G = tl.cumsum(x, 0) + c_prev[None, :]
-    c_end = c_prev + tl.sum(x, 0)
+    L = tl.cumsum(x, 0)
+    span = tl.sum(tl.where(tl.arange(0, 16)[:, None] == 15, L, 0.0), 0)
     kb = _key_block(k, qk_row0, blk, n_left, o_k, K, H * K).to(tl.float32) * r_key[:, None]
     if SCORES:
         left = _key_block(q, qk_row0, blk, n_left, o_k, K, H * K).to(tl.float32) * r_left[:, None]
     else:
         left = kb
-    X = left * tl.exp2(G - c_prev[None, :])
-    F = kb * tl.exp2(c_end[None, :] - G)
-    return X, F, left, kb, G, c_end
+    X = left * tl.exp2(L)
+    F = kb * tl.exp2(span[None, :] - L)
+    return X, F, left, kb, L, span
 
 
 @triton.jit
-def _below(acc, X, F_c, c_prev, c_c, DOT: tl.constexpr):
-    """acc [16, 16] += X (F_c e^(c_(b-1) - c_c))^T for block c < b: every factor <= 1."""
-    R = F_c * tl.exp2(c_prev - c_c)[None, :]
-    return tl.dot(X.to(DOT), tl.trans(R.to(DOT)), acc)
+def _below(acc, X, F_c, DOT: tl.constexpr):
+    """acc [16, 16] += X F_c^T (block c = b - 1, where e^(c_(b-1) - c_c) = 1)."""
+    return tl.dot(X.to(DOT), tl.trans(F_c.to(DOT)), acc)
 
 
 @triton.jit
-def _diagonal_mid(acc, X, F, c_prev, c_end, DOT: tl.constexpr):
-    """acc += (X h) (F h)^T, h = e^((c_prev - c_end) / 2): the factors around the block's mid value."""
-    h = tl.exp2(0.5 * (c_prev - c_end))[None, :]                             # e^(c_prev - m) = e^(m - c_end)
+def _below_far(acc, X, F_c, decay, DOT: tl.constexpr):
+    """acc [16, 16] += X (F_c decay)^T for block c < b - 1, decay = e^(c_(b-1) - c_c) [BK] (the
+    product of the spans' exponentials in between): every factor <= 1."""
+    return tl.dot(X.to(DOT), tl.trans((F_c * decay[None, :]).to(DOT)), acc)
+
+
+@triton.jit
+def _diagonal_mid(acc, X, F, span, DOT: tl.constexpr):
+    """acc += (X h) (F h)^T, h = e^(-span / 2): the factors around the block's mid value."""
+    h = tl.exp2(-0.5 * span)[None, :]                                       # e^(c_prev - m) = e^(m - c_end)
     return tl.dot((X * h).to(DOT), tl.trans((F * h).to(DOT)), acc)
 
 
 @triton.jit
-def _diagonal(acc, X, F, left, kb, G, c_prev, c_end, DOT: tl.constexpr, EXACT: tl.constexpr):
+def _diagonal(acc, X, F, left, kb, L, span, DOT: tl.constexpr, EXACT: tl.constexpr):
     """acc [16, 16] += the block's own per-channel products left_i . k_j e^(G_i - G_j) (all
-    pairs; the caller masks j > i). Around the block's mid value m when its span c_prev - c_end
-    is at most SPAN_LIMIT in every channel (factors within e^(+-span / 2)), else pair by pair;
-    without EXACT (gates bounded below by -5: spans <= 80 by construction) always around m."""
+    pairs; the caller masks j > i). Around the block's mid value m when its span -s is at most
+    SPAN_LIMIT in every channel (factors within e^(+-s / 2)), else pair by pair; without EXACT
+    (gates bounded below by -5: spans <= 80 by construction) always around m."""
     if EXACT:
-        span = tl.max(c_prev - c_end, 0)
-        if span <= SPAN_LIMIT:
-            acc = _diagonal_mid(acc, X, F, c_prev, c_end, DOT)
+        if tl.max(-span, 0) <= SPAN_LIMIT:
+            acc = _diagonal_mid(acc, X, F, span, DOT)
         else:
             r = tl.arange(0, 16)
             for j in range(16):
                 row = r[:, None] == j
-                G_j = tl.sum(tl.where(row, G, 0.0), 0)                                         # [BK]
+                L_j = tl.sum(tl.where(row, L, 0.0), 0)                                         # [BK]
                 k_j = tl.sum(tl.where(row, kb, 0.0), 0)
                 keep = r[:, None] >= j
-                e = tl.where(keep, tl.exp2(tl.where(keep, G - G_j[None, :], 0.0)), 0.0)         # [16, BK], <= 1
+                e = tl.where(keep, tl.exp2(tl.where(keep, L - L_j[None, :], 0.0)), 0.0)         # [16, BK], <= 1
                 acc += tl.where(r[None, :] == j, tl.sum(left * e * k_j[None, :], 1)[:, None], 0.0)
     else:
-        acc = _diagonal_mid(acc, X, F, c_prev, c_end, DOT)
+        acc = _diagonal_mid(acc, X, F, span, DOT)
     return acc
 
 
@@ -191,43 +202,43 @@ def _kda_prepare_kernel(
 
     z = tl.zeros([16, 16], dtype=tl.float32)
     a00, a10, a11, a20, a21, a22, a30, a31, a32, a33 = z, z, z, z, z, z, z, z, z, z
+    # the gated keys (queries with SCORES) go out as soon as their block is done: X_b e^(c_(b-1))
+    gated = qg if SCORES else kg
     for ks in range(0, tl.cdiv(K, BK)):
         o_k = ks * BK + tl.arange(0, BK)
-        c_start = tl.zeros([BK], dtype=tl.float32)
-        X0, F0, l0, k0, G0, c0 = _block(q, k, g, A_log, dt_bias, lower_bound, qk_row0, gate_base, 0, n_left, i_hv,
-                                        o_k, c_start, rq0, rk0, HV, H, K, GATE, HAS_A, HAS_BIAS, SCORES)
-        a00 = _diagonal(a00, X0, F0, l0, k0, G0, c_start, c0, DOT, EXACT)
-        X1, F1, l1, k1, G1, c1 = _block(q, k, g, A_log, dt_bias, lower_bound, qk_row0, gate_base, 1, n_left, i_hv,
-                                        o_k, c0, rq1, rk1, HV, H, K, GATE, HAS_A, HAS_BIAS, SCORES)
-        a11 = _diagonal(a11, X1, F1, l1, k1, G1, c0, c1, DOT, EXACT)
-        a10 = _below(a10, X1, F0, c0, c0, DOT)
-        X2, F2, l2, k2, G2, c2 = _block(q, k, g, A_log, dt_bias, lower_bound, qk_row0, gate_base, 2, n_left, i_hv,
-                                        o_k, c1, rq2, rk2, HV, H, K, GATE, HAS_A, HAS_BIAS, SCORES)
-        a22 = _diagonal(a22, X2, F2, l2, k2, G2, c1, c2, DOT, EXACT)
-        a20 = _below(a20, X2, F0, c1, c0, DOT)
-        a21 = _below(a21, X2, F1, c1, c1, DOT)
-        X3, F3, l3, k3, G3, c3 = _block(q, k, g, A_log, dt_bias, lower_bound, qk_row0, gate_base, 3, n_left, i_hv,
-                                        o_k, c2, rq3, rk3, HV, H, K, GATE, HAS_A, HAS_BIAS, SCORES)
-        a33 = _diagonal(a33, X3, F3, l3, k3, G3, c2, c3, DOT, EXACT)
-        a30 = _below(a30, X3, F0, c2, c0, DOT)
-        a31 = _below(a31, X3, F1, c2, c1, DOT)
-        a32 = _below(a32, X3, F2, c2, c2, DOT)
-        # c3 = G_last in these channels (the gates past the chunk's end are 0)
-        if SCORES:                                                          # qg = scale q e^G
-            _store_rows(qg, gate_base, X0, 0, n_left, o_k, HV, K)
-            _store_rows(qg, gate_base, X1 * tl.exp2(c0)[None, :], 1, n_left, o_k, HV, K)
-            _store_rows(qg, gate_base, X2 * tl.exp2(c1)[None, :], 2, n_left, o_k, HV, K)
-            _store_rows(qg, gate_base, X3 * tl.exp2(c2)[None, :], 3, n_left, o_k, HV, K)
-        else:                                                               # kg = k e^G, kd = k e^(G_last - G)
-            _store_rows(kg, gate_base, X0, 0, n_left, o_k, HV, K)
-            _store_rows(kg, gate_base, X1 * tl.exp2(c0)[None, :], 1, n_left, o_k, HV, K)
-            _store_rows(kg, gate_base, X2 * tl.exp2(c1)[None, :], 2, n_left, o_k, HV, K)
-            _store_rows(kg, gate_base, X3 * tl.exp2(c2)[None, :], 3, n_left, o_k, HV, K)
-            _store_rows(kd, gate_base, F0 * tl.exp2(c3 - c0)[None, :], 0, n_left, o_k, HV, K)
-            _store_rows(kd, gate_base, F1 * tl.exp2(c3 - c1)[None, :], 1, n_left, o_k, HV, K)
-            _store_rows(kd, gate_base, F2 * tl.exp2(c3 - c2)[None, :], 2, n_left, o_k, HV, K)
+        X0, F0, l0, k0, L0, s0 = _block(q, k, g, A_log, dt_bias, lower_bound, qk_row0, gate_base, 0, n_left, i_hv,
+                                        o_k, rq0, rk0, HV, H, K, GATE, HAS_A, HAS_BIAS, SCORES)
+        a00 = _diagonal(a00, X0, F0, l0, k0, L0, s0, DOT, EXACT)
+        _store_rows(gated, gate_base, X0, 0, n_left, o_k, HV, K)
+        d0 = tl.exp2(s0)                                                    # e^(c_0)
+        X1, F1, l1, k1, L1, s1 = _block(q, k, g, A_log, dt_bias, lower_bound, qk_row0, gate_base, 1, n_left, i_hv,
+                                        o_k, rq1, rk1, HV, H, K, GATE, HAS_A, HAS_BIAS, SCORES)
+        a11 = _diagonal(a11, X1, F1, l1, k1, L1, s1, DOT, EXACT)
+        a10 = _below(a10, X1, F0, DOT)
+        _store_rows(gated, gate_base, X1 * d0[None, :], 1, n_left, o_k, HV, K)
+        d1 = tl.exp2(s1)                                                    # e^(c_1 - c_0)
+        X2, F2, l2, k2, L2, s2 = _block(q, k, g, A_log, dt_bias, lower_bound, qk_row0, gate_base, 2, n_left, i_hv,
+                                        o_k, rq2, rk2, HV, H, K, GATE, HAS_A, HAS_BIAS, SCORES)
+        a22 = _diagonal(a22, X2, F2, l2, k2, L2, s2, DOT, EXACT)
+        a20 = _below_far(a20, X2, F0, d1, DOT)
+        a21 = _below(a21, X2, F1, DOT)
+        _store_rows(gated, gate_base, X2 * (d0 * d1)[None, :], 2, n_left, o_k, HV, K)
+        d2 = tl.exp2(s2)
+        X3, F3, l3, k3, L3, s3 = _block(q, k, g, A_log, dt_bias, lower_bound, qk_row0, gate_base, 3, n_left, i_hv,
+                                        o_k, rq3, rk3, HV, H, K, GATE, HAS_A, HAS_BIAS, SCORES)
+        a33 = _diagonal(a33, X3, F3, l3, k3, L3, s3, DOT, EXACT)
+        a30 = _below_far(a30, X3, F0, d1 * d2, DOT)
+        a31 = _below_far(a31, X3, F1, d2, DOT)
+        a32 = _below(a32, X3, F2, DOT)
+        _store_rows(gated, gate_base, X3 * (d0 * d1 * d2)[None, :], 3, n_left, o_k, HV, K)
+        if not SCORES:                                                      # kd = F_b e^(c_3 - c_b), c_3 = G_last
+            d3 = tl.exp2(s3)                                                # (the gates past the chunk's end are 0)
+            d23 = d2 * d3
+            _store_rows(kd, gate_base, F0 * (d1 * d23)[None, :], 0, n_left, o_k, HV, K)
+            _store_rows(kd, gate_base, F1 * d23[None, :], 1, n_left, o_k, HV, K)
+            _store_rows(kd, gate_base, F2 * d3[None, :], 2, n_left, o_k, HV, K)
             _store_rows(kd, gate_base, F3, 3, n_left, o_k, HV, K)
-            tl.store(decay + (i_c * HV + i_hv) * K + o_k, tl.exp2(c3), mask=o_k < K)
+            tl.store(decay + (i_c * HV + i_hv) * K + o_k, d0 * d1 * d23, mask=o_k < K)
 
     r = tl.arange(0, 16)
     row0 = beta_base * BT
@@ -268,7 +279,7 @@ def bounded_spans(p) -> bool:
 
 
 def launch(p, q, k, beta, beta_mode: int, total: int, tables, inverse, scores, kg, kd, qg, decay, dot,
-           block_k: int = 32, warps: int = 4, maxnreg: int | None = None) -> None:
+           block_k: int = 16, warps: int = 1, maxnreg: int | None = None) -> None:
     """Runs the prologue over ``total`` chunks (``tables`` = (cu_seqlens, chunk index) or Nones):
     writes P into ``inverse``, Aqk into ``scores`` ``[B, T, HV, BT]``, the gated keys and queries
     into ``kg``, ``kd``, ``qg`` ``[B, T, HV, K]`` and e^(G_last) into ``decay`` ``[total, HV, K]``."""
