@@ -35,11 +35,11 @@ PHASES = [
     ("        x = warpgroup_mma_wait(num_outstanding=NK, deps=(x,))\n", "X = k S (Q = q S issued)", False),
     ("        vn = warpgroup_mma(p_s.index(stage), y_s, zero, use_acc=False, is_async=True)\n", "Y elementwise, to smem", True),
     ("        vn, qs = warpgroup_mma_wait(num_outstanding=0, deps=(vn, qs))\n", "V_new = P Y wait", False),
-    ("        b_egl = gl.exp(b_Gl)\n", "V_new, D to smem", True),
+    ("            b_egl = gl.exp(b_Gl)\n", "V_new, D to smem", True),
     ("            S0, S1 = warpgroup_mma_wait(num_outstanding=1, deps=(S0, S1))\n", "state update (output issued)", False),
     ("        out = warpgroup_mma_wait(num_outstanding=0, deps=(out,))\n", "state to smem, output wait", False),
     ("        _store_output(out, o_desc, o_s, o, t0, eos, r, o_v, i_hv32, i_v, n_rows, HV, V, BV)\n", "output epilogue", False),
-    ("i + STAGES < n_chunks, K, V, BV, NK)\n", "barrier, next TMA issue", False),
+    ("i + STAGES < n_chunks, K, V, BV, NK, GK)\n", "barrier, next TMA issue", False),
 ]
 # the warp-specialized scan's chain partition (the prep partition runs beside it)
 WS_PHASES = [
@@ -60,8 +60,8 @@ WS_PHASES = [
 TARGETS = {
     "plain": dict(
         file="chunk_delta_sm90.py", kernel="_scan_sm90_kernel", phases=PHASES, clock_before="BT = gl.constexpr(64)",
-        prof=[("STAGES: gl.constexpr, WARPGROUPS: gl.constexpr,\n):",
-               "STAGES: gl.constexpr, WARPGROUPS: gl.constexpr, prof=None,\n):")],
+        prof=[("STAGES: gl.constexpr, WARPGROUPS: gl.constexpr, GK: gl.constexpr,\n):",
+               "STAGES: gl.constexpr, WARPGROUPS: gl.constexpr, GK: gl.constexpr, prof=None,\n):")],
         init="    zero = gl.zeros([BT, BV], gl.float32, acc)\n",
         end="    tma.store_wait(0)\n    for st in gl.static_range(STAGES):\n"),
     "ws": dict(

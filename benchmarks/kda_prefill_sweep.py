@@ -50,6 +50,7 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--shapes", default=SHAPES)
     ap.add_argument("--variants", default="default")
+    ap.add_argument("--tier", default="triton", help="the tier the variants run on (triton, gluon)")
     args = ap.parse_args()
     names = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
     try:
@@ -72,7 +73,7 @@ def main() -> int:
             chunk_delta.default_config = lambda p, o=over: (
                 original(p) if o is None else dataclasses.replace(original(p), **o))
             try:
-                with use_tier("triton", strict=True), torch.no_grad():
+                with use_tier(args.tier, strict=True), torch.no_grad():
                     call = lambda: chunk_kda(**kw)  # noqa: E731
                     o = call()[0]
                     err_fla = rel(o, fla_o) if fla_o is not None else None
@@ -86,10 +87,10 @@ def main() -> int:
                 chunk_delta.default_config = original
             prep = sum(v for k, v in split.items() if "prepare" in k)
             scan = sum(v for k, v in split.items() if "scan" in k)
-            rows.append(dict(shape=shape, variant=name, us=us, prepare_us=prep, scan_us=scan, kernels=split,
+            rows.append(dict(shape=shape, variant=name, tier=args.tier, us=us, prepare_us=prep, scan_us=scan, kernels=split,
                              err_vs_fla=err_fla, fla_us=fla_us))
             speed = f"{fla_us / us:5.2f}x" if fla_us else "  -  "
-            print(f"{shape:24s} {name:12s} {us:9.1f} us (prepare {prep:8.1f}, scan {scan:8.1f}) FLA {fla_us or 0:9.1f} "
+            print(f"{shape:24s} {args.tier:6s} {name:12s} {us:9.1f} us (prepare {prep:8.1f}, scan {scan:8.1f}) FLA {fla_us or 0:9.1f} "
                   f"{speed} | vs FLA {err_fla if err_fla is None else f'{err_fla:.1e}'}", flush=True)
         kw = fla_o = None
         torch.cuda.empty_cache()

@@ -11,7 +11,8 @@ pytest.importorskip("triton.experimental.gluon")
 
 from tests.backends.test_triton_sm90 import _resources, _run_child  # noqa: E402
 
-SCAN_POINTERS = {"beta": "*bf16", "rq": "*fp32", "rk": "*fp32", "gcum": "*fp32", "o": "*bf16", "h0": "*fp32",
+SCAN_POINTERS = {"beta": "*bf16", "rq": "*fp32", "rk": "*fp32", "gcum": "*fp32", "decay": "*fp32", "o": "*bf16",
+                 "h0": "*fp32",
                  "ht": "*fp32", "h_chunks": "*bf16", "cu_seqlens": "*i64", "chunk_start": "*i64", "segments": "*i32",
                  "seg_state": "*fp32"}
 SCAN_VARIANTS = {
@@ -23,6 +24,10 @@ SCAN_VARIANTS = {
     "k64-v-first": dict(K=64, V=64, SK=1, SV=64),
     "bv128-two-warpgroups": dict(BV=128, WARPGROUPS=2),
     "bv128-replay-varlen": dict(BV=128, WARPGROUPS=2, SEG=2, VARLEN=True),
+    # KDA's per-channel step (GK): 32 and 64 columns
+    "kda-bv64": dict(BV=64, GK=True, L2NORM=False),
+    "kda-bv32-replay-states-varlen": dict(GK=True, L2NORM=False, SEG=2, STORE_STATES=True, VARLEN=True),
+    "kda-k64-v-first": dict(GK=True, L2NORM=False, K=64, V=64, SK=1, SV=64),
     # the warp-specialized scan (chunk_delta_ws_sm90.py): 32 and 64 columns
     "ws-bv32": dict(WS=True),
     "ws-bv64": dict(WS=True, BV=64),
@@ -42,11 +47,11 @@ def _child_scan(name: str, folder: str) -> None:
     from fastla.backends.gluon.chunk_delta_ws_sm90 import PREP_REGS, _scan_ws_sm90_kernel
 
     consts = dict(H=16, HV=64, K=128, V=128, BV=32, SK=128, SV=1, HAS_H0=True, STORE_FINAL=True, L2NORM=True,
-                  VARLEN=False, SEG=0, BETA=2, STORE_STATES=False, STAGES=2, WARPGROUPS=1)
+                  VARLEN=False, SEG=0, BETA=2, STORE_STATES=False, STAGES=2, WARPGROUPS=1, GK=False)
     consts.update(SCAN_VARIANTS[name])
     if consts.pop("WS", False):
         kern = _scan_ws_sm90_kernel
-        del consts["WARPGROUPS"], consts["STAGES"]
+        del consts["WARPGROUPS"], consts["STAGES"], consts["GK"]
         consts["PREP_NREG"] = PREP_REGS
     else:
         kern = _scan_sm90_kernel
@@ -55,7 +60,7 @@ def _child_scan(name: str, folder: str) -> None:
     names = kern.arg_names
     sig = {}
     for n in names:
-        if n in ("k_desc", "q_desc", "p_desc", "a_desc"):
+        if n in ("k_desc", "q_desc", "kd_desc", "p_desc", "a_desc"):
             sig[n] = f"tensordesc<bf16[64, 64],{tile!r}>"
         elif n in ("v_desc", "o_desc"):
             sig[n] = f"tensordesc<bf16[64, {consts['BV']}],{vtile!r}>"
@@ -103,7 +108,8 @@ def test_launcher_builds_descriptors(monkeypatch):
             return lambda *args, **kw: launches.append((grid, args, dict(kw, kernel=self.name)))
 
     names = chunk_delta_sm90._scan_sm90_kernel.arg_names
-    assert chunk_delta_ws_sm90._scan_ws_sm90_kernel.arg_names[:len(names) - 2] == names[:-2]   # but STAGES, WARPGROUPS
+    gk_only = ("kd_desc", "decay", "STAGES", "WARPGROUPS", "GK")                # the plain kernel's own
+    assert chunk_delta_ws_sm90._scan_ws_sm90_kernel.arg_names[:-1] == [n for n in names if n not in gk_only]
     monkeypatch.setattr(chunk_delta_sm90, "_scan_sm90_kernel", Recorder("plain"))
     monkeypatch.setattr(chunk_delta_ws_sm90, "_scan_ws_sm90_kernel", Recorder("specialized"))
     B, T, H, HV, K, V = 1, 32768, 16, 64, 128, 128
@@ -119,7 +125,8 @@ def test_launcher_builds_descriptors(monkeypatch):
     (grid64, args64, kw64), (grid32, args32, kw32) = launches
     assert kw64["BV"] == 64 and grid64 == (HV, V // 64)                  # one wave of 128 programs
     assert kw32["BV"] == 32 and kw32["STORE_STATES"] and grid32 == (HV, V // 32)
-    k_desc, q_desc, v_desc, p_desc, a_desc, o_desc = args64[:6]
+    k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, o_desc = args64[:7]
+    assert kd_desc is k_desc and kw64["GK"] is False                           # GDN: no kd tiles
     assert list(k_desc.shape) == [B * T, H * K] and k_desc.block_shape == [64, 64]
     assert list(v_desc.shape) == list(o_desc.shape) == [B * T, HV * V]
     assert v_desc.block_shape == o_desc.block_shape == [64, 64]
@@ -131,7 +138,8 @@ def test_launcher_builds_descriptors(monkeypatch):
     gluon_chunk._sequence_scan(p, sp, 0, g, g, 1)
     grid, args, kw = launches[-1]
     assert kw["kernel"] == "specialized" and kw["PREP_NREG"] == chunk_delta_ws_sm90.PREP_REGS and kw["BV"] == 32
-    assert kw["num_warps"] == 4 and "STAGES" not in kw and [d.block_shape for d in args[:6]] == [d.block_shape for d in args32[:6]]
+    assert kw["num_warps"] == 4 and "STAGES" not in kw and "GK" not in kw
+    assert [d.block_shape for d in args[:6]] == [args32[i].block_shape for i in (0, 1, 3, 4, 5, 6)]
     monkeypatch.setattr(gluon_chunk, "SCAN_SPECIALIZED", False)
 
     B, T, HV = 4, 8192, 32
@@ -145,7 +153,17 @@ def test_launcher_builds_descriptors(monkeypatch):
     grid, args, kw = launches[-1]
     assert kw["BV"] == 128 and kw["WARPGROUPS"] == 2 and kw["num_warps"] == 8 and grid == (B * HV, 1)
     assert kw["kernel"] == "plain"
-    assert args[2].block_shape == args[5].block_shape == [64, 128]                # v and o boxes
+    assert args[3].block_shape == args[6].block_shape == [64, 128]                # v and o boxes
+
+    # KDA (GK): gated keys and queries per value head, the kd tiles and decays, at most 64 columns
+    kd, decay = torch.empty(B, T, HV, K, **bf), torch.empty(B * 128, HV, K)
+    sp = chunk_delta.SequencePass(kd, kd, v, beta, 1, scratch, scratch, g, g, None, v, None, None, None, None, None,
+                                  T, 128, g, kd, decay)
+    gluon_chunk._sequence_scan(p, sp, 0, g, g, B)
+    grid, args, kw = launches[-1]
+    assert kw["kernel"] == "plain" and kw["GK"] is True and not kw["L2NORM"] and kw["BV"] == 64
+    assert list(args[0].shape) == list(args[2].shape) == [B * T, HV * K] and args[2].base.data_ptr() == kd.data_ptr()
+    assert args[names.index("decay")] is decay and args[names.index("gcum")] is g      # gcum: the dummy
 
 
 def test_scan_tile_plan():

@@ -15,8 +15,8 @@ TOL = 2e-5 if interpreting() else 1e-2          # fp32 operands in the interpret
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def on_triton(fn, *args, **kwargs):
-    with use_tier("triton", strict=True), torch.no_grad():
+def on_triton(fn, *args, tier="triton", **kwargs):
+    with use_tier(tier, strict=True), torch.no_grad():
         return fn(*args, **kwargs)
 
 
@@ -113,9 +113,9 @@ def bf16_case(case: str):
     return t, opts
 
 
-def check_fp64(t, opts, **extra):
-    """The Triton tier's output and final state against the fp64 reference (tolerance 2e-2)."""
-    o, ht, *rest = on_triton(call_chunk, SPEC, t, output_final_state=True, **opts, **extra)
+def check_fp64(t, opts, tier="triton", **extra):
+    """The tier's output and final state against the fp64 reference (tolerance 2e-2)."""
+    o, ht, *rest = on_triton(call_chunk, SPEC, t, output_final_state=True, tier=tier, **opts, **extra)
     opts = {n: x for n, x in opts.items() if n != "cu_seqlens_cpu"}
     ref = {n: x.double() for n, x in t.items()}
     ro, rht = call_reference(SPEC, ref, output_final_state=True,

@@ -30,9 +30,12 @@ SPECIALIZED_WIDTHS = (32, 64)
 # warpgroups ~3.1 (4x8k HV32). Wider tiles do more columns per step, narrower ones step faster.
 STEP_US = {32: 1.3, 64: 2.2, 128: 3.1}
 WARPGROUPS = {32: 1, 64: 1, 128: 2}     # 128 columns on one warpgroup need > 255 registers
+# KDA's GK step loads a third K-wide tile (kd) per chunk: 128 columns would need 245 KB of shared
+# memory; the step times are GDN's (not measured separately)
+GK_WIDTHS = {bv: STEP_US[bv] for bv in (32, 64)}
 
 
-def scan_tile(lanes: float, V: int, sms: int) -> tuple[int, int]:
+def scan_tile(lanes: float, V: int, sms: int, widths=STEP_US) -> tuple[int, int]:
     """(value columns, warpgroups) per program: the width whose waves of programs (one per SM)
     times its step time is least, for ``lanes`` = value heads x sequences (weighted by length:
     total chunks over the longest sequence's). Measured: 1x32k HV64 (64 lanes) 64 columns, one
@@ -40,7 +43,7 @@ def scan_tile(lanes: float, V: int, sms: int) -> tuple[int, int]:
     (1.58); 4x8k HV32 (128 lanes) 128 columns, one wave (0.40 ms vs 0.54 at 64); 1x8k HV16
     (16 lanes) 32 columns (0.17 ms vs 0.23 at 64)."""
     best = None
-    for bv, step in STEP_US.items():
+    for bv, step in widths.items():
         if V % bv:
             continue
         cost = math.ceil(lanes * (V // bv) / sms) * step
@@ -90,10 +93,12 @@ def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments
     else:
         counts = triton_chunk._chunk_counts(p)
         lanes = p.HV * sum(counts) / max(max(counts), 1)
-    BV, warpgroups = scan_tile(lanes, p.V, sm_count(p.device))
+    gk = sp.kd is not None
+    BV, warpgroups = scan_tile(lanes, p.V, sm_count(p.device), GK_WIDTHS if gk else STEP_US)
     if SCAN_BLOCK_V:                                                        # sweep overrides
-        if SCAN_BLOCK_V not in WARPGROUPS or p.V % SCAN_BLOCK_V:
-            raise ValueError(f"SCAN_BLOCK_V = {SCAN_BLOCK_V}: one of {list(WARPGROUPS)} dividing V = {p.V}")
+        widths = GK_WIDTHS if gk else WARPGROUPS
+        if SCAN_BLOCK_V not in widths or p.V % SCAN_BLOCK_V:
+            raise ValueError(f"SCAN_BLOCK_V = {SCAN_BLOCK_V}: one of {list(widths)} dividing V = {p.V}")
         BV, warpgroups = SCAN_BLOCK_V, WARPGROUPS[SCAN_BLOCK_V]
     warpgroups = SCAN_WARPGROUPS or warpgroups
     if sp.h_chunks is not None:
@@ -112,21 +117,31 @@ def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments
 
     SK, SV = (1, p.K) if p.state_v_first else (p.V, 1)
     d = sp.dummy
-    if SCAN_SPECIALIZED and BV in SPECIALIZED_WIDTHS and warpgroups == 1:
+    if SCAN_SPECIALIZED and BV in SPECIALIZED_WIDTHS and warpgroups == 1 and not gk:
         kernel, launch = _scan_ws_sm90_kernel, dict(PREP_NREG=PREP_REGS, num_warps=4)
     else:
         kernel, launch = _scan_sm90_kernel, dict(STAGES=SCAN_STAGES, WARPGROUPS=warpgroups, num_warps=4 * warpgroups)
+    # GK (KDA): the gated keys and queries are per value head, and the kd tiles and chunk decays
+    # come too (the plain kernel only; the warp-specialized one serves GDN)
+    qk_width = (p.HV if gk else p.H) * p.K
+    args = [desc(sp.k, qk_width, [BT, BK], tile), desc(sp.q, qk_width, [BT, BK], tile)]
+    plain = kernel is _scan_sm90_kernel
+    if plain:
+        args.append(desc(sp.kd, qk_width, [BT, BK], tile) if gk else args[0])
+        launch.update(GK=gk)
+    args += [desc(sp.v, p.HV * p.V, [BT, BV], vtile), desc(sp.inverse, p.HV * BT, [BT, BT], tile),
+             desc(sp.scores, p.HV * BT, [BT, BT], tile), desc(sp.o, p.HV * p.V, [BT, BV], vtile),
+             sp.beta, sp.rq, sp.rk, sp.gcum if sp.gcum is not None else d]
+    if plain:
+        args.append(sp.decay if gk else d)
     launcher(kernel, sp.T, sp.NT)[(programs * p.HV, p.V // BV)](
-        desc(sp.k, p.H * p.K, [BT, BK], tile), desc(sp.q, p.H * p.K, [BT, BK], tile),
-        desc(sp.v, p.HV * p.V, [BT, BV], vtile), desc(sp.inverse, p.HV * BT, [BT, BT], tile),
-        desc(sp.scores, p.HV * BT, [BT, BT], tile), desc(sp.o, p.HV * p.V, [BT, BV], vtile),
-        sp.beta, sp.rq, sp.rk, sp.gcum, sp.o,
+        *args, sp.o,
         sp.h0 if sp.h0 is not None else d, sp.ht if sp.ht is not None else d,
         sp.h_chunks if sp.h_chunks is not None else d,
         sp.cu_seqlens if sp.cu_seqlens is not None else d, sp.chunk_start if sp.chunk_start is not None else d,
         segments, seg_state, sp.T, sp.NT, rows, p.scale,
         H=p.H, HV=p.HV, K=p.K, V=p.V, BV=BV, SK=SK, SV=SV, HAS_H0=sp.h0 is not None, STORE_FINAL=sp.ht is not None,
-        L2NORM=p.use_qk_l2norm, VARLEN=sp.cu_seqlens is not None, SEG=seg, BETA=sp.beta_mode,
+        L2NORM=p.use_qk_l2norm and not gk, VARLEN=sp.cu_seqlens is not None, SEG=seg, BETA=sp.beta_mode,
         STORE_STATES=sp.h_chunks is not None, **launch,
     )
 

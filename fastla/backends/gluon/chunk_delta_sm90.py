@@ -51,7 +51,7 @@ BK = gl.constexpr(64)     # key columns per TMA box and per state half
 
 @gluon.jit
 def _chunk_vectors(gcum, beta, rq, rk, r, bos, eos, c, valid, i_h, i_hv, H: gl.constexpr, HV: gl.constexpr,
-                   L2NORM: gl.constexpr):
+                   L2NORM: gl.constexpr, GK: gl.constexpr):
     """Chunk c's per-row G, raw beta, 1/|k|, 1/|q| [BT] and its last row's G (0 where not ``valid``).
     Nothing here uses the loaded values, so loads issued a chunk ahead are waited for a chunk
     later (activating beta here stalled every step on the load). The warp-specialized scan's
@@ -60,9 +60,13 @@ def _chunk_vectors(gcum, beta, rq, rk, r, bos, eos, c, valid, i_h, i_hv, H: gl.c
     t0 = bos + c * BT
     m_t = (r < eos - t0) & valid
     row = (t0 + r) * HV + i_hv
-    b_G = gl.load(gcum + row, mask=m_t, other=0.0)
-    b_Gl = gl.load(gcum + (gl.minimum(eos, t0 + BT) - 1) * HV + i_hv, mask=valid, other=0.0)
     b_beta = gl.load(beta + row, mask=m_t, other=0.0)
+    if GK:                                                  # the gates are in the prologue's gated tiles
+        b_G = gl.where(m_t, 0.0, 0.0)
+        b_Gl = 0.0
+    else:
+        b_G = gl.load(gcum + row, mask=m_t, other=0.0)
+        b_Gl = gl.load(gcum + (gl.minimum(eos, t0 + BT) - 1) * HV + i_hv, mask=valid, other=0.0)
     if L2NORM:
         b_rk = gl.load(rk + (t0 + r) * H + i_h, mask=m_t, other=0.0)
         b_rq = gl.load(rq + (t0 + r) * H + i_h, mask=m_t, other=0.0)
@@ -73,14 +77,19 @@ def _chunk_vectors(gcum, beta, rq, rk, r, bos, eos, c, valid, i_h, i_hv, H: gl.c
 
 
 @gluon.jit
-def _issue_chunk(k_desc, q_desc, v_desc, p_desc, a_desc, k_s, q_s, v_s, p_s, a_s, bar, stage, t0,
-                 i_h, i_hv, i_v, pred, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, NK: gl.constexpr):
-    """TMA loads of one chunk's tiles into ``stage``, completing on ``bar``."""
-    nbytes: gl.constexpr = (2 * NK * BT * BK + BT * BV + 2 * BT * BT) * 2
+def _issue_chunk(k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s, bar, stage, t0,
+                 i_h, i_hv, i_v, pred, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, NK: gl.constexpr,
+                 GK: gl.constexpr):
+    """TMA loads of one chunk's tiles into ``stage``, completing on ``bar``. GK: the gated keys
+    and queries are per value head (column block i_hv; i_h is passed as i_hv), plus kd."""
+    nbytes: gl.constexpr = ((3 if GK else 2) * NK * BT * BK + BT * BV + 2 * BT * BT) * 2
     mbarrier.expect(bar, nbytes, pred=pred)
     for j in gl.static_range(NK):
         tma.async_copy_global_to_shared(k_desc, [t0, i_h * K + j * BK], bar, k_s.index(stage * NK + j), pred=pred)
         tma.async_copy_global_to_shared(q_desc, [t0, i_h * K + j * BK], bar, q_s.index(stage * NK + j), pred=pred)
+        if GK:
+            tma.async_copy_global_to_shared(kd_desc, [t0, i_h * K + j * BK], bar, kd_s.index(stage * NK + j),
+                                            pred=pred)
     tma.async_copy_global_to_shared(v_desc, [t0, i_hv * V + i_v * BV], bar, v_s.index(stage), pred=pred)
     tma.async_copy_global_to_shared(p_desc, [t0, i_hv * BT], bar, p_s.index(stage), pred=pred)
     tma.async_copy_global_to_shared(a_desc, [t0, i_hv * BT], bar, a_s.index(stage), pred=pred)
@@ -165,13 +174,13 @@ def _store_final(ht, S0, S1, i_n, i_hv, p_half, o_j, is_last, HV: gl.constexpr, 
 
 @gluon.jit(do_not_specialize=["T", "NT", "n_rows"])     # T = 1 would compile a variant of its own
 def _scan_sm90_kernel(
-    k_desc, q_desc, v_desc, p_desc, a_desc, o_desc,
-    beta, rq, rk, gcum, o, h0, ht, h_chunks, cu_seqlens, chunk_start, segments, seg_state,
+    k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, o_desc,
+    beta, rq, rk, gcum, decay, o, h0, ht, h_chunks, cu_seqlens, chunk_start, segments, seg_state,
     T, NT, n_rows, scale,
     H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
     SK: gl.constexpr, SV: gl.constexpr, HAS_H0: gl.constexpr, STORE_FINAL: gl.constexpr,
     L2NORM: gl.constexpr, VARLEN: gl.constexpr, SEG: gl.constexpr, BETA: gl.constexpr,
-    STORE_STATES: gl.constexpr, STAGES: gl.constexpr, WARPGROUPS: gl.constexpr,
+    STORE_STATES: gl.constexpr, STAGES: gl.constexpr, WARPGROUPS: gl.constexpr, GK: gl.constexpr,
 ):
     NK: gl.constexpr = K // BK
     # WARPGROUPS warpgroups split the BV columns; each issues its own products on the shared tiles
@@ -200,7 +209,12 @@ def _scan_sm90_kernel(
     s_s = gl.allocate_shared_memory(gl.bfloat16, [NK, BK, BV], v_desc.layout)     # S (bf16), B operand
     y_s = gl.allocate_shared_memory(gl.bfloat16, [BT, BV], v_desc.layout)
     vn_s = gl.allocate_shared_memory(gl.bfloat16, [BT, BV], v_desc.layout)
-    vd_s = gl.allocate_shared_memory(gl.bfloat16, [BT, BV], v_desc.layout)
+    if GK:                                  # kd tiles; the update reads V_new itself
+        kd_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES * NK, BT, BK], tile)
+        vd_s = vn_s
+    else:
+        kd_s = k_s
+        vd_s = gl.allocate_shared_memory(gl.bfloat16, [BT, BV], v_desc.layout)
     o_s = gl.allocate_shared_memory(gl.bfloat16, [BT, BV], o_desc.layout)             # output tile (TMA store)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for st in gl.static_range(STAGES):
@@ -208,11 +222,11 @@ def _scan_sm90_kernel(
     fence_async_shared()
 
     t_first = (bos + c_begin * BT).to(gl.int32)
-    i_h32 = i_h.to(gl.int32)
     i_hv32 = i_hv.to(gl.int32)
+    i_h32 = i_hv32 if GK else i_h.to(gl.int32)                           # the column block of k, q (and kd)
     for st in gl.static_range(STAGES):
-        _issue_chunk(k_desc, q_desc, v_desc, p_desc, a_desc, k_s, q_s, v_s, p_s, a_s, bars.index(st), st,
-                     t_first + st * BT, i_h32, i_hv32, i_v, st < n_chunks, K, V, BV, NK)
+        _issue_chunk(k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s, bars.index(st),
+                     st, t_first + st * BT, i_h32, i_hv32, i_v, st < n_chunks, K, V, BV, NK, GK)
 
     zero = gl.zeros([BT, BV], gl.float32, acc)
     s_s.index(0).store(S0.to(gl.bfloat16))
@@ -221,7 +235,7 @@ def _scan_sm90_kernel(
     fence_async_shared()
     # the row vectors are loaded one chunk ahead, so their latency hides behind a chunk's products
     n_G, n_Gl, n_beta, n_rk, n_rq = _chunk_vectors(gcum, beta, rq, rk, r, bos, eos, c_begin, n_chunks > 0,
-                                                   i_h, i_hv, H, HV, L2NORM)
+                                                   i_h, i_hv, H, HV, L2NORM, GK)
     for i in range(0, n_chunks):
         c = c_begin + i
         stage = (i % STAGES).to(gl.int32)
@@ -230,7 +244,13 @@ def _scan_sm90_kernel(
         b_G, b_Gl, b_rk, b_rq = n_G, n_Gl, n_rk, n_rq
         b_beta = _activate_beta(n_beta, m_t, BETA)
         n_G, n_Gl, n_beta, n_rk, n_rq = _chunk_vectors(gcum, beta, rq, rk, r, bos, eos, c + 1, i + 1 < n_chunks,
-                                                       i_h, i_hv, H, HV, L2NORM)
+                                                       i_h, i_hv, H, HV, L2NORM, GK)
+        if GK:                                              # this chunk's e^G_last per key row, for the update
+            dec = decay + ((first_chunk + c) * HV + i_hv) * K + o_j
+            b_dec0 = gl.load(dec)
+            b_dec1 = b_dec0
+            if NK == 2:
+                b_dec1 = gl.load(dec + BK)
         if STORE_STATES:
             h_base = h_chunks + ((first_chunk + c) * HV + i_hv) * K * V + p_half
             gl.store(h_base, S0.to(h_chunks.dtype.element_ty))
@@ -246,24 +266,37 @@ def _scan_sm90_kernel(
         if NK == 2:
             qs = warpgroup_mma(q_s.index(stage * NK + 1), s_s.index(1), qs, is_async=True)
         x = warpgroup_mma_wait(num_outstanding=NK, deps=(x,))
-        # Y = beta (v - rk e^G X);  V_new = P Y
-        b_eg = gl.exp(b_G)
+        # Y = beta (v - rk e^G X) (GK: beta (v - X), the keys gated already);  V_new = P Y
         b_v = v_s.index(stage).load(acc).to(gl.float32)
-        b_y = b_beta[:, None] * (b_v - (b_rk * b_eg)[:, None] * x)
+        if GK:
+            b_y = b_beta[:, None] * (b_v - x)
+        else:
+            b_eg = gl.exp(b_G)
+            b_y = b_beta[:, None] * (b_v - (b_rk * b_eg)[:, None] * x)
         y_s.store(b_y.to(gl.bfloat16))
         fence_async_shared()
         vn = warpgroup_mma(p_s.index(stage), y_s, zero, use_acc=False, is_async=True)
         vn, qs = warpgroup_mma_wait(num_outstanding=0, deps=(vn, qs))
         # O = diag(scale rq e^G) Q + A_qk V_new;  S = e^G_last S + k^T diag(rk e^(G_last - G)) V_new
-        b_d = gl.where(m_t, b_rk * gl.exp(b_Gl - b_G), 0.0)
-        vn_s.store(vn.to(gl.bfloat16))
-        vd_s.store((vn * b_d[:, None]).to(gl.bfloat16))
-        fence_async_shared()
-        b_egl = gl.exp(b_Gl)
-        S0 = warpgroup_mma(k_s.index(stage * NK).permute((1, 0)), vd_s, S0 * b_egl, is_async=True)
-        if NK == 2:
-            S1 = warpgroup_mma(k_s.index(stage * NK + 1).permute((1, 0)), vd_s, S1 * b_egl, is_async=True)
-        out = warpgroup_mma(a_s.index(stage), vn_s, qs * (scale * b_rq * b_eg)[:, None], is_async=True)
+        # (GK: O = Q + A_qk V_new;  S = diag(e^G_last) S + kd^T V_new, the rows' decays per chunk)
+        if GK:                  # rows past the sequence's end (the next one's kd rows) must not update S
+            vn_s.store(gl.where(m_t[:, None], vn, 0.0).to(gl.bfloat16))
+            fence_async_shared()
+            S0 = warpgroup_mma(kd_s.index(stage * NK).permute((1, 0)), vn_s, S0 * b_dec0[:, None], is_async=True)
+            if NK == 2:
+                S1 = warpgroup_mma(kd_s.index(stage * NK + 1).permute((1, 0)), vn_s, S1 * b_dec1[:, None],
+                                   is_async=True)
+            out = warpgroup_mma(a_s.index(stage), vn_s, qs, is_async=True)
+        else:
+            vn_s.store(vn.to(gl.bfloat16))
+            b_d = gl.where(m_t, b_rk * gl.exp(b_Gl - b_G), 0.0)
+            vd_s.store((vn * b_d[:, None]).to(gl.bfloat16))
+            fence_async_shared()
+            b_egl = gl.exp(b_Gl)
+            S0 = warpgroup_mma(k_s.index(stage * NK).permute((1, 0)), vd_s, S0 * b_egl, is_async=True)
+            if NK == 2:
+                S1 = warpgroup_mma(k_s.index(stage * NK + 1).permute((1, 0)), vd_s, S1 * b_egl, is_async=True)
+            out = warpgroup_mma(a_s.index(stage), vn_s, qs * (scale * b_rq * b_eg)[:, None], is_async=True)
         # the state first (the output's product runs on): S -> bf16 smem for the next chunk's products
         if NK == 2:
             S0, S1 = warpgroup_mma_wait(num_outstanding=1, deps=(S0, S1))
@@ -276,8 +309,9 @@ def _scan_sm90_kernel(
         _store_output(out, o_desc, o_s, o, t0, eos, r, o_v, i_hv32, i_v, n_rows, HV, V, BV)
         # the stage is free: chunk i + STAGES into it
         gl.thread_barrier()
-        _issue_chunk(k_desc, q_desc, v_desc, p_desc, a_desc, k_s, q_s, v_s, p_s, a_s, bars.index(stage), stage,
-                     (t0 + STAGES * BT).to(gl.int32), i_h32, i_hv32, i_v, i + STAGES < n_chunks, K, V, BV, NK)
+        _issue_chunk(k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s,
+                     bars.index(stage), stage, (t0 + STAGES * BT).to(gl.int32), i_h32, i_hv32, i_v,
+                     i + STAGES < n_chunks, K, V, BV, NK, GK)
 
     tma.store_wait(0)
     for st in gl.static_range(STAGES):

@@ -2,4 +2,5 @@
 from fastla.backends.gluon import chunk_delta
 from fastla.core import dispatch
 
-dispatch.register("chunk_gated_delta_rule", "gluon", chunk_delta.supports)(chunk_delta.run)
+for _op in ("chunk_gated_delta_rule", "chunk_kda"):
+    dispatch.register(_op, "gluon", chunk_delta.supports)(chunk_delta.run)

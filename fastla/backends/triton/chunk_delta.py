@@ -441,6 +441,8 @@ class SequencePass:
     T: int
     NT: int
     dummy: torch.Tensor
+    kd: torch.Tensor | None = None          # KDA (per-channel gates): q, k are qg, kg [B, T, HV, K]; kd
+    decay: torch.Tensor | None = None       # and e^(G_last) [chunks, HV, K] for the GK step
 
 
 def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None):
@@ -520,7 +522,7 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None):
     if sequence_scan is not None:
         seq_pass = SequencePass(q, k, p.v, beta, beta_mode, inverse, scores, rq, rk, gcum, o, h0, ht,
                                 h_chunks if store_states else None, cu if varlen else None,
-                                chunk_start if varlen else None, T, NT, dummy)
+                                chunk_start if varlen else None, T, NT, dummy, kd, decay)
     if length:
         segments, seq_segments, n_seg = _segment_plan(p, counts, length)
         summary = torch.empty(n_seg, HV, K, V + K, dtype=torch.float32, device=dev)

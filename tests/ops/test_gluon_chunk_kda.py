@@ -1,0 +1,42 @@
+"""The Gluon tier's KDA chunked forward (the Triton prologue, the sm_90 scan's per-channel GK
+step) against the fp64 reference on an sm_90 GPU, every option as the registry uses it."""
+import dataclasses
+
+import pytest
+import torch
+
+from fastla.backends.gluon import available
+from tests.helpers import assert_close
+from tests.ops.test_triton_chunk_kda import bf16_case, check_fp64
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available() or available(torch.device("cuda")) is not None, reason="needs an sm_90 GPU")]
+
+
+@pytest.mark.parametrize("case", ["dense", "varlen", "strong-decay", "unbounded-gate", "bounded-gate",
+                                  "v-first-k64"])
+def test_bf16_cases(case):
+    check_fp64(*bf16_case(case), tier="gluon")
+
+
+@pytest.mark.parametrize("block_v", [32, 64])
+def test_tile_widths(block_v, monkeypatch):
+    from fastla.backends.gluon import chunk_delta as gluon_chunk
+    monkeypatch.setattr(gluon_chunk, "SCAN_BLOCK_V", block_v)
+    check_fp64(*bf16_case("bounded-gate"), tier="gluon")
+
+
+def test_segments_and_intermediate_states(monkeypatch):
+    """Segments forced on (8-chunk replays in the sm_90 scan) with the chunk-start states: output
+    and final state against fp64, the states against the unsplit run."""
+    from fastla.backends.triton import chunk_delta
+    original = chunk_delta.default_config
+    t, opts = bf16_case("bounded-gate")
+    t = {n: x[:1] for n, x in t.items()}
+    monkeypatch.setattr(chunk_delta, "default_config", lambda p: dataclasses.replace(original(p), segment_chunks=0))
+    (h_whole,) = check_fp64(t, opts, tier="gluon", return_intermediate_states=True)
+    monkeypatch.setattr(chunk_delta, "default_config", lambda p: dataclasses.replace(original(p), segment_chunks=8))
+    (h,) = check_fp64(t, opts, tier="gluon", return_intermediate_states=True)
+    check_fp64(t, opts, tier="gluon")                      # the replays at the planned width (no states)
+    assert torch.isfinite(h).all()
+    assert_close("h", h, h_whole, 2e-2)
