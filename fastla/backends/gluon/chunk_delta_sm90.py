@@ -28,6 +28,14 @@ beta, 1/|k|, 1/|q|) are loaded one chunk ahead into registers and used a chunk l
     O -> smem -> TMA store (a sequence's partial last chunk: masked stores instead)
 so four dependent waits per chunk instead of the Triton scan's six serialized products.
 
+GK (KDA, per-channel gates; the prologue is backends/triton/chunk_prepare_kda.py): k_desc and
+q_desc hold the gated keys kg = k e^G and queries qg = scale q e^G per value head
+``[B * T, HV * K]``, kd_desc kd = k e^(G_last - G), and ``decay`` e^(G_last) ``[chunks, HV, K]``
+fp32; the step is Y = beta (v - kg S), V_new = P Y, S = diag(e^G_last) S + kd^T V_new (V_new's
+rows past a sequence's end zeroed: the tile's next-sequence kd rows must not reach S),
+O = qg S + A_qk V_new. The third K-wide tile makes 188 KB of shared memory at BV 64 (224
+registers); 128 columns would need 245 KB, so KDA runs 32 or 64.
+
 Budget (K = V = 128, STAGES = 2, sm_90 compile): BV 32 168 registers, 131 KB of shared memory;
 BV 64 254 registers, 164 KB; BV 128 on two warpgroups 255 registers, 229 KB (one program per SM
 at every width); no spills, HGMMA and UTMALDG in the SASS (tests/backends/test_gluon_sm90.py).
