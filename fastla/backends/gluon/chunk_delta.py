@@ -31,8 +31,12 @@ SPECIALIZED_WIDTHS = (32, 64)
 STEP_US = {32: 1.3, 64: 2.2, 128: 3.1}
 WARPGROUPS = {32: 1, 64: 1, 128: 2}     # 128 columns on one warpgroup need > 255 registers
 # KDA's GK step loads a third K-wide tile (kd) per chunk: 128 columns would need 245 KB of shared
-# memory; the step times are GDN's (not measured separately)
-GK_WIDTHS = {bv: STEP_US[bv] for bv in (32, 64)}
+# memory. Its steps are bound by those tiles' bytes (~68 KB a step at 32 columns), so narrow tiles
+# gain little: 64 columns ~2.7 us (1x8k H64, one wave: scan 347 us / 128 chunks), 32 columns
+# ~2.5 us (inferred: 1x8k H96 ran three waves of 32-column programs in ~960 us once the
+# prologue, scaled from H64, is taken off; benchmarks/results/kda_prefill_sweep-v3-gluon.txt,
+# nvidia-h200-20261203-150351.json)
+GK_WIDTHS = {32: 2.5, 64: 2.7}
 
 
 def scan_tile(lanes: float, V: int, sms: int, widths=STEP_US) -> tuple[int, int]:
