@@ -1,6 +1,7 @@
 """Token-parallel prologue of the KDA chunked forward (Triton tier): per 64-token chunk and value
 head, the per-channel gate's cumsum, the WY factor P, the causal scores and the gated keys and
-queries that the scan (chunk_delta.py, ``GK``) multiplies with the state.
+queries that the scan (the Triton one in chunk_delta.py and the Gluon one in
+backends/gluon/chunk_delta_sm90.py, both ``GK``) multiplies with the state.
 
 ``_kda_prepare_kernel``, grid ``(chunks, HV)``, launched twice (SCORES False: A, P, kg, kd,
 decay; SCORES True: Aqk, qg), one warp (no barriers: the cumsums and reductions stay within the
