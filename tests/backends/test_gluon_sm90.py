@@ -156,13 +156,16 @@ def test_launcher_builds_descriptors(monkeypatch):
     assert args[3].block_shape == args[6].block_shape == [64, 128]                # v and o boxes
 
     # KDA (GK): gated keys and queries per value head, the kd tiles and decays, at most 64 columns
-    kd, decay = torch.empty(B, T, HV, K, **bf), torch.empty(B * 128, HV, K)
-    sp = chunk_delta.SequencePass(kd, kd, v, beta, 1, scratch, scratch, g, g, None, v, None, None, None, None, None,
+    qg, kg, kd = (torch.empty(B, T, HV, K, **bf) for _ in range(3))
+    decay = torch.empty(B * 128, HV, K)
+    sp = chunk_delta.SequencePass(qg, kg, v, beta, 1, scratch, scratch, g, g, None, v, None, None, None, None, None,
                                   T, 128, g, kd, decay)
     gluon_chunk._sequence_scan(p, sp, 0, g, g, B)
     grid, args, kw = launches[-1]
     assert kw["kernel"] == "plain" and kw["GK"] is True and not kw["L2NORM"] and kw["BV"] == 64
-    assert list(args[0].shape) == list(args[2].shape) == [B * T, HV * K] and args[2].base.data_ptr() == kd.data_ptr()
+    for desc, x in zip(args[:3], (kg, qg, kd)):                                 # k_desc, q_desc, kd_desc
+        assert desc.base.data_ptr() == x.data_ptr() and list(desc.shape) == [B * T, HV * K]
+        assert desc.block_shape == [64, 64]
     assert args[names.index("decay")] is decay and args[names.index("gcum")] is g      # gcum: the dummy
 
 

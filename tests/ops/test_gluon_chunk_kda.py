@@ -19,11 +19,21 @@ def test_bf16_cases(case):
     check_fp64(*bf16_case(case), tier="gluon")
 
 
+@pytest.mark.parametrize("case", ["bounded-gate", "varlen", "v-first-k64"])
 @pytest.mark.parametrize("block_v", [32, 64])
-def test_tile_widths(block_v, monkeypatch):
+def test_tile_widths(block_v, case, monkeypatch):
+    """Both widths (the small test shapes plan 32 columns by themselves)."""
     from fastla.backends.gluon import chunk_delta as gluon_chunk
     monkeypatch.setattr(gluon_chunk, "SCAN_BLOCK_V", block_v)
-    check_fp64(*bf16_case("bounded-gate"), tier="gluon")
+    check_fp64(*bf16_case(case), tier="gluon")
+
+
+def test_varlen_segment_replays(monkeypatch):
+    """Sequence parallelism on a varlen batch (4-chunk segments, replays in the sm_90 scan)."""
+    from fastla.backends.triton import chunk_delta
+    original = chunk_delta.default_config
+    monkeypatch.setattr(chunk_delta, "default_config", lambda p: dataclasses.replace(original(p), segment_chunks=4))
+    check_fp64(*bf16_case("varlen"), tier="gluon")
 
 
 def test_segments_and_intermediate_states(monkeypatch):

@@ -1,6 +1,6 @@
-"""The Gluon tier's GDN chunked forward: the Triton prologue, segment summaries and combine
-(backends/triton/chunk_delta.py), with the sequence passes of the scan in the sm_90 kernel
-(chunk_delta_sm90.py)."""
+"""The Gluon tier's GDN and KDA chunked forwards: the Triton prologue, segment summaries and
+combine (backends/triton/chunk_delta.py), with the sequence passes of the scan in the sm_90 kernel
+(chunk_delta_sm90.py; KDA through its per-channel ``GK`` step)."""
 from __future__ import annotations
 
 import functools
@@ -104,6 +104,9 @@ def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments
         if SCAN_BLOCK_V not in widths or p.V % SCAN_BLOCK_V:
             raise ValueError(f"SCAN_BLOCK_V = {SCAN_BLOCK_V}: one of {list(widths)} dividing V = {p.V}")
         BV, warpgroups = SCAN_BLOCK_V, WARPGROUPS[SCAN_BLOCK_V]
+    if gk and SCAN_STAGES != 2:
+        raise ValueError(f"SCAN_STAGES = {SCAN_STAGES}: KDA's scan runs two stages (a third needs more than the "
+                         "227 KB of shared memory at 64 columns)")
     warpgroups = SCAN_WARPGROUPS or warpgroups
     if sp.h_chunks is not None:
         BV, warpgroups = 32, 1          # storing the chunk states spills at 64 columns (448 B, sm_90 compile)

@@ -1,4 +1,4 @@
-"""Hopper (sm_90) chunk scan of the GDN forward, with the output fused: Gluon, TMA, async wgmma.
+"""Hopper (sm_90) chunk scan of the GDN and KDA forwards, with the output fused: Gluon, TMA, async wgmma.
 
 The prologue is the Triton tier's (backends/triton/chunk_prepare.py): per 64-token chunk and
 value head G = cumsum(g), P = (I + A)^-1 (whole rows, zero above the block diagonal), the causal

@@ -33,8 +33,10 @@ forward substitution, the six lower blocks by block substitution.
 
 Writes P and Aqk ``[B, T, HV, BT]`` (whole rows, zero above the block diagonal), kg, kd, qg
 ``[B, T, HV, K]`` in the product dtype and decay ``[chunks, HV, K]`` fp32. Budget (sm_90,
-K = 128, tests/backends/test_triton_sm90.py): 254 / 247 registers at one warp and BK 16, no
-spill (each block's gated keys are stored as soon as it is done, which ends X_b's life early).
+K = 128, tests/backends/test_triton_sm90.py): 254 / 247 registers at one warp and BK 16 with the
+gate in the op, no spill (each block's gated keys are stored as soon as it is done, which ends
+X_b's life early); with a precomputed bf16 gate and the exact diagonal, 255 and 8 bytes of spill
+in both launches (not timed separately).
 Latency-bound: ~1.0 ms for both launches at 1x8k H64 (docs/notes/kda-prefill.md).
 Traffic per token and value head (bf16, K = 128): 768 bytes of gated keys and queries and
 256 of P and Aqk written; q and k read once per value head (from L2 within a GVA group).
