@@ -15,13 +15,13 @@ TOL = 2e-5 if interpreting() else 1e-2          # fp32 operands in the interpret
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def on_triton(fn, *args, tier="triton", **kwargs):
+def on_tier(fn, *args, tier="triton", **kwargs):
     with use_tier(tier, strict=True), torch.no_grad():
         return fn(*args, **kwargs)
 
 
 def check(t, tol=TOL, **opts):
-    o, ht = on_triton(call_chunk, SPEC, t, output_final_state=True, **opts)
+    o, ht = on_tier(call_chunk, SPEC, t, output_final_state=True, **opts)
     opts.pop("cu_seqlens_cpu", None)
     ro, rht = call_reference(SPEC, t, output_final_state=True, **opts)
     assert_close("o", o, ro, tol)
@@ -59,7 +59,7 @@ def test_everything_in_op(lower_bound):
                 dt_bias=torch.randn(HV * K, generator=gen), lower_bound=lower_bound,
                 use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True,
                 output_final_state=True)
-    o, ht = on_triton(chunk_kda, **t, **opts)
+    o, ht = on_tier(chunk_kda, **t, **opts)
     q, k, v = t.pop("q"), t.pop("k"), t.pop("v")
     ro, rht = naive_recurrent_kda(q, k, v, **t, **opts)
     assert_close("o", o, ro, TOL)
@@ -74,7 +74,7 @@ def test_segments_and_intermediate_states(monkeypatch):
     t = make_inputs(SPEC, B=1, T=150, H=1, K=16, V=16)
     opts = dict(output_final_state=True, return_intermediate_states=True)
     with torch.inference_mode():
-        o, ht, h = on_triton(call_chunk, SPEC, t, **opts)
+        o, ht, h = on_tier(call_chunk, SPEC, t, **opts)
         with use_tier("torch", strict=True):
             ro, rht, rh = call_chunk(SPEC, t, **opts)
     assert_close("o", o, ro, TOL)
@@ -115,7 +115,7 @@ def bf16_case(case: str):
 
 def check_fp64(t, opts, tier="triton", **extra):
     """The tier's output and final state against the fp64 reference (tolerance 2e-2)."""
-    o, ht, *rest = on_triton(call_chunk, SPEC, t, output_final_state=True, tier=tier, **opts, **extra)
+    o, ht, *rest = on_tier(call_chunk, SPEC, t, output_final_state=True, tier=tier, **opts, **extra)
     opts = {n: x for n, x in opts.items() if n != "cu_seqlens_cpu"}
     ref = {n: x.double() for n, x in t.items()}
     ro, rht = call_reference(SPEC, ref, output_final_state=True,

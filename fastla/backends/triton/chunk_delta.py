@@ -229,8 +229,9 @@ class ChunkConfig:
     segment_chunks: int | None = None   # sequence parallelism: chunks per segment (None: heuristic, 0: off)
     scores_warps: int = 4
     # KDA prologue (chunk_prepare_kda.py): warps and channels per slice. One warp measured fastest
-    # (no barriers; 1x8k H64 both launches 1005 us vs 1468 at 2 warps and 1765 at 4 / 32,
-    # docs/notes/kda-prefill.md), 16 channels the largest slice without spills
+    # (no barriers; 1x8k H64 both launches 1005 us vs 1468 at 2 warps and 1765 at 4 / 32 before
+    # the blocks were made independent, 1031 us after; docs/notes/kda-prefill.md); at 16 channels
+    # no spill with the gate in the op, 8 bytes with a precomputed gate (32 channels: 40-208)
     kda_prepare_warps: int = 1
     kda_prepare_block_k: int = 16
     kda_prepare_maxnreg: int | None = None   # register cap (more programs per SM; spills past ~168)
