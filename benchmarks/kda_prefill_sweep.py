@@ -17,6 +17,7 @@ from triton.testing import do_bench_cudagraph
 
 import fastla  # noqa: F401  (registers the tiers)
 from benchmarks.gdn_prefill_sweep import kernel_split, rel
+from fastla.backends.gluon import chunk_delta as gluon_chunk
 from fastla.backends.triton import chunk_delta
 from fastla.bench.inputs import call_kwargs, make_inputs
 from fastla.bench.registry import get_config
@@ -32,6 +33,7 @@ VARIANTS = {
     "prep-w2-bk32": dict(kda_prepare_warps=2, kda_prepare_block_k=32),
     "prep-w4-bk32": dict(kda_prepare_warps=4, kda_prepare_block_k=32),
     "prep-r168": dict(kda_prepare_maxnreg=168),
+    "prep-triton": dict(sm90_prologue=False),     # the Gluon tier with the Triton prologue
     "prep-w4-bk16-r128": dict(kda_prepare_warps=4, kda_prepare_block_k=16, kda_prepare_maxnreg=128),
     "prep-w2-bk16-r168": dict(kda_prepare_warps=2, kda_prepare_block_k=16, kda_prepare_maxnreg=168),
     "bv32s3": dict(scan_block_v=32, scan_stages=3, scan_warps=4),
@@ -69,9 +71,9 @@ def main() -> int:
             print(f"{shape:24s} FLA {fla_us:9.1f} us: " + ", ".join(f"{k} {v:.0f}" for k, v in fla_split.items()),
                   flush=True)
         for name in names:
-            over = VARIANTS[name]
-            chunk_delta.default_config = lambda p, o=over: (
-                original(p) if o is None else dataclasses.replace(original(p), **o))
+            over = dict(VARIANTS[name] or {})
+            gluon_chunk.KDA_PROLOGUE_SM90 = over.pop("sm90_prologue", True)
+            chunk_delta.default_config = lambda p, o=over: dataclasses.replace(original(p), **o)
             try:
                 with use_tier(args.tier, strict=True), torch.no_grad():
                     call = lambda: chunk_kda(**kw)  # noqa: E731
@@ -85,7 +87,8 @@ def main() -> int:
                 continue
             finally:
                 chunk_delta.default_config = original
-            prep = sum(v for k, v in split.items() if "prepare" in k)
+                gluon_chunk.KDA_PROLOGUE_SM90 = True
+            prep = sum(v for k, v in split.items() if any(w in k for w in ("prepare", "prologue", "inverse")))
             scan = sum(v for k, v in split.items() if "scan" in k)
             rows.append(dict(shape=shape, variant=name, tier=args.tier, us=us, prepare_us=prep, scan_us=scan, kernels=split,
                              err_vs_fla=err_fla, fla_us=fla_us))

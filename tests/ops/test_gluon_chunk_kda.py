@@ -14,12 +14,12 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
 
 
 @pytest.mark.parametrize("case", ["dense", "varlen", "strong-decay", "unbounded-gate", "bounded-gate",
-                                  "v-first-k64"])
+                                  "v-first-k64", "bounded-varlen", "bounded-k64", "bounded-plain"])
 def test_bf16_cases(case):
     check_fp64(*bf16_case(case), tier="gluon")
 
 
-@pytest.mark.parametrize("case", ["bounded-gate", "varlen", "v-first-k64"])
+@pytest.mark.parametrize("case", ["bounded-gate", "varlen", "v-first-k64", "bounded-varlen"])
 @pytest.mark.parametrize("block_v", [32, 64])
 def test_tile_widths(block_v, case, monkeypatch):
     """Both widths (the small test shapes plan 32 columns by themselves)."""
@@ -50,3 +50,30 @@ def test_segments_and_intermediate_states(monkeypatch):
     check_fp64(t, opts, tier="gluon")                      # the replays at the planned width (no states)
     assert torch.isfinite(h).all()
     assert_close("h", h, h_whole, 2e-2)
+
+
+@pytest.mark.parametrize("case", ["bounded-gate", "bounded-varlen", "bounded-k64", "bounded-plain"])
+def test_sm90_prologue_matches_triton(case, monkeypatch):
+    """The sm_90 prologue's P, Aqk, gated keys and queries, kd and decays against the Triton
+    prologue's on the same inputs (bounded gates: the ones it serves)."""
+    from fastla.backends.gluon import chunk_delta as gluon_chunk
+    from fastla.backends.gluon import chunk_prepare_kda_sm90 as sm90
+    from fastla.backends.triton import chunk_prepare_kda
+    seen = {}
+
+    def recorded(name, fn, first):
+        def launch(*args, **kwargs):
+            fn(*args, **kwargs)
+            seen[name] = [x.clone() for x in args[first:first + 6]]     # P, Aqk, kg, kd, qg, decay
+        return launch
+
+    monkeypatch.setattr(sm90, "launch", recorded("sm90", sm90.launch, 5))
+    monkeypatch.setattr(chunk_prepare_kda, "launch", recorded("triton", chunk_prepare_kda.launch, 7))
+    t, opts = bf16_case(case)
+    check_fp64(t, opts, tier="gluon")
+    monkeypatch.setattr(gluon_chunk, "KDA_PROLOGUE_SM90", False)
+    check_fp64(t, opts, tier="gluon")
+    assert set(seen) == {"sm90", "triton"}
+    for name, x, ref in zip(("P", "Aqk", "kg", "kd", "qg", "decay"), seen["sm90"], seen["triton"]):
+        assert torch.isfinite(x).all(), name
+        assert_close(name, x.float(), ref.float(), 1e-2)

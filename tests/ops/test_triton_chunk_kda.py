@@ -94,18 +94,22 @@ def test_prologue_launch_variants(warps, block_k, monkeypatch):
 
 def bf16_case(case: str):
     """Inputs and options of a GPU case: bf16 at K = V = 128 (64 for v-first-k64), every option as
-    the registry uses it."""
-    K = V = 64 if case == "v-first-k64" else 128
-    lengths = [1, 300, 64, 1000, 77] if case == "varlen" else None
+    the registry uses it. The bounded-* cases take the bounded gate (lower_bound -5) on the
+    varlen batch, at K = 64 with v_first, or bare (no A_log, dt_bias, l2norm or beta sigmoid)."""
+    K = V = 64 if case in ("v-first-k64", "bounded-k64") else 128
+    lengths = [1, 300, 64, 1000, 77] if case in ("varlen", "bounded-varlen") else None
     B, T = (1, sum(lengths)) if lengths else (2, 1000)
     t = make_inputs(SPEC, B=B, T=T, H=2, HV=4, K=K, V=V, dtype=torch.bfloat16, device="cuda",
                     strength=100.0 if case == "strong-decay" else 1.0, N=len(lengths) if lengths else None,
-                    v_first=case == "v-first-k64")
-    opts = dict(use_qk_l2norm_in_kernel=True, state_v_first=case == "v-first-k64")
-    if case in ("unbounded-gate", "bounded-gate"):
+                    v_first=K == 64)
+    opts = dict(use_qk_l2norm_in_kernel=case != "bounded-plain", state_v_first=K == 64)
+    if case == "bounded-plain":
+        opts.update(use_gate_in_kernel=True, lower_bound=-5.0)
+        t["g"] = torch.randn_like(t["g"]) * 3
+    elif case in ("unbounded-gate", "bounded-gate") or case.startswith("bounded-"):
         opts.update(use_gate_in_kernel=True, A_log=torch.randn(4, device="cuda") * 0.5,
                     dt_bias=torch.randn(4 * K, device="cuda"), use_beta_sigmoid_in_kernel=True)
-        opts.update(lower_bound=-5.0) if case == "bounded-gate" else None
+        opts.update(lower_bound=-5.0) if case != "unbounded-gate" else None
         t["g"] = torch.randn_like(t["g"]) * 3
     if lengths:
         cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())

@@ -4,6 +4,7 @@ combine (backends/triton/chunk_delta.py), with the sequence passes of the scan i
 from __future__ import annotations
 
 import functools
+import logging
 import math
 
 import torch
@@ -21,6 +22,9 @@ SCAN_WARPGROUPS = None      # warpgroups splitting a program's columns (None: sc
 # 200 KB at K = 128): off by default, it measured 4-10% slower than the plain scan at 64 columns
 # on every swept shape (docs/notes/gdn-prefill.md, v10)
 SCAN_SPECIALIZED = False
+# KDA's prologue on the sm_90 kernel (chunk_prepare_kda_sm90.py) where it serves (bounded gates),
+# else on the Triton one (backends/triton/chunk_prepare_kda.py); False for A/B sweeps
+KDA_PROLOGUE_SM90 = True
 SPECIALIZED_WIDTHS = (32, 64)
 
 # Time of one chunk step of a program at each tile width (us, H200, K = V = 128 (applied to K = 64
@@ -154,5 +158,19 @@ def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments
 
 
 def run(p: Problem):
+    from fastla.backends.gluon import chunk_prepare_kda_sm90 as kda_prologue
+
     config = triton_chunk.default_config(p)
-    return triton_chunk.run(p, config, sequence_scan=_sequence_scan)
+    prologue = None
+    if p.gk is not None and KDA_PROLOGUE_SM90 and p.q.dtype == torch.bfloat16:
+        why = kda_prologue.serves(p)
+        if why is None:
+            prologue = kda_prologue.launch
+        else:
+            _log_once(f"KDA prologue on the Triton kernels: {why}")
+    return triton_chunk.run(p, config, sequence_scan=_sequence_scan, kda_prologue=prologue)
+
+
+@functools.lru_cache(maxsize=None)
+def _log_once(message: str) -> None:
+    logging.getLogger("fastla").info(message)

@@ -446,10 +446,11 @@ class SequencePass:
     decay: torch.Tensor | None = None       # and e^(G_last) [chunks, HV, K] for the GK step
 
 
-def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None):
+def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, kda_prologue=None):
     """The chunked forward. ``sequence_scan(p, SequencePass, seg, segments, seg_state, programs)``,
     when given, launches the sequence passes (seg 0 or 2) instead of the Triton scan; it must
-    write the output."""
+    write the output. ``kda_prologue``, when given, runs KDA's prologue instead of
+    chunk_prepare_kda.launch (same arguments less q, k and the launch shape)."""
     config = config or default_config(p)
     B, T, H, HV, K, V, N = p.B, p.T, p.H, p.HV, p.K, p.V, p.N
     dev = p.device
@@ -483,7 +484,9 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None):
         decay = torch.empty(max(total, 1), HV, K, dtype=torch.float32, device=dev)
         gcum = rq = rk = None
         dummy = decay
-        if total:
+        if total and kda_prologue is not None:
+            kda_prologue(p, beta, beta_mode, total, tables, inverse, scores, k, kd, q, decay)
+        elif total:
             chunk_prepare_kda.launch(p, p.q, p.k, beta, beta_mode, total, tables, inverse, scores, k, kd, q, decay,
                                      dot, config.kda_prepare_block_k, config.kda_prepare_warps,
                                      config.kda_prepare_maxnreg)

@@ -262,6 +262,47 @@ def _kda_prepare_kernel(
 
 
 @triton.jit
+def _load_block(a, row0, bi: tl.constexpr, bj: tl.constexpr, n_left, stride):
+    """Block (bi, bj) [16, 16] of a chunk's [64, 64] matrix at a + row0 (row stride ``stride``), 0
+    past the chunk's rows."""
+    r = tl.arange(0, 16)
+    t = bi * 16 + r
+    return tl.load(a + row0 + t[:, None] * stride + (bj * 16 + r)[None, :], mask=(t < n_left)[:, None], other=0.0)
+
+
+@triton.jit(do_not_specialize=["T", "NT"])     # as chunk_delta._scan_kernel
+def _kda_inverse_kernel(a, p_out, cu_seqlens, chunk_index, T, NT, HV: tl.constexpr, BT: tl.constexpr,
+                        VARLEN: tl.constexpr):
+    """P = (I + A)^-1 per chunk and value head from A (strictly lower, beta applied, fp32
+    ``[B, T, HV, 64]``) as the sm_90 prologue writes it (backends/gluon/chunk_prepare_kda_sm90.py);
+    grid (chunks, HV), one warp."""
+    i_c = tl.program_id(0).to(tl.int64)
+    i_hv = tl.program_id(1)
+    i_n, c, bos, eos = _chunk(chunk_index, cu_seqlens, i_c, T, NT, VARLEN)
+    t0 = bos + c * BT
+    n_left = eos - t0
+    row0 = (t0 * HV + i_hv) * BT
+    stride = HV * BT
+    p00, p10, p11, p20, p21, p22, p30, p31, p32, p33 = _lower_inverse(
+        _load_block(a, row0, 0, 0, n_left, stride), _load_block(a, row0, 1, 0, n_left, stride),
+        _load_block(a, row0, 1, 1, n_left, stride), _load_block(a, row0, 2, 0, n_left, stride),
+        _load_block(a, row0, 2, 1, n_left, stride), _load_block(a, row0, 2, 2, n_left, stride),
+        _load_block(a, row0, 3, 0, n_left, stride), _load_block(a, row0, 3, 1, n_left, stride),
+        _load_block(a, row0, 3, 2, n_left, stride), _load_block(a, row0, 3, 3, n_left, stride))
+    _store_lower(p_out, row0, p00, p10, p11, p20, p21, p22, p30, p31, p32, p33, n_left, stride, BT)
+
+
+def launch_inverse(p, total: int, tables, a, inverse, warps: int = 1) -> None:
+    """P = (I + A)^-1 into ``inverse`` from the fp32 A ``[B, T, HV, 64]`` of the sm_90 prologue."""
+    cu, chunk_index = tables
+    varlen = cu is not None
+    NT = -(-p.T // BT)
+    launcher(_kda_inverse_kernel, p.T, NT)[(total, p.HV)](
+        a, inverse, cu if varlen else a, chunk_index if varlen else a, p.T, NT, HV=p.HV, BT=BT, VARLEN=varlen,
+        num_warps=warps, num_stages=1)
+
+
+@triton.jit
 def _beta_rows(beta, base, blk: tl.constexpr, n_left, HV: tl.constexpr, BETA: tl.constexpr):
     """beta of the block's 16 rows as a column [16, 1] (activated as the op asks; 0 off the chunk)."""
     t = blk * 16 + tl.arange(0, 16)

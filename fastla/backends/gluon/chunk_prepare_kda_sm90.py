@@ -1,0 +1,257 @@
+"""Hopper (sm_90) prologue of the KDA chunked forward for bounded gates (safe_gate: the gate in the
+op with lower_bound >= -5): Gluon, async wgmma, one launch for what the Triton prologue
+(backends/triton/chunk_prepare_kda.py) does in two.
+
+Per 64-token chunk and value head, with G the in-chunk cumsum of the log decay (log2 units), unit
+keys and queries when the l2norm is in the op, and per-channel products
+``(a * b)_ij = sum_c a_ic b_jc 2^(G_ic - G_jc)``, it writes
+    A   = strict_lower(diag(beta) (k * k))          fp32  [B * T, HV, 64]  (scratch: the inverse
+                                                          kernel turns it into P = (I + A)^-1)
+    Aqk = scale lower(q * k)                         bf16  [B * T, HV, 64]  (whole rows, zeros above)
+    kg = k 2^G,  qg = scale q 2^G,  kd = k 2^(G_last - G)     bf16  [B * T, HV, K]
+    decay = 2^(G_last)                               fp32  [chunks, HV, K]
+
+Grid ``(chunks, HV)``, 4 warps (one warpgroup), K in slices of 32 channels. Elementwise work is in
+[4, 16, 32] tiles (block b, row in the block, channel), each thread holding one channel's 16 rows
+of one block (lanes: 8 channels x 4 blocks, warps: 4 x 8 channels), so the cumsums within a block
+run in registers and the blocks' ones over 4 lanes. Per slice, with L_b the gate's cumsum within
+block b, s_b = L_b,15 its span, c_b the cumsum at the block's end and m_b = c_b - s_b / 2 its mid:
+    X = k 2^L,  Q = scale q 2^L          (<= 1)
+    F = k 2^(s / 2 - L)                  (within 2^(+-s / 2): around the block's mid)
+    A[:, block c] += (X D_c) F_c^T,  Aqk[:, block c] += (Q D_c) F_c^T     (wgmma, M 64, N 16, K 32)
+with D_c(b) = 2^(c_(b-1) - m_c) for b >= c (<= 1 below the diagonal, <= 2^(-s_c / 2) on it) and 0
+above: every operand within 2^(+-58) for spans <= 16 x 5 nats, far inside bf16's range. The
+factors D_c go on the rows (left operands), the 8 scaled copies live in shared memory (4.5 x
+[64, 32] bf16 tiles per side), the accumulators in registers (8 x [64, 16] fp32). kg = X 2^(c_(b-1)),
+qg = Q 2^(c_(b-1)), kd = F 2^(c_3 - m_b) are stored per slice.
+Unbounded gates (spans past ~250 in log2 units overflow F) stay on the Triton prologue, which
+has an exact pairwise diagonal.
+
+Budget and measurements: docs/notes/kda-prefill.md (v4).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+)
+
+from fastla.backends.triton.chunk_index import _chunk
+from fastla.backends.triton.chunk_prepare import _activate_beta
+
+LOG2E = gl.constexpr(1.4426950408889634)
+BC = gl.constexpr(32)      # channels per slice
+
+
+@gluon.jit
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def _slice(x_s, ks, valid, L3: gl.constexpr):
+    """Slice ks [4, 16, 32] of a chunk's tile in shared memory as fp32, 0 past n_left."""
+    x = gl.reshape(x_s.index(ks).load(gl.BlockedLayout([16, 1], [1, 32], [4, 1], [0, 1])), [4, 16, BC])
+    return gl.where(valid, gl.convert_layout(x, L3).to(gl.float32), 0.0)
+
+
+@gluon.jit
+def _row_norms(x_s, valid, NS: gl.constexpr, L3: gl.constexpr):
+    """1 / |x_t| over all NS slices [4, 16, 1] (FLA's eps)."""
+    xs = _slice(x_s, 0, valid, L3)
+    acc = xs * xs                                                           # per thread, then across channels once
+    for ks in gl.static_range(1, NS):
+        xs = _slice(x_s, ks, valid, L3)
+        acc += xs * xs
+    return gl.expand_dims(gl.rsqrt(gl.sum(acc, 2) + 1e-6), 2)
+
+
+@gluon.jit
+def _pair_operands(x_s, q_s, h: gl.constexpr, X, Q, D):
+    """Block pair h's left operands X D, Q D ([4, 16, 32], D [4, 32]) into shared memory, channel-major
+    ([32, 64]: each thread's 16 rows are contiguous there)."""
+    Dx = gl.expand_dims(D, 1)
+    x_s.index(h).store(gl.permute(gl.reshape(X * Dx, [64, BC]), (1, 0)).to(gl.bfloat16))
+    q_s.index(h).store(gl.permute(gl.reshape(Q * Dx, [64, BC]), (1, 0)).to(gl.bfloat16))
+
+
+@gluon.jit
+def _products(x_s, q_s, f_s, h: gl.constexpr, akk, aqk):
+    """A and Aqk's block columns 2h, 2h + 1 [64, 32] += (X D_h) F_h^T and (Q D_h) F_h^T."""
+    fT = f_s.slice(h * BC, BC, dim=0)                                       # F_h^T [32 channels, 32 columns]
+    akk = warpgroup_mma(x_s.index(h).permute((1, 0)), fT, akk, is_async=True)
+    aqk = warpgroup_mma(q_s.index(h).permute((1, 0)), fT, aqk, is_async=True)
+    return akk, aqk
+
+
+@gluon.jit
+def _store_pair_columns(a_kk, a_qk, row_off, r, valid_r, beta_r, h: gl.constexpr, akk, aqk, cols_l: gl.constexpr):
+    """Columns 32h .. 32h + 31 of A (strict lower, times beta, fp32) and Aqk (lower, bf16), rows < n_left."""
+    col = 32 * h + gl.arange(0, 32, layout=cols_l)
+    off = row_off[:, None] + col[None, :]
+    m = valid_r[:, None] & (col[None, :] < 64)
+    gl.store(a_kk + off, gl.where(col[None, :] < r[:, None], akk * beta_r[:, None], 0.0), mask=m)
+    gl.store(a_qk + off, gl.where(col[None, :] <= r[:, None], aqk, 0.0).to(gl.bfloat16), mask=m)
+
+
+@gluon.jit(do_not_specialize=["T", "NT"])
+def _kda_prologue_sm90_kernel(
+    q_desc, k_desc, g_desc, beta, A_log, dt_bias, lower_bound, scale, a_kk, a_qk, kg, kd, qg, decay,
+    cu_seqlens, chunk_index, T, NT,
+    H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, L2NORM: gl.constexpr, HAS_A: gl.constexpr,
+    HAS_BIAS: gl.constexpr, BETA: gl.constexpr, VARLEN: gl.constexpr,
+):
+    gl.static_assert(K % BC == 0, "K in slices of 32 channels")
+    NS: gl.constexpr = K // BC
+    L3: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16, 1], threads_per_warp=[1, 1, 32],
+                                        warps_per_cta=[4, 1, 1], order=[2, 1, 0])
+    L_bc: gl.constexpr = gl.SliceLayout(1, L3)                              # [4, 32] (block, channel)
+    B2: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0])    # the same, as a blocked layout (scans)
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 32, 16])
+    x_tile: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    f_tile: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
+
+    i_c = gl.program_id(0).to(gl.int64)
+    i_hv = gl.program_id(1)
+    i_h = i_hv // (HV // H)                                                 # GVA: the q/k head
+    i_n, c, bos, eos = _chunk(chunk_index, cu_seqlens, i_c, T, NT, VARLEN)
+    t0 = bos + c * 64
+    n_left = eos - t0                                                       # tokens of the chunk from t0, >= 1
+    beta_base = t0 * HV + i_hv                                              # chunk row 0 in beta, A, Aqk
+    gate_base = beta_base * K                                               # chunk row 0 in g, kg, kd, qg
+
+    ib3 = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))[:, None, None]
+    ir3 = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))[None, :, None]
+    o_c = gl.arange(0, BC, layout=gl.SliceLayout(0, L_bc))[None, None, :]  # [1, 1, 32]
+    t = ib3 * 16 + ir3                                                      # [4, 16, 1] chunk rows
+    valid = t < n_left
+    ib = gl.arange(0, 4, layout=gl.SliceLayout(1, L_bc))[:, None]           # [4, 1] block of a [4, 32]
+
+    # the chunk's q, k and gate tiles by TMA, [64, 32] per slice (rows past B * T zero-filled; rows
+    # of the next sequence are masked by valid)
+    q_in = gl.allocate_shared_memory(q_desc.dtype, [NS, 64, BC], q_desc.layout)
+    k_in = gl.allocate_shared_memory(k_desc.dtype, [NS, 64, BC], k_desc.layout)
+    g_in = gl.allocate_shared_memory(g_desc.dtype, [NS, 64, BC], g_desc.layout)
+    bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(bar, count=1)
+    fence_async_shared()
+    mbarrier.expect(bar, NS * 64 * BC * (2 * q_desc.dtype.primitive_bitwidth + g_desc.dtype.primitive_bitwidth) // 8)
+    row = t0.to(gl.int32)
+    for ks in gl.static_range(NS):
+        tma.async_copy_global_to_shared(q_desc, [row, i_h * K + ks * BC], bar, q_in.index(ks))
+        tma.async_copy_global_to_shared(k_desc, [row, i_h * K + ks * BC], bar, k_in.index(ks))
+        tma.async_copy_global_to_shared(g_desc, [row, i_hv * K + ks * BC], bar, g_in.index(ks))
+    mbarrier.wait(bar, 0)
+    mbarrier.invalidate(bar)
+
+    if L2NORM:
+        rk = _row_norms(k_in, valid, NS, L3)
+        rq = _row_norms(q_in, valid, NS, L3) * scale
+    else:
+        rk = gl.full([4, 16, 1], 1.0, gl.float32, L3)
+        rq = gl.full([4, 16, 1], 1.0, gl.float32, L3) * scale
+    if HAS_A:
+        a = gl.exp(gl.load(A_log + i_hv).to(gl.float32))
+    else:
+        a = 1.0
+
+    x_s = gl.allocate_shared_memory(gl.bfloat16, [2, BC, 64], x_tile)     # (X D_h)^T per block pair h
+    q_s = gl.allocate_shared_memory(gl.bfloat16, [2, BC, 64], x_tile)     # (Q D_h)^T
+    f_s = gl.allocate_shared_memory(gl.bfloat16, [2 * BC, 32], f_tile)    # F_h^T in rows 32h .. 32h + 31
+    zero = gl.zeros([64, 32], gl.float32, acc_l)
+    k0, k1, q0, q1 = zero, zero, zero, zero
+    for ks in range(0, NS):
+        o_k = o_c + ks * BC
+        # the bounded KDA gate in log2 units: lower_bound sigmoid(a (g + dt_bias)) log2(e); 0 past n_left
+        x = _slice(g_in, ks, valid, L3)
+        if HAS_BIAS:
+            x = x + gl.load(dt_bias + i_hv * K + o_k).to(gl.float32)
+        x = gl.where(valid, (LOG2E * lower_bound) / (1.0 + gl.exp2(-LOG2E * a * x)), 0.0)
+        L = gl.associative_scan(x, 1, _add)                                 # [4, 16, 32] within each block
+        s = gl.sum(x, 1)                                                    # [4, 32] spans
+        end = gl.convert_layout(gl.associative_scan(gl.convert_layout(s, B2), 0, _add), L_bc)   # c_b
+        start = end - s                                                     # c_(b-1)
+        c0 = gl.sum(gl.where(ib == 0, end, 0.0), 0)[None, :]                # [1, 32] the pairs' references
+        c2 = gl.sum(gl.where(ib == 2, end, 0.0), 0)[None, :]
+        c_last = gl.sum(s, 0)[None, :]                                      # G_last
+        ref = gl.where(ib < 2, c0, c2)                                      # [4, 32] the block's pair's
+        kb = _slice(k_in, ks, valid, L3) * rk
+        qb = _slice(q_in, ks, valid, L3) * rq
+        eL = gl.exp2(L)
+        X = kb * eL
+        Q = qb * eL
+        F = kb * gl.exp2(gl.expand_dims(ref - start, 1) - L)               # k 2^(ref - G)
+        f_s.store(gl.reshape(gl.permute(gl.reshape(F, [2, 32, BC]), (0, 2, 1)), [2 * BC, 32]).to(gl.bfloat16))
+        _pair_operands(x_s, q_s, 0, X, Q, gl.exp2(start - c0))
+        _pair_operands(x_s, q_s, 1, X, Q, gl.where(ib >= 2, gl.exp2(start - c2), 0.0))
+        fence_async_shared()
+        k0, q0 = _products(x_s, q_s, f_s, 0, k0, q0)
+        k1, q1 = _products(x_s, q_s, f_s, 1, k1, q1)
+        # the gated keys and queries from the chunk's start, kd to its end (while the products run)
+        e_start = gl.expand_dims(gl.exp2(start), 1)                         # 2^(c_(b-1))
+        out = gate_base + t * (HV * K) + o_k
+        gl.store(kg + out, (X * e_start).to(kg.dtype.element_ty), mask=valid)
+        gl.store(qg + out, (Q * e_start).to(qg.dtype.element_ty), mask=valid)
+        gl.store(kd + out, (F * gl.expand_dims(gl.exp2(c_last - ref), 1)).to(kd.dtype.element_ty), mask=valid)
+        o_d = (i_c * HV + i_hv) * K + ks * BC + gl.arange(0, BC, layout=gl.SliceLayout(0, L_bc))[None, :]
+        gl.store(decay + o_d + ib * 0, gl.exp2(c_last + 0.0 * start), mask=ib == 0)
+        k0, k1, q0, q1 = warpgroup_mma_wait(num_outstanding=0, deps=(k0, k1, q0, q1))
+
+    rows_l: gl.constexpr = gl.SliceLayout(1, acc_l)
+    cols_l: gl.constexpr = gl.SliceLayout(0, acc_l)
+    r = gl.arange(0, 64, layout=rows_l)
+    valid_r = r < n_left
+    beta_r = _activate_beta(gl.load(beta + beta_base + r * HV, mask=valid_r, other=0.0), valid_r, BETA)
+    row_off = (beta_base + r * HV) * 64
+    _store_pair_columns(a_kk, a_qk, row_off, r, valid_r, beta_r, 0, k0, q0, cols_l)
+    _store_pair_columns(a_kk, a_qk, row_off, r, valid_r, beta_r, 1, k1, q1, cols_l)
+
+
+@functools.lru_cache(maxsize=None)
+def _box_layout(dtype):
+    return gl.NVMMASharedLayout.get_default_for([64, 32], gl.bfloat16 if dtype == torch.bfloat16 else gl.float32)
+
+
+def serves(p) -> str | None:
+    """None when this prologue serves the problem, else why not (the Triton prologue then does)."""
+    from fastla.backends.triton.chunk_prepare_kda import bounded_spans
+
+    if not bounded_spans(p):
+        return "the gate is not the bounded one computed in the op (lower_bound >= -5)"
+    if p.K % 32:
+        return f"K = {p.K} is not a multiple of 32"
+    if p.gk.dtype not in (torch.bfloat16, torch.float32) or not p.gk.is_contiguous() or p.gk.data_ptr() % 16:
+        return "the gate is not a contiguous, 16-byte aligned bf16 or fp32 tensor (TMA)"
+    return None
+
+
+def launch(p, beta, beta_mode: int, total: int, tables, inverse, scores, kg, kd, qg, decay) -> None:
+    """Runs the prologue over ``total`` chunks (``tables`` = (cu_seqlens, chunk index) or Nones):
+    P into ``inverse`` and Aqk into ``scores`` ``[B, T, HV, 64]``, the gated keys and queries into
+    ``kg``, ``kd``, ``qg`` ``[B, T, HV, K]``, e^(G_last) into ``decay`` ``[total, HV, K]``."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from fastla.backends.triton.chunk_prepare_kda import launch_inverse
+    from fastla.backends.triton.launch import launcher
+
+    def desc(x, heads):                      # [B * T, heads * K] in [64, 32] boxes (rows past B * T: zeros)
+        view = x.view(p.B * p.T, heads * p.K)
+        return TensorDescriptor.from_tensor(view, [64, 32], _box_layout(x.dtype))
+
+    cu, chunk_index = tables
+    varlen = cu is not None
+    NT = -(-p.T // 64)
+    a_kk = torch.empty(p.B, p.T, p.HV, 64, dtype=torch.float32, device=p.device)
+    launcher(_kda_prologue_sm90_kernel, p.T, NT)[(total, p.HV)](
+        desc(p.q, p.H), desc(p.k, p.H), desc(p.gk, p.HV), beta, p.A_log if p.A_log is not None else decay,
+        p.dt_bias if p.dt_bias is not None else decay, float(p.lower_bound), p.scale,
+        a_kk, scores, kg, kd, qg, decay, cu if varlen else decay, chunk_index if varlen else decay, p.T, NT,
+        H=p.H, HV=p.HV, K=p.K, L2NORM=p.use_qk_l2norm, HAS_A=p.A_log is not None, HAS_BIAS=p.dt_bias is not None,
+        BETA=beta_mode, VARLEN=varlen, num_warps=4,
+    )
+    launch_inverse(p, total, tables, a_kk, inverse)
