@@ -194,3 +194,74 @@ def test_scan_profile_markers_match_the_kernels(kernel):
     target = tool.TARGETS[kernel]
     src = tool._instrument((tool.GLUON / target["file"]).read_text(), target)
     assert src.count("_clock(r)") == len(target["phases"]) and "prof=None" in src
+
+
+KDA_PROLOGUE_VARIANTS = {
+    # name: constexprs over the default launch (K = 128, GVA 2:1, gate with A_log and dt_bias, l2norm)
+    "kda-prologue": {},
+    "kda-prologue-varlen-bare": dict(VARLEN=True, L2NORM=False, HAS_A=False, HAS_BIAS=False, BETA=1),
+    "kda-prologue-k64": dict(K=64),
+}
+# K = 64 unrolls its two slices and spills 16 bytes (sm_90 compile); its fp64 GPU tests pass
+KDA_PROLOGUE_STACK = {"kda-prologue-k64": 16}
+
+
+def _child_kda_prologue(name: str, folder: str) -> None:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from fastla.backends.gluon.chunk_prepare_kda_sm90 import _kda_prologue_sm90_kernel as kern
+
+    consts = dict(H=32, HV=64, K=128, L2NORM=True, HAS_A=True, HAS_BIAS=True, BETA=2, VARLEN=False)
+    consts.update(KDA_PROLOGUE_VARIANTS[name])
+    box = gl.NVMMASharedLayout.get_default_for([64, 32], gl.bfloat16)
+    pointers = {"beta": "*bf16", "A_log": "*fp32", "dt_bias": "*fp32", "a_kk": "*fp32", "a_qk": "*bf16",
+                "kg": "*bf16", "kd": "*bf16", "qg": "*bf16", "decay": "*fp32", "cu_seqlens": "*i64",
+                "chunk_index": "*i32"}
+    names = kern.arg_names
+    sig = {}
+    for n in names:
+        if n.endswith("_desc"):
+            sig[n] = f"tensordesc<bf16[64, 32],{box!r}>"
+        else:
+            sig[n] = pointers.get(n) or ("constexpr" if n in consts else ("i32" if n in ("T", "NT") else "fp32"))
+    src = GluonASTSource(kern, sig, {(names.index(n),): v for n, v in consts.items()})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    res = _resources(kernel.asm["cubin"], folder)
+    tool = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    sass = subprocess.run([str(tool), "-sass", str(pathlib.Path(folder) / "k.cubin")], capture_output=True,
+                          text=True, check=True).stdout
+    res.update(hgmma=sass.count("HGMMA"), utmaldg=sass.count("UTMALDG"), shared_bytes=kernel.metadata.shared)
+    print(json.dumps(res))
+
+
+@pytest.mark.parametrize("name", list(KDA_PROLOGUE_VARIANTS))
+def test_kda_prologue_compiles_for_sm90(name, tmp_path):
+    res = _run_child(f"_child_kda_prologue({name!r}, {str(tmp_path)!r})", tmp_path,
+                     module="tests.backends.test_gluon_sm90")
+    assert res["hgmma"] > 0 and res["utmaldg"] > 0, res                   # wgmma products, TMA loads
+    assert res["LOCAL"] == 0 and res["STACK"] <= KDA_PROLOGUE_STACK.get(name, 0), f"spills: {res}"
+    assert res["shared_bytes"] <= 227 * 1024 // 2, res                    # two programs per SM
+
+
+def test_kda_prologue_serves_bounded_gates():
+    """The sm_90 prologue takes the bounded gate computed in the op (lower_bound >= -5); the
+    unbounded and precomputed gates stay on the Triton prologue (exact diagonal)."""
+    import torch
+
+    from fastla.backends.gluon.chunk_prepare_kda_sm90 import serves
+    from fastla.core.validation import build_problem
+
+    B, T, H, K = 1, 128, 2, 64
+    q, k, v = (torch.randn(B, T, H, K, dtype=torch.bfloat16) for _ in range(3))
+    g = torch.randn(B, T, H, K, dtype=torch.bfloat16)
+    beta = torch.rand(B, T, H, dtype=torch.bfloat16)
+    common = dict(q=q, k=k, v=v, gk=g, beta=beta, delta=True, gva=True)
+    gate = dict(gate_in_op="kda", A_log=torch.zeros(H))
+    assert serves(build_problem("chunk_kda", **common, **gate, lower_bound=-5.0)) is None
+    assert serves(build_problem("chunk_kda", **common, gate_in_op="kda", lower_bound=-1.0)) is None
+    assert "bounded" in serves(build_problem("chunk_kda", **common, **gate))
+    assert "bounded" in serves(build_problem("chunk_kda", **common))
+    assert "bounded" in serves(build_problem("chunk_kda", **common, **gate, lower_bound=-8.0))
