@@ -18,6 +18,7 @@ from triton.testing import do_bench_cudagraph
 import fastla  # noqa: F401  (registers the tiers)
 from benchmarks.gdn_prefill_sweep import kernel_split, rel
 from fastla.backends.gluon import chunk_delta as gluon_chunk
+from fastla.backends.gluon import chunk_prepare_kda_sm90 as sm90_prologue
 from fastla.backends.triton import chunk_delta
 from fastla.bench.inputs import call_kwargs, make_inputs
 from fastla.bench.registry import get_config
@@ -34,6 +35,10 @@ VARIANTS = {
     "prep-w4-bk32": dict(kda_prepare_warps=4, kda_prepare_block_k=32),
     "prep-r168": dict(kda_prepare_maxnreg=168),
     "prep-triton": dict(sm90_prologue=False),     # the Gluon tier with the Triton prologue
+    "sm90-r168": dict(sm90_maxnreg=168),           # the sm_90 prologue capped (three programs per SM)
+    "sm90-r128": dict(sm90_maxnreg=128),
+    "inv-w2": dict(inverse_warps=2),               # the inverse kernel's warps
+    "inv-w4": dict(inverse_warps=4),
     "prep-w4-bk16-r128": dict(kda_prepare_warps=4, kda_prepare_block_k=16, kda_prepare_maxnreg=128),
     "prep-w2-bk16-r168": dict(kda_prepare_warps=2, kda_prepare_block_k=16, kda_prepare_maxnreg=168),
     "bv32s3": dict(scan_block_v=32, scan_stages=3, scan_warps=4),
@@ -73,6 +78,8 @@ def main() -> int:
         for name in names:
             over = dict(VARIANTS[name] or {})
             gluon_chunk.KDA_PROLOGUE_SM90 = over.pop("sm90_prologue", True)
+            sm90_prologue.MAXNREG = over.pop("sm90_maxnreg", None)
+            sm90_prologue.INVERSE_WARPS = over.pop("inverse_warps", 1)
             chunk_delta.default_config = lambda p, o=over: dataclasses.replace(original(p), **o)
             try:
                 with use_tier(args.tier, strict=True), torch.no_grad():
@@ -88,6 +95,7 @@ def main() -> int:
             finally:
                 chunk_delta.default_config = original
                 gluon_chunk.KDA_PROLOGUE_SM90 = True
+                sm90_prologue.MAXNREG, sm90_prologue.INVERSE_WARPS = None, 1
             prep = sum(v for k, v in split.items() if any(w in k for w in ("prepare", "prologue", "inverse")))
             scan = sum(v for k, v in split.items() if "scan" in k)
             rows.append(dict(shape=shape, variant=name, tier=args.tier, us=us, prepare_us=prep, scan_us=scan, kernels=split,

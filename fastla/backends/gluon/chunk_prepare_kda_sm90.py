@@ -212,6 +212,12 @@ def _kda_prologue_sm90_kernel(
     _store_pair_columns(a_kk, a_qk, row_off, r, valid_r, beta_r, 1, k1, q1, cols_l)
 
 
+# launch knobs (sweeps): a register cap for the prologue (None: the compiler's 223 at K = 128, two
+# programs per SM) and the inverse kernel's warps
+MAXNREG = None
+INVERSE_WARPS = 1
+
+
 @functools.lru_cache(maxsize=None)
 def _box_layout(dtype):
     return gl.NVMMASharedLayout.get_default_for([64, 32], gl.bfloat16 if dtype == torch.bfloat16 else gl.float32)
@@ -252,6 +258,6 @@ def launch(p, beta, beta_mode: int, total: int, tables, inverse, scores, kg, kd,
         p.dt_bias if p.dt_bias is not None else decay, float(p.lower_bound), p.scale,
         a_kk, scores, kg, kd, qg, decay, cu if varlen else decay, chunk_index if varlen else decay, p.T, NT,
         H=p.H, HV=p.HV, K=p.K, L2NORM=p.use_qk_l2norm, HAS_A=p.A_log is not None, HAS_BIAS=p.dt_bias is not None,
-        BETA=beta_mode, VARLEN=varlen, num_warps=4,
+        BETA=beta_mode, VARLEN=varlen, num_warps=4, **({} if MAXNREG is None else {"maxnreg": MAXNREG}),
     )
-    launch_inverse(p, total, tables, a_kk, inverse)
+    launch_inverse(p, total, tables, a_kk, inverse, INVERSE_WARPS)
