@@ -35,7 +35,8 @@ VARIANTS = {
     "prep-w4-bk32": dict(kda_prepare_warps=4, kda_prepare_block_k=32),
     "prep-r168": dict(kda_prepare_maxnreg=168),
     "prep-triton": dict(sm90_prologue=False),     # the Gluon tier with the Triton prologue
-    "sm90-r168": dict(sm90_maxnreg=168),           # the sm_90 prologue capped (three programs per SM)
+    "sm90-r168": dict(sm90_maxnreg=168),           # the sm_90 prologue capped (three programs per SM; the default)
+    "sm90-uncapped": dict(sm90_maxnreg=None),
     "sm90-r128": dict(sm90_maxnreg=128),
     "inv-w2": dict(inverse_warps=2),               # the inverse kernel's warps
     "inv-w4": dict(inverse_warps=4),
@@ -66,6 +67,7 @@ def main() -> int:
         fla_op = None
     rows = []
     original = chunk_delta.default_config
+    default_maxnreg = sm90_prologue.MAXNREG
     for shape in args.shapes.split(","):
         kw = call_kwargs(make_inputs(get_config(shape), "cuda"))
         fla_o = fla_us = None
@@ -78,7 +80,7 @@ def main() -> int:
         for name in names:
             over = dict(VARIANTS[name] or {})
             gluon_chunk.KDA_PROLOGUE_SM90 = over.pop("sm90_prologue", True)
-            sm90_prologue.MAXNREG = over.pop("sm90_maxnreg", None)
+            sm90_prologue.MAXNREG = over.pop("sm90_maxnreg", default_maxnreg)
             sm90_prologue.INVERSE_WARPS = over.pop("inverse_warps", 1)
             chunk_delta.default_config = lambda p, o=over: dataclasses.replace(original(p), **o)
             try:
@@ -95,7 +97,7 @@ def main() -> int:
             finally:
                 chunk_delta.default_config = original
                 gluon_chunk.KDA_PROLOGUE_SM90 = True
-                sm90_prologue.MAXNREG, sm90_prologue.INVERSE_WARPS = None, 1
+                sm90_prologue.MAXNREG, sm90_prologue.INVERSE_WARPS = default_maxnreg, 1
             prep = sum(v for k, v in split.items() if any(w in k for w in ("prepare", "prologue", "inverse")))
             scan = sum(v for k, v in split.items() if "scan" in k)
             rows.append(dict(shape=shape, variant=name, tier=args.tier, us=us, prepare_us=prep, scan_us=scan, kernels=split,

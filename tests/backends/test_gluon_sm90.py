@@ -202,8 +202,10 @@ KDA_PROLOGUE_VARIANTS = {
     "kda-prologue-varlen-bare": dict(VARLEN=True, L2NORM=False, HAS_A=False, HAS_BIAS=False, BETA=1),
     "kda-prologue-k64": dict(K=64),
 }
-# K = 64 unrolls its two slices and spills 16 bytes (sm_90 compile); its fp64 GPU tests pass
-KDA_PROLOGUE_STACK = {"kda-prologue-k64": 16}
+# Spills known and left (sm_90 compile): K = 128 runs under its register cap of 168 (three
+# programs per SM, faster than uncapped on the H200: chunk_prepare_kda_sm90.MAXNREG) with 24 bytes,
+# K = 64 uncapped unrolls its two slices with 16; their fp64 GPU tests pass
+KDA_PROLOGUE_STACK = {"kda-prologue": 24, "kda-prologue-k64": 16}
 
 
 def _child_kda_prologue(name: str, folder: str) -> None:
@@ -212,6 +214,7 @@ def _child_kda_prologue(name: str, folder: str) -> None:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
+    from fastla.backends.gluon.chunk_prepare_kda_sm90 import MAXNREG
     from fastla.backends.gluon.chunk_prepare_kda_sm90 import _kda_prologue_sm90_kernel as kern
 
     consts = dict(H=32, HV=64, K=128, L2NORM=True, HAS_A=True, HAS_BIAS=True, BETA=2, VARLEN=False)
@@ -228,7 +231,8 @@ def _child_kda_prologue(name: str, folder: str) -> None:
         else:
             sig[n] = pointers.get(n) or ("constexpr" if n in consts else ("i32" if n in ("T", "NT") else "fp32"))
     src = GluonASTSource(kern, sig, {(names.index(n),): v for n, v in consts.items()})
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    options = {"num_warps": 4, **({"maxnreg": MAXNREG} if MAXNREG and consts["K"] == 128 else {})}   # as launch()
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     res = _resources(kernel.asm["cubin"], folder)
     tool = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     sass = subprocess.run([str(tool), "-sass", str(pathlib.Path(folder) / "k.cubin")], capture_output=True,
@@ -243,7 +247,7 @@ def test_kda_prologue_compiles_for_sm90(name, tmp_path):
                      module="tests.backends.test_gluon_sm90")
     assert res["hgmma"] > 0 and res["utmaldg"] > 0, res                   # wgmma products, TMA loads
     assert res["LOCAL"] == 0 and res["STACK"] <= KDA_PROLOGUE_STACK.get(name, 0), f"spills: {res}"
-    assert res["shared_bytes"] <= 227 * 1024 // 2, res                    # two programs per SM
+    assert res["shared_bytes"] <= 227 * 1024 // 3, res                    # three programs per SM
 
 
 def test_kda_prologue_serves_bounded_gates():

@@ -212,9 +212,12 @@ def _kda_prologue_sm90_kernel(
     _store_pair_columns(a_kk, a_qk, row_off, r, valid_r, beta_r, 1, k1, q1, cols_l)
 
 
-# launch knobs (sweeps): a register cap for the prologue (None: the compiler's 223 at K = 128, two
-# programs per SM) and the inverse kernel's warps
-MAXNREG = None
+# Register cap of the prologue at K = 128: 168 fits three programs per SM (uncapped: 223 registers,
+# two) for 24 bytes of spill (sm_90 compile). Measured (H200, benchmarks/kda_prefill_sweep.py,
+# benchmarks/results/kda_prefill_sweep-v4-knobs.json): 1x8k H64 870 -> 855 us, 2x16k H64 3542 ->
+# 3437 us for the whole forward. K = 64 runs uncapped (168 spills 136 bytes there). The inverse
+# kernel's warps: one measured fastest (two: +80 us, four: +180 us at 1x8k H64).
+MAXNREG = 168
 INVERSE_WARPS = 1
 
 
@@ -258,6 +261,6 @@ def launch(p, beta, beta_mode: int, total: int, tables, inverse, scores, kg, kd,
         p.dt_bias if p.dt_bias is not None else decay, float(p.lower_bound), p.scale,
         a_kk, scores, kg, kd, qg, decay, cu if varlen else decay, chunk_index if varlen else decay, p.T, NT,
         H=p.H, HV=p.HV, K=p.K, L2NORM=p.use_qk_l2norm, HAS_A=p.A_log is not None, HAS_BIAS=p.dt_bias is not None,
-        BETA=beta_mode, VARLEN=varlen, num_warps=4, **({} if MAXNREG is None else {"maxnreg": MAXNREG}),
+        BETA=beta_mode, VARLEN=varlen, num_warps=4, **({"maxnreg": MAXNREG} if MAXNREG and p.K == 128 else {}),
     )
     launch_inverse(p, total, tables, a_kk, inverse, INVERSE_WARPS)
