@@ -11,21 +11,28 @@ keys and queries when the l2norm is in the op, and per-channel products
     kg = k 2^G,  qg = scale q 2^G,  kd = k 2^(G_last - G)     bf16  [B * T, HV, K]
     decay = 2^(G_last)                               fp32  [chunks, HV, K]
 
-Grid ``(chunks, HV)``, 4 warps (one warpgroup), K in slices of 32 channels. Elementwise work is in
-[4, 16, 32] tiles (block b, row in the block, channel), each thread holding one channel's 16 rows
-of one block (lanes: 8 channels x 4 blocks, warps: 4 x 8 channels), so the cumsums within a block
-run in registers and the blocks' ones over 4 lanes. Per slice, with L_b the gate's cumsum within
-block b, s_b = L_b,15 its span, c_b the cumsum at the block's end and m_b = c_b - s_b / 2 its mid:
-    X = k 2^L,  Q = scale q 2^L          (<= 1)
-    F = k 2^(s / 2 - L)                  (within 2^(+-s / 2): around the block's mid)
-    A[:, block c] += (X D_c) F_c^T,  Aqk[:, block c] += (Q D_c) F_c^T     (wgmma, M 64, N 16, K 32)
-with D_c(b) = 2^(c_(b-1) - m_c) for b >= c (<= 1 below the diagonal, <= 2^(-s_c / 2) on it) and 0
-above: every operand within 2^(+-58) for spans <= 16 x 5 nats, far inside bf16's range. The
-factors D_c go on the rows (left operands), the 8 scaled copies live in shared memory (4.5 x
-[64, 32] bf16 tiles per side), the accumulators in registers (8 x [64, 16] fp32). kg = X 2^(c_(b-1)),
-qg = Q 2^(c_(b-1)), kd = F 2^(c_3 - m_b) are stored per slice.
-Unbounded gates (spans past ~250 in log2 units overflow F) stay on the Triton prologue, which
-has an exact pairwise diagonal.
+Grid ``(chunks, HV)``, 4 warps (one warpgroup), K in slices of 32 channels. q, k and the gate's
+input come by TMA into shared memory ([64, 32] boxes, every slice at once: rows past B * T are
+zero-filled, rows of the next sequence are masked). Elementwise work is in [4, 16, 32] tiles
+(block b, row in the block, channel): warp = block, lane = channel, a block's 16 rows in one
+thread, so the cumsum within a block is 15 adds in registers and the blocks' cumsum a 4-element
+scan across warps. Per slice, with L_b the gate's cumsum within block b, s_b its span, c_b the
+cumsum at the block's end and ref_b the reference of the block's pair, the cumsum at the boundary
+inside it (c_0 for blocks 0 and 1, c_2 for blocks 2 and 3):
+    X = k 2^L,  Q = scale q 2^L                    (<= 1)
+    F = k 2^(ref - G)                              (within 2^(+-s_b) of 1 in its own pair)
+    A[:, pair h]   += (X D_h) F_h^T                (wgmma, M 64, N 32, K 32; F_h: the pair's rows)
+    Aqk[:, pair h] += (Q D_h) F_h^T
+with D_h(b) = 2^(c_(b-1) - ref_h) for blocks b of pair h or later (<= 1 below the pair, within
+2^(s) on it) and 0 for earlier blocks (whose products lie above the diagonal): every operand
+within 2^(+-115) for spans <= 16 x 5 nats, inside bf16's range; products that overflow lie above
+the diagonal and are masked. The two scaled copies per side live in shared memory channel-major
+([32, 64] bf16: a thread's 16 rows are one 32-byte run), F_h^T as [32, 32], the accumulators in
+registers (4 x [64, 32] fp32). kg = X 2^(c_(b-1)), qg = Q 2^(c_(b-1)), kd = F 2^(c_3 - ref_b) are
+stored per slice while the products run. Shared memory: 48 KB of TMA tiles and 20 KB of operands
+at K = 128 (three programs per SM under the register cap of 168, MAXNREG).
+Unbounded gates (a block whose span passes ~2^127 overflows F) and precomputed ones stay on the
+Triton prologue, which has an exact pairwise diagonal.
 
 Budget and measurements: docs/notes/kda-prefill.md (v4).
 """
@@ -179,7 +186,7 @@ def _kda_prologue_sm90_kernel(
         c0 = gl.sum(gl.where(ib == 0, end, 0.0), 0)[None, :]                # [1, 32] the pairs' references
         c2 = gl.sum(gl.where(ib == 2, end, 0.0), 0)[None, :]
         c_last = gl.sum(s, 0)[None, :]                                      # G_last
-        ref = gl.where(ib < 2, c0, c2)                                      # [4, 32] the block's pair's
+        ref = gl.where(ib < 2, c0, c2)                                      # [4, 32] each block's pair's reference
         kb = _slice(k_in, ks, valid, L3) * rk
         qb = _slice(q_in, ks, valid, L3) * rq
         eL = gl.exp2(L)
@@ -199,7 +206,7 @@ def _kda_prologue_sm90_kernel(
         gl.store(qg + out, (Q * e_start).to(qg.dtype.element_ty), mask=valid)
         gl.store(kd + out, (F * gl.expand_dims(gl.exp2(c_last - ref), 1)).to(kd.dtype.element_ty), mask=valid)
         o_d = (i_c * HV + i_hv) * K + ks * BC + gl.arange(0, BC, layout=gl.SliceLayout(0, L_bc))[None, :]
-        gl.store(decay + o_d + ib * 0, gl.exp2(c_last + 0.0 * start), mask=ib == 0)
+        gl.store(decay + o_d + ib * 0, gl.exp2(c_last + 0.0 * start), mask=ib == 0)   # [4, 32], block 0's row
         k0, k1, q0, q1 = warpgroup_mma_wait(num_outstanding=0, deps=(k0, k1, q0, q1))
 
     rows_l: gl.constexpr = gl.SliceLayout(1, acc_l)
