@@ -199,13 +199,19 @@ def test_scan_profile_markers_match_the_kernels(kernel):
 KDA_PROLOGUE_VARIANTS = {
     # name: constexprs over the default launch (K = 128, GVA 2:1, gate with A_log and dt_bias, l2norm)
     "kda-prologue": {},
-    "kda-prologue-varlen-bare": dict(VARLEN=True, L2NORM=False, HAS_A=False, HAS_BIAS=False, BETA=1),
+    "kda-prologue-varlen-bare": dict(VARLEN=True, L2NORM=False, HAS_A=False, HAS_BIAS=False,
+                                     BETA=1),
     "kda-prologue-k64": dict(K=64),
+    # unbounded gates with the chunk flags (UNBOUNDED, off by default): given and softplus
+    "kda-prologue-given-gate": dict(GATE=0, HAS_A=False, HAS_BIAS=False, FLAG=True),
+    "kda-prologue-softplus-gate": dict(GATE=2, FLAG=True),
 }
 # Spills known and left (sm_90 compile): K = 128 runs under its register cap of 168 (three
 # programs per SM, faster than uncapped on the H200: chunk_prepare_kda_sm90.MAXNREG) with 24 bytes,
-# K = 64 uncapped unrolls its two slices with 16; their fp64 GPU tests pass
-KDA_PROLOGUE_STACK = {"kda-prologue": 24, "kda-prologue-k64": 16}
+# K = 64 uncapped unrolls its two slices with 16; their fp64 GPU tests pass. The unbounded builds
+# (opt-in, not yet run on the GPU) carry the chunk flag: 48 and 40 bytes under the cap
+KDA_PROLOGUE_STACK = {"kda-prologue": 24, "kda-prologue-k64": 16, "kda-prologue-given-gate": 48,
+                      "kda-prologue-softplus-gate": 40}
 
 
 def _child_kda_prologue(name: str, folder: str) -> None:
@@ -217,12 +223,13 @@ def _child_kda_prologue(name: str, folder: str) -> None:
     from fastla.backends.gluon.chunk_prepare_kda_sm90 import MAXNREG
     from fastla.backends.gluon.chunk_prepare_kda_sm90 import _kda_prologue_sm90_kernel as kern
 
-    consts = dict(H=32, HV=64, K=128, L2NORM=True, HAS_A=True, HAS_BIAS=True, BETA=2, VARLEN=False)
+    consts = dict(H=32, HV=64, K=128, L2NORM=True, GATE=3, HAS_A=True, HAS_BIAS=True, BETA=2, VARLEN=False,
+                  FLAG=False)
     consts.update(KDA_PROLOGUE_VARIANTS[name])
     box = gl.NVMMASharedLayout.get_default_for([64, 32], gl.bfloat16)
     pointers = {"beta": "*bf16", "A_log": "*fp32", "dt_bias": "*fp32", "a_kk": "*fp32", "a_qk": "*bf16",
-                "kg": "*bf16", "kd": "*bf16", "qg": "*bf16", "decay": "*fp32", "cu_seqlens": "*i64",
-                "chunk_index": "*i32"}
+                "kg": "*bf16", "kd": "*bf16", "qg": "*bf16", "decay": "*fp32", "flags": "*i32",
+                "cu_seqlens": "*i64", "chunk_index": "*i32"}
     names = kern.arg_names
     sig = {}
     for n in names:

@@ -86,7 +86,8 @@ SCAN_POINTERS = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "beta": "*bf16", "p_i
                  "seg_state": "*fp32"}
 KDA_PREPARE_POINTERS = {"q": "*bf16", "k": "*bf16", "g": "*bf16", "beta": "*bf16", "A_log": "*fp32",
                         "dt_bias": "*fp32", "p_out": "*bf16", "a_out": "*bf16", "kg": "*bf16", "kd": "*bf16",
-                        "qg": "*bf16", "decay": "*fp32", "cu_seqlens": "*i64", "chunk_index": "*i32"}
+                        "qg": "*bf16", "decay": "*fp32", "flags": "*i32", "cu_seqlens": "*i64",
+                        "chunk_index": "*i32"}
 GDN_KERNELS = {
     # name: (module.kernel, pointers, constexprs, warps, stages) as launched (K = V = 128, bf16)
     "inverse": ("chunk_prepare._inverse_kernel",
@@ -108,24 +109,32 @@ GDN_KERNELS = {
     "kda-prepare": ("chunk_prepare_kda._kda_prepare_kernel",
                     {"q": "*bf16", "k": "*bf16", "g": "*bf16", "beta": "*bf16", "A_log": "*fp32", "dt_bias": "*fp32",
                      "p_out": "*bf16", "a_out": "*bf16", "kg": "*bf16", "kd": "*bf16", "qg": "*bf16",
-                     "decay": "*fp32", "cu_seqlens": "*i64", "chunk_index": "*i32"},
-                    dict(BK=16, GATE=3, HAS_A=True, HAS_BIAS=True, BETA=2, SCORES=False, EXACT=True), 1, 1),
+                     "decay": "*fp32", "flags": "*i32", "cu_seqlens": "*i64", "chunk_index": "*i32"},
+                    dict(BK=16, GATE=3, HAS_A=True, HAS_BIAS=True, BETA=2, SCORES=False, EXACT=True, FLAGGED=False),
+                    1, 1),
     "kda-prepare-scores": ("chunk_prepare_kda._kda_prepare_kernel",
                            {"q": "*bf16", "k": "*bf16", "g": "*bf16", "beta": "*bf16", "A_log": "*fp32",
                             "dt_bias": "*fp32", "p_out": "*bf16", "a_out": "*bf16", "kg": "*bf16", "kd": "*bf16",
-                            "qg": "*bf16", "decay": "*fp32", "cu_seqlens": "*i64", "chunk_index": "*i32"},
-                           dict(BK=16, GATE=3, HAS_A=True, HAS_BIAS=True, BETA=2, SCORES=True, EXACT=False), 1, 1),
+                            "qg": "*bf16", "decay": "*fp32", "flags": "*i32", "cu_seqlens": "*i64",
+                            "chunk_index": "*i32"},
+                           dict(BK=16, GATE=3, HAS_A=True, HAS_BIAS=True, BETA=2, SCORES=True, EXACT=False,
+                                FLAGGED=False), 1, 1),
     # the gate given precomputed (bf16, chunk_kda's default) and the softplus gate in the op, both
     # with the exact diagonal compiled in (gates without a lower bound)
     "kda-prepare-given-gate": ("chunk_prepare_kda._kda_prepare_kernel", KDA_PREPARE_POINTERS,
-                               dict(BK=16, GATE=0, HAS_A=False, HAS_BIAS=False, BETA=2, SCORES=False, EXACT=True),
-                               1, 1),
+                               dict(BK=16, GATE=0, HAS_A=False, HAS_BIAS=False, BETA=2, SCORES=False, EXACT=True,
+                                    FLAGGED=False), 1, 1),
     "kda-prepare-scores-given-gate": ("chunk_prepare_kda._kda_prepare_kernel", KDA_PREPARE_POINTERS,
                                       dict(BK=16, GATE=0, HAS_A=False, HAS_BIAS=False, BETA=2, SCORES=True,
-                                           EXACT=True), 1, 1),
+                                           EXACT=True, FLAGGED=False), 1, 1),
     "kda-prepare-softplus-gate": ("chunk_prepare_kda._kda_prepare_kernel", KDA_PREPARE_POINTERS,
-                                  dict(BK=16, GATE=2, HAS_A=True, HAS_BIAS=True, BETA=2, SCORES=True, EXACT=True),
+                                  dict(BK=16, GATE=2, HAS_A=True, HAS_BIAS=True, BETA=2, SCORES=True, EXACT=True,
+                                       FLAGGED=False),
                                   1, 1),
+    # the redo of the chunks the sm_90 prologue flags (unbounded gates past its span limit)
+    "kda-prepare-flagged": ("chunk_prepare_kda._kda_prepare_kernel", KDA_PREPARE_POINTERS,
+                            dict(BK=16, GATE=2, HAS_A=True, HAS_BIAS=True, BETA=2, SCORES=False, EXACT=True,
+                                 FLAGGED=True), 1, 1),
     "kda-scan": ("chunk_delta._scan_kernel", SCAN_POINTERS,
                  dict(BV=64, SK=128, SV=1, HAS_H0=True, STORE_FINAL=True, SEG=0, BETA=2, STORE_STATES=False,
                       L2NORM=False, GK=True), 8, 2),

@@ -55,7 +55,20 @@ def test_segments_and_intermediate_states(monkeypatch):
 @pytest.mark.parametrize("case", ["bounded-gate", "bounded-varlen", "bounded-k64", "bounded-plain"])
 def test_sm90_prologue_matches_triton(case, monkeypatch):
     """The sm_90 prologue's P, Aqk, gated keys and queries, kd and decays against the Triton
-    prologue's on the same inputs (bounded gates: the ones it serves)."""
+    prologue's on the same inputs (bounded gates: the ones it serves by default)."""
+    _prologue_parity(case, monkeypatch)
+
+
+@pytest.mark.parametrize("case", ["unbounded-gate", "dense", "strong-decay"])
+def test_sm90_prologue_unbounded(case, monkeypatch):
+    """UNBOUNDED (opt-in): the softplus and the given gates on the sm_90 prologue, the chunks with
+    a block span past its limit redone by the Triton prologue (strength-100 decay flags most)."""
+    from fastla.backends.gluon import chunk_prepare_kda_sm90 as sm90
+    monkeypatch.setattr(sm90, "UNBOUNDED", True)
+    _prologue_parity(case, monkeypatch)
+
+
+def _prologue_parity(case, monkeypatch):
     from fastla.backends.gluon import chunk_delta as gluon_chunk
     from fastla.backends.gluon import chunk_prepare_kda_sm90 as sm90
     from fastla.backends.triton import chunk_prepare_kda

@@ -41,6 +41,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import triton
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -53,6 +54,9 @@ from fastla.backends.triton.chunk_prepare import _activate_beta
 
 LOG2E = gl.constexpr(1.4426950408889634)
 BC = gl.constexpr(32)      # channels per slice
+# largest block span (log2 units) of the block-pair products: 16 x 5 nats, the bounded gate's
+# widest; operands stay within 2^(+-116) |k|
+SPAN_LIMIT = gl.constexpr(16 * 5 * 1.4426950408889634 + 1e-3)
 
 
 @gluon.jit
@@ -108,11 +112,14 @@ def _store_pair_columns(a_kk, a_qk, row_off, r, valid_r, beta_r, h: gl.constexpr
 
 @gluon.jit(do_not_specialize=["T", "NT"])
 def _kda_prologue_sm90_kernel(
-    q_desc, k_desc, g_desc, beta, A_log, dt_bias, lower_bound, scale, a_kk, a_qk, kg, kd, qg, decay,
+    q_desc, k_desc, g_desc, beta, A_log, dt_bias, lower_bound, scale, a_kk, a_qk, kg, kd, qg, decay, flags,
     cu_seqlens, chunk_index, T, NT,
-    H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, L2NORM: gl.constexpr, HAS_A: gl.constexpr,
-    HAS_BIAS: gl.constexpr, BETA: gl.constexpr, VARLEN: gl.constexpr,
+    H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, L2NORM: gl.constexpr, GATE: gl.constexpr,
+    HAS_A: gl.constexpr, HAS_BIAS: gl.constexpr, BETA: gl.constexpr, VARLEN: gl.constexpr, FLAG: gl.constexpr,
 ):
+    """GATE as recurrent.py numbers it: 3 the bounded gate in the op; 2 (-softplus) and 0 (the log
+    decay given) are unbounded and need FLAG: chunks with a block span past SPAN_LIMIT get
+    flags[chunk, head] = 1 (their outputs are wrong and the Triton prologue redoes them)."""
     gl.static_assert(K % BC == 0, "K in slices of 32 channels")
     NS: gl.constexpr = K // BC
     L3: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16, 1], threads_per_warp=[1, 1, 32],
@@ -172,15 +179,23 @@ def _kda_prologue_sm90_kernel(
     f_s = gl.allocate_shared_memory(gl.bfloat16, [2 * BC, 32], f_tile)    # F_h^T in rows 32h .. 32h + 31
     zero = gl.zeros([64, 32], gl.float32, acc_l)
     k0, k1, q0, q1 = zero, zero, zero, zero
+    widest = 0.0                                                            # the largest block span (FLAG)
     for ks in range(0, NS):
         o_k = o_c + ks * BC
-        # the bounded KDA gate in log2 units: lower_bound sigmoid(a (g + dt_bias)) log2(e); 0 past n_left
+        # the log decay in log2 units, 0 past n_left
         x = _slice(g_in, ks, valid, L3)
-        if HAS_BIAS:
+        if HAS_BIAS and GATE != 0:
             x = x + gl.load(dt_bias + i_hv * K + o_k).to(gl.float32)
-        x = gl.where(valid, (LOG2E * lower_bound) / (1.0 + gl.exp2(-LOG2E * a * x)), 0.0)
+        if GATE == 3:                                                       # lower_bound sigmoid(a (g + dt_bias))
+            x = gl.where(valid, (LOG2E * lower_bound) / (1.0 + gl.exp2(-LOG2E * a * x)), 0.0)
+        elif GATE == 2:                                                     # -a softplus(g + dt_bias)
+            x = gl.where(valid, -a * gl.where(x > 20.0, LOG2E * x, gl.log2(1.0 + gl.exp2(LOG2E * x))), 0.0)
+        else:                                                               # given
+            x = x * LOG2E
         L = gl.associative_scan(x, 1, _add)                                 # [4, 16, 32] within each block
         s = gl.sum(x, 1)                                                    # [4, 32] spans
+        if FLAG:
+            widest = gl.maximum(widest, gl.max(gl.max(-s, 1), 0))
         end = gl.convert_layout(gl.associative_scan(gl.convert_layout(s, B2), 0, _add), L_bc)   # c_b
         start = end - s                                                     # c_(b-1)
         c0 = gl.sum(gl.where(ib == 0, end, 0.0), 0)[None, :]                # [1, 32] the pairs' references
@@ -217,8 +232,14 @@ def _kda_prologue_sm90_kernel(
     row_off = (beta_base + r * HV) * 64
     _store_pair_columns(a_kk, a_qk, row_off, r, valid_r, beta_r, 0, k0, q0, cols_l)
     _store_pair_columns(a_kk, a_qk, row_off, r, valid_r, beta_r, 1, k1, q1, cols_l)
+    if FLAG:
+        gl.store(flags + i_c * HV + i_hv, (widest > SPAN_LIMIT).to(gl.int32))
 
 
+# Unbounded and precomputed gates on this prologue too (chunks with a block span past SPAN_LIMIT
+# redone by the Triton prologue): off until validated on the GPU (built and compiled for sm_90
+# only; tests/ops/test_gluon_chunk_kda.py switches it on)
+UNBOUNDED = False
 # Register cap of the prologue at K = 128: 168 fits three programs per SM (uncapped: 223 registers,
 # two) for 24 bytes of spill (sm_90 compile). Measured (H200, benchmarks/kda_prefill_sweep.py,
 # benchmarks/results/kda_prefill_sweep-v4-knobs.json): 1x8k H64 870 -> 855 us, 2x16k H64 3542 ->
@@ -237,7 +258,7 @@ def serves(p) -> str | None:
     """None when this prologue serves the problem, else why not (the Triton prologue then does)."""
     from fastla.backends.triton.chunk_prepare_kda import bounded_spans
 
-    if not bounded_spans(p):
+    if not bounded_spans(p) and not UNBOUNDED:
         return "the gate is not the bounded one computed in the op (lower_bound >= -5)"
     if p.K % 32:
         return f"K = {p.K} is not a multiple of 32"
@@ -252,7 +273,7 @@ def launch(p, beta, beta_mode: int, total: int, tables, inverse, scores, kg, kd,
     ``kg``, ``kd``, ``qg`` ``[B, T, HV, K]``, e^(G_last) into ``decay`` ``[total, HV, K]``."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from fastla.backends.triton.chunk_prepare_kda import launch_inverse
+    from fastla.backends.triton import chunk_prepare_kda
     from fastla.backends.triton.launch import launcher
 
     def desc(x, heads):                      # [B * T, heads * K] in [64, 32] boxes (rows past B * T: zeros)
@@ -263,11 +284,17 @@ def launch(p, beta, beta_mode: int, total: int, tables, inverse, scores, kg, kd,
     varlen = cu is not None
     NT = -(-p.T // 64)
     a_kk = torch.empty(p.B, p.T, p.HV, 64, dtype=torch.float32, device=p.device)
+    flag = not chunk_prepare_kda.bounded_spans(p)           # unbounded spans: flag the chunks past SPAN_LIMIT
+    flags = torch.empty(total, p.HV, dtype=torch.int32, device=p.device) if flag else decay
     launcher(_kda_prologue_sm90_kernel, p.T, NT)[(total, p.HV)](
         desc(p.q, p.H), desc(p.k, p.H), desc(p.gk, p.HV), beta, p.A_log if p.A_log is not None else decay,
-        p.dt_bias if p.dt_bias is not None else decay, float(p.lower_bound), p.scale,
-        a_kk, scores, kg, kd, qg, decay, cu if varlen else decay, chunk_index if varlen else decay, p.T, NT,
-        H=p.H, HV=p.HV, K=p.K, L2NORM=p.use_qk_l2norm, HAS_A=p.A_log is not None, HAS_BIAS=p.dt_bias is not None,
-        BETA=beta_mode, VARLEN=varlen, num_warps=4, **({"maxnreg": MAXNREG} if MAXNREG and p.K == 128 else {}),
+        p.dt_bias if p.dt_bias is not None else decay, float(p.lower_bound or 0.0), p.scale,
+        a_kk, scores, kg, kd, qg, decay, flags, cu if varlen else decay, chunk_index if varlen else decay, p.T, NT,
+        H=p.H, HV=p.HV, K=p.K, L2NORM=p.use_qk_l2norm, GATE=chunk_prepare_kda.gate_mode(p),
+        HAS_A=p.A_log is not None, HAS_BIAS=p.dt_bias is not None, BETA=beta_mode, VARLEN=varlen, FLAG=flag,
+        num_warps=4, **({"maxnreg": MAXNREG} if MAXNREG and p.K == 128 else {}),
     )
-    launch_inverse(p, total, tables, a_kk, inverse, INVERSE_WARPS)
+    chunk_prepare_kda.launch_inverse(p, total, tables, a_kk, inverse, INVERSE_WARPS)
+    if flag:                                                # the flagged chunks again, exactly
+        chunk_prepare_kda.launch(p, p.q, p.k, beta, beta_mode, total, tables, inverse, scores, kg, kd, qg, decay,
+                                 triton.language.bfloat16, flags=flags)

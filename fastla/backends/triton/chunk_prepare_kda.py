@@ -170,16 +170,22 @@ def _diagonal(acc, X, F, left, kb, L, span, DOT: tl.constexpr, EXACT: tl.constex
 
 @triton.jit(do_not_specialize=["T", "NT"])     # as chunk_delta._scan_kernel
 def _kda_prepare_kernel(
-    q, k, g, beta, A_log, dt_bias, lower_bound, scale, p_out, a_out, kg, kd, qg, decay,
+    q, k, g, beta, A_log, dt_bias, lower_bound, scale, p_out, a_out, kg, kd, qg, decay, flags,
     cu_seqlens, chunk_index, T, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     DOT: tl.constexpr, L2NORM: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr,
     HAS_BIAS: tl.constexpr, BETA: tl.constexpr, VARLEN: tl.constexpr, SCORES: tl.constexpr, EXACT: tl.constexpr,
+    FLAGGED: tl.constexpr,
 ):
-    """SCORES False: A, P, kg, kd and decay; SCORES True: Aqk and qg (same grid, second launch)."""
+    """SCORES False: A, P, kg, kd and decay; SCORES True: Aqk and qg (same grid, second launch).
+    FLAGGED: only the (chunk, head) programs whose ``flags`` entry is set run (the chunks the
+    sm_90 prologue could not serve)."""
     tl.static_assert(BT == 64, "four 16-token blocks")
     i_c = tl.program_id(0).to(tl.int64)
     i_hv = tl.program_id(1)
+    if FLAGGED:
+        if tl.load(flags + i_c * HV + i_hv) == 0:
+            return
     i_h = i_hv // (HV // H)                                                 # GVA: the q/k head
     i_n, c, bos, eos = _chunk(chunk_index, cu_seqlens, i_c, T, NT, VARLEN)
     t0 = bos + c * BT
@@ -323,10 +329,11 @@ def bounded_spans(p) -> bool:
 
 
 def launch(p, q, k, beta, beta_mode: int, total: int, tables, inverse, scores, kg, kd, qg, decay, dot,
-           block_k: int = 16, warps: int = 1, maxnreg: int | None = None) -> None:
+           block_k: int = 16, warps: int = 1, maxnreg: int | None = None, flags=None) -> None:
     """Runs the prologue over ``total`` chunks (``tables`` = (cu_seqlens, chunk index) or Nones):
     writes P into ``inverse``, Aqk into ``scores`` ``[B, T, HV, BT]``, the gated keys and queries
-    into ``kg``, ``kd``, ``qg`` ``[B, T, HV, K]`` and e^(G_last) into ``decay`` ``[total, HV, K]``."""
+    into ``kg``, ``kd``, ``qg`` ``[B, T, HV, K]`` and e^(G_last) into ``decay`` ``[total, HV, K]``;
+    with ``flags`` ``[total, HV]`` int32, only for the (chunk, head) pairs flagged nonzero."""
     cu, chunk_index = tables
     varlen = cu is not None
     dummy = decay
@@ -337,9 +344,11 @@ def launch(p, q, k, beta, beta_mode: int, total: int, tables, inverse, scores, k
             q, k, p.gk, beta, p.A_log if p.A_log is not None else dummy,
             p.dt_bias if p.dt_bias is not None else dummy,
             float(p.lower_bound) if p.lower_bound is not None else 0.0, p.scale,
-            inverse, scores, kg, kd, qg, decay, cu if varlen else dummy, chunk_index if varlen else dummy, p.T, NT,
+            inverse, scores, kg, kd, qg, decay, flags if flags is not None else dummy, cu if varlen else dummy,
+            chunk_index if varlen else dummy, p.T, NT,
             H=p.H, HV=p.HV, K=p.K, BT=BT, BK=min(block_k, max(16, next_pow2(p.K))), DOT=dot,
             L2NORM=p.use_qk_l2norm, GATE=gate_mode(p), HAS_A=p.A_log is not None, HAS_BIAS=p.dt_bias is not None,
-            BETA=beta_mode, VARLEN=varlen, SCORES=scores_pass, EXACT=not bounded_spans(p), num_warps=warps,
+            BETA=beta_mode, VARLEN=varlen, SCORES=scores_pass, EXACT=not bounded_spans(p), FLAGGED=flags is not None,
+            num_warps=warps,
             num_stages=1, **options,
         )
