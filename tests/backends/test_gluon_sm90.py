@@ -209,9 +209,9 @@ KDA_PROLOGUE_VARIANTS = {
 # Spills known and left (sm_90 compile): K = 128 runs under its register cap of 168 (three
 # programs per SM, faster than uncapped on the H200: chunk_prepare_kda_sm90.MAXNREG) with 24 bytes,
 # K = 64 uncapped unrolls its two slices with 16; their fp64 GPU tests pass. The unbounded builds
-# (opt-in, not yet run on the GPU) carry the chunk flag: 48 and 40 bytes under the cap
+# (opt-in, not yet run on the GPU) carry the chunk flag: 48 bytes each under the cap
 KDA_PROLOGUE_STACK = {"kda-prologue": 24, "kda-prologue-k64": 16, "kda-prologue-given-gate": 48,
-                      "kda-prologue-softplus-gate": 40}
+                      "kda-prologue-softplus-gate": 48}
 
 
 def _child_kda_prologue(name: str, folder: str) -> None:

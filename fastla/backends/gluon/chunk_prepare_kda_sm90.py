@@ -32,7 +32,13 @@ registers (4 x [64, 32] fp32). kg = X 2^(c_(b-1)), qg = Q 2^(c_(b-1)), kd = F 2^
 stored per slice while the products run. Shared memory: 48 KB of TMA tiles and 20 KB of operands
 at K = 128 (three programs per SM under the register cap of 168, MAXNREG).
 Unbounded gates (a block whose span passes ~2^127 overflows F) and precomputed ones stay on the
-Triton prologue, which has an exact pairwise diagonal.
+Triton prologue, which has an exact pairwise diagonal (UNBOUNDED: opt-in, see launch()).
+Limits of the block-pair scheme, against the Triton prologue's factors <= 1: an operand reaches
+2^115 |k| at the bounded gate's widest span, so keys (or scale |q|) above ~6000 in magnitude
+without the l2norm would overflow a valid entry; and for rows two blocks past a pair's reference
+under near-maximal decay, X D_h drops below bf16's normal range while F_h can be ~2^115, so
+entries of A up to ~2^-11 |k_i k_j| lose precision (below the bf16 rounding of A's O(1) entries).
+The fp32 A scratch is B T HV 256 bytes (0.5 GB at 1x32k, HV 64).
 
 Budget and measurements: docs/notes/kda-prefill.md (v4).
 """
@@ -118,8 +124,9 @@ def _kda_prologue_sm90_kernel(
     HAS_A: gl.constexpr, HAS_BIAS: gl.constexpr, BETA: gl.constexpr, VARLEN: gl.constexpr, FLAG: gl.constexpr,
 ):
     """GATE as recurrent.py numbers it: 3 the bounded gate in the op; 2 (-softplus) and 0 (the log
-    decay given) are unbounded and need FLAG: chunks with a block span past SPAN_LIMIT get
-    flags[chunk, head] = 1 (their outputs are wrong and the Triton prologue redoes them)."""
+    decay given) are unbounded and need FLAG: chunks with a block span past SPAN_LIMIT, or a
+    rising (positive) gate, get flags[chunk, head] = 1 (their outputs may be wrong and the Triton
+    prologue redoes them)."""
     gl.static_assert(K % BC == 0, "K in slices of 32 channels")
     NS: gl.constexpr = K // BC
     L3: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16, 1], threads_per_warp=[1, 1, 32],
@@ -194,8 +201,9 @@ def _kda_prologue_sm90_kernel(
             x = x * LOG2E
         L = gl.associative_scan(x, 1, _add)                                 # [4, 16, 32] within each block
         s = gl.sum(x, 1)                                                    # [4, 32] spans
-        if FLAG:
-            widest = gl.maximum(widest, gl.max(gl.max(-s, 1), 0))
+        if FLAG:                                                            # a rising gate counts as too wide
+            rising = gl.max(gl.max(gl.max(x, 2), 1), 0) > 0.0
+            widest = gl.maximum(widest, gl.where(rising, 2.0 * SPAN_LIMIT, gl.max(gl.max(-s, 1), 0)))
         end = gl.convert_layout(gl.associative_scan(gl.convert_layout(s, B2), 0, _add), L_bc)   # c_b
         start = end - s                                                     # c_(b-1)
         c0 = gl.sum(gl.where(ib == 0, end, 0.0), 0)[None, :]                # [1, 32] the pairs' references
@@ -262,8 +270,8 @@ def serves(p) -> str | None:
         return "the gate is not the bounded one computed in the op (lower_bound >= -5)"
     if p.K % 32:
         return f"K = {p.K} is not a multiple of 32"
-    if p.gk.dtype not in (torch.bfloat16, torch.float32) or not p.gk.is_contiguous() or p.gk.data_ptr() % 16:
-        return "the gate is not a contiguous, 16-byte aligned bf16 or fp32 tensor (TMA)"
+    if p.gk.dtype != torch.bfloat16 or not p.gk.is_contiguous() or p.gk.data_ptr() % 16:
+        return "the gate is not a contiguous, 16-byte aligned bf16 tensor (TMA; fp32 gates are not validated)"
     return None
 
 
