@@ -205,13 +205,14 @@ KDA_PROLOGUE_VARIANTS = {
     # unbounded gates with the chunk flags (UNBOUNDED, off by default): given and softplus
     "kda-prologue-given-gate": dict(GATE=0, HAS_A=False, HAS_BIAS=False, FLAG=True),
     "kda-prologue-softplus-gate": dict(GATE=2, FLAG=True),
+    "kda-prologue-wide-bounded-neg-eigval": dict(FLAG=True, BETA=3),
 }
 # Spills known and left (sm_90 compile): K = 128 runs under its register cap of 168 (three
 # programs per SM, faster than uncapped on the H200: chunk_prepare_kda_sm90.MAXNREG) with 24 bytes,
 # K = 64 uncapped unrolls its two slices with 16; their fp64 GPU tests pass. The unbounded builds
 # (opt-in, not yet run on the GPU) carry the chunk flag: 48 bytes each under the cap
 KDA_PROLOGUE_STACK = {"kda-prologue": 24, "kda-prologue-k64": 16, "kda-prologue-given-gate": 48,
-                      "kda-prologue-softplus-gate": 48}
+                      "kda-prologue-softplus-gate": 48, "kda-prologue-wide-bounded-neg-eigval": 48}
 
 
 def _child_kda_prologue(name: str, folder: str) -> None:

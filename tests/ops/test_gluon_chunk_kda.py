@@ -52,14 +52,15 @@ def test_segments_and_intermediate_states(monkeypatch):
     assert_close("h", h, h_whole, 2e-2)
 
 
-@pytest.mark.parametrize("case", ["bounded-gate", "bounded-varlen", "bounded-k64", "bounded-plain"])
+@pytest.mark.parametrize("case", ["bounded-gate", "bounded-varlen", "bounded-k64", "bounded-plain",
+                                  "bounded-neg-eigval"])
 def test_sm90_prologue_matches_triton(case, monkeypatch):
     """The sm_90 prologue's P, Aqk, gated keys and queries, kd and decays against the Triton
     prologue's on the same inputs (bounded gates: the ones it serves by default)."""
     _prologue_parity(case, monkeypatch)
 
 
-@pytest.mark.parametrize("case", ["unbounded-gate", "dense", "strong-decay", "mixed-decay"])
+@pytest.mark.parametrize("case", ["unbounded-gate", "dense", "strong-decay", "mixed-decay", "bounded-wide"])
 def test_sm90_prologue_unbounded(case, monkeypatch):
     """UNBOUNDED (opt-in): the softplus and the given gates on the sm_90 prologue, the chunks with
     a block span past its limit redone by the Triton prologue (strength-100 decay flags most;

@@ -95,7 +95,8 @@ def test_prologue_launch_variants(warps, block_k, monkeypatch):
 def bf16_case(case: str):
     """Inputs and options of a GPU case: bf16 at K = V = 128 (64 for v-first-k64), every option as
     the registry uses it. The bounded-* cases take the bounded gate (lower_bound -5) on the
-    varlen batch, at K = 64 with v_first, or bare (no A_log, dt_bias, l2norm or beta sigmoid)."""
+    varlen batch, at K = 64 with v_first, bare (no A_log, dt_bias, l2norm or beta sigmoid), with
+    allow_neg_eigval, or with lower_bound -8 (wide: spans past 16 x 5)."""
     K = V = 64 if case in ("v-first-k64", "bounded-k64") else 128
     lengths = [1, 300, 64, 1000, 77] if case in ("varlen", "bounded-varlen") else None
     B, T = (1, sum(lengths)) if lengths else (2, 1000)
@@ -110,6 +111,8 @@ def bf16_case(case: str):
         opts.update(use_gate_in_kernel=True, A_log=torch.randn(4, device="cuda") * 0.5,
                     dt_bias=torch.randn(4 * K, device="cuda"), use_beta_sigmoid_in_kernel=True)
         opts.update(lower_bound=-5.0) if case != "unbounded-gate" else None
+        opts.update(lower_bound=-8.0) if case == "bounded-wide" else None
+        opts.update(allow_neg_eigval=True) if case == "bounded-neg-eigval" else None
         t["g"] = torch.randn_like(t["g"]) * 3
     if lengths:
         cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
