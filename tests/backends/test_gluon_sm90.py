@@ -258,6 +258,47 @@ def test_kda_prologue_compiles_for_sm90(name, tmp_path):
     assert res["shared_bytes"] <= 227 * 1024 // 3, res                    # three programs per SM
 
 
+def test_kda_prologue_launch_builds_descriptors(monkeypatch):
+    """The host side of the sm_90 KDA prologue on the CPU, up to its launches: q, k ([B T, H K])
+    and the gate ([B T, HV K]) in [64, 32] TMA boxes, the grid, the register cap at K = 128, no
+    chunk flags for the bounded gate, and the inverse over the same chunks."""
+    import torch
+
+    from fastla.backends.gluon import chunk_prepare_kda_sm90 as sm90
+    from fastla.backends.triton import chunk_prepare_kda, launch
+    from fastla.core.validation import build_problem
+
+    launches, inverses = [], []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append((grid, args, kw))
+
+    monkeypatch.setattr(launch, "launcher", lambda fn, T=None, NT=None: Recorder())
+    monkeypatch.setattr(chunk_prepare_kda, "launch_inverse", lambda *args: inverses.append(args))
+    B, T, H, HV, K = 2, 200, 2, 4, 128
+    bf = dict(dtype=torch.bfloat16)
+    q, k = torch.randn(B, T, H, K, **bf), torch.randn(B, T, H, K, **bf)
+    v, g = torch.randn(B, T, HV, K, **bf), torch.randn(B, T, HV, K, **bf)
+    p = build_problem("chunk_kda", q=q, k=k, v=v, gk=g, beta=torch.rand(B, T, HV, **bf), delta=True, gva=True,
+                      gate_in_op="kda", A_log=torch.zeros(HV), lower_bound=-5.0)
+    total = B * 4
+    out = [torch.empty(B, T, HV, 64, **bf), torch.empty(B, T, HV, 64, **bf)] + [torch.empty(B, T, HV, K, **bf)] * 3
+    sm90.launch(p, p.beta, 2, total, (None, None), *out, torch.empty(total, HV, K))
+    ((grid, args, kw),) = launches
+    names = sm90._kda_prologue_sm90_kernel.arg_names
+    assert grid == (total, HV) and kw["num_warps"] == 4 and kw["maxnreg"] == sm90.MAXNREG
+    assert kw["GATE"] == 3 and kw["FLAG"] is False
+    q_desc, k_desc, g_desc = args[:3]
+    assert list(q_desc.shape) == list(k_desc.shape) == [B * T, H * K]
+    assert list(g_desc.shape) == [B * T, HV * K]
+    assert q_desc.block_shape == k_desc.block_shape == g_desc.block_shape == [64, 32]
+    assert q_desc.base.data_ptr() == q.data_ptr() and g_desc.base.data_ptr() == g.data_ptr()
+    assert args[names.index("a_qk")] is out[1] and args[names.index("kg")] is out[2]
+    ((_, n_chunks, _, a_kk, inverse, _),) = inverses
+    assert n_chunks == total and inverse is out[0] and a_kk is args[names.index("a_kk")]
+
+
 def test_kda_prologue_serves_bounded_gates():
     """The sm_90 prologue takes the bounded gate computed in the op (lower_bound >= -5); the
     unbounded and precomputed gates stay on the Triton prologue (exact diagonal)."""

@@ -89,9 +89,21 @@ def _tile_layout(rows: int, cols: int):
     return gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)
 
 
-def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments, seg_state, programs: int):
+def tma_descriptor(x, rows: int, width: int, block, layout):
+    """A TMA descriptor of ``x`` viewed as [rows, width] in ``block`` boxes: the fields
+    TensorDescriptor.from_tensor sets, without its re-validation (~5 us a descriptor; contiguity,
+    16-byte alignment and dtypes are checked in supports, and for the KDA gate in
+    chunk_prepare_kda_sm90.serves)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    base = x.view(rows, width)
+    d = TensorDescriptor.__new__(TensorDescriptor)
+    d.base, d.shape, d.strides, d.block_shape, d.layout, d.padding = (
+        base, base.shape, base.stride(), block, layout, "zero")
+    return d
+
+
+def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments, seg_state, programs: int):
     from fastla.backends.gluon.chunk_delta_sm90 import _scan_sm90_kernel
     from fastla.backends.gluon.chunk_delta_ws_sm90 import PREP_REGS, _scan_ws_sm90_kernel
 
@@ -118,13 +130,7 @@ def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments
     tile, vtile = _tile_layout(BT, BK), _tile_layout(BT, BV)
 
     def desc(x, width, block, layout):
-        # the fields TensorDescriptor.from_tensor sets, without its re-validation (~5 us a
-        # descriptor; contiguity, 16-byte alignment and dtypes are checked in supports)
-        base = x.view(rows, width)
-        d = TensorDescriptor.__new__(TensorDescriptor)
-        d.base, d.shape, d.strides, d.block_shape, d.layout, d.padding = (
-            base, base.shape, base.stride(), block, layout, "zero")
-        return d
+        return tma_descriptor(x, rows, width, block, layout)
 
     SK, SV = (1, p.K) if p.state_v_first else (p.V, 1)
     d = sp.dummy
@@ -162,7 +168,7 @@ def run(p: Problem):
 
     config = triton_chunk.default_config(p)
     prologue = None
-    if p.gk is not None and KDA_PROLOGUE_SM90 and p.q.dtype == torch.bfloat16:
+    if p.gk is not None and KDA_PROLOGUE_SM90:                             # (supports: bf16 inputs)
         why = kda_prologue.serves(p)
         if why is None:
             prologue = kda_prologue.launch

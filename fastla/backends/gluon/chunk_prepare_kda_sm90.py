@@ -44,8 +44,6 @@ Budget and measurements: docs/notes/kda-prefill.md (v4).
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 
@@ -257,11 +255,6 @@ MAXNREG = 168
 INVERSE_WARPS = 1
 
 
-@functools.lru_cache(maxsize=None)
-def _box_layout(dtype):
-    return gl.NVMMASharedLayout.get_default_for([64, 32], gl.bfloat16 if dtype == torch.bfloat16 else gl.float32)
-
-
 def serves(p) -> str | None:
     """None when this prologue serves the problem, else why not (the Triton prologue then does)."""
     from fastla.backends.triton.chunk_prepare_kda import bounded_spans
@@ -279,14 +272,12 @@ def launch(p, beta, beta_mode: int, total: int, tables, inverse, scores, kg, kd,
     """Runs the prologue over ``total`` chunks (``tables`` = (cu_seqlens, chunk index) or Nones):
     P into ``inverse`` and Aqk into ``scores`` ``[B, T, HV, 64]``, the gated keys and queries into
     ``kg``, ``kd``, ``qg`` ``[B, T, HV, K]``, e^(G_last) into ``decay`` ``[total, HV, K]``."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
+    from fastla.backends.gluon.chunk_delta import _tile_layout, tma_descriptor
     from fastla.backends.triton import chunk_prepare_kda
     from fastla.backends.triton.launch import launcher
 
     def desc(x, heads):                      # [B * T, heads * K] in [64, 32] boxes (rows past B * T: zeros)
-        view = x.view(p.B * p.T, heads * p.K)
-        return TensorDescriptor.from_tensor(view, [64, 32], _box_layout(x.dtype))
+        return tma_descriptor(x, p.B * p.T, heads * p.K, [64, 32], _tile_layout(64, 32))
 
     cu, chunk_index = tables
     varlen = cu is not None
