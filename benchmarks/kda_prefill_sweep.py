@@ -3,6 +3,11 @@ backends/triton/chunk_prepare_kda.py, and the scan's per-channel step) on regist
 FLA 0.6.0 in the same process: CUDA-graph time, per-kernel split, output error vs FLA.
 
     python benchmarks/kda_prefill_sweep.py [--out DIR] [--shapes NAME,..] [--variants default,bv32s3,..]
+                                           [--gate op|unbounded|given]
+
+--gate: ``op`` times the registry's options (bounded gate computed in the op); ``unbounded`` the
+softplus gate in the op without lower_bound; ``given`` a precomputed bf16 log decay (FLA's
+``fused_kda_gate`` output) with the gate options off. FLA runs the same call.
 """
 from __future__ import annotations
 
@@ -38,6 +43,7 @@ VARIANTS = {
     "sm90-r168": dict(sm90_maxnreg=168),           # the sm_90 prologue capped (three programs per SM; the default)
     "sm90-uncapped": dict(sm90_maxnreg=None),
     "sm90-r128": dict(sm90_maxnreg=128),
+    "sm90-unbounded": dict(sm90_unbounded=True),   # the opt-in sm_90 prologue for unbounded / given gates
     "inv-w2": dict(inverse_warps=2),               # the inverse kernel's warps
     "inv-w4": dict(inverse_warps=4),
     "prep-w4-bk16-r128": dict(kda_prepare_warps=4, kda_prepare_block_k=16, kda_prepare_maxnreg=128),
@@ -53,12 +59,27 @@ VARIANTS = {
 SHAPES = "kda/h64/1x8192,kda/h64/2x16384,kda/h96/varlen8x15193"
 
 
+def with_gate(kw: dict, gate: str) -> dict:
+    """The registry's KDA call with the gate path ``gate`` (see the module docstring)."""
+    if gate == "op":
+        return kw
+    kw = dict(kw, safe_gate=False)
+    kw.pop("lower_bound", None)
+    if gate == "given":
+        A_log, dt_bias = kw.pop("A_log"), kw.pop("dt_bias")
+        g = kw["g"].float() + dt_bias.view(-1, kw["g"].shape[-1]).float()
+        kw["g"] = (-A_log.float().exp().view(-1, 1) * torch.nn.functional.softplus(g)).to(kw["g"].dtype)
+        kw["use_gate_in_kernel"] = False
+    return kw
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--shapes", default=SHAPES)
     ap.add_argument("--variants", default="default")
     ap.add_argument("--tier", default="triton", help="the tier the variants run on (triton, gluon)")
+    ap.add_argument("--gate", default="op", choices=("op", "unbounded", "given"))
     args = ap.parse_args()
     names = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
     try:
@@ -69,7 +90,7 @@ def main() -> int:
     original = chunk_delta.default_config
     default_maxnreg = sm90_prologue.MAXNREG
     for shape in args.shapes.split(","):
-        kw = call_kwargs(make_inputs(get_config(shape), "cuda"))
+        kw = with_gate(call_kwargs(make_inputs(get_config(shape), "cuda")), args.gate)
         fla_o = fla_us = None
         if fla_op is not None:
             fla_o = fla_op(**kw)[0]
@@ -82,6 +103,7 @@ def main() -> int:
             gluon_chunk.KDA_PROLOGUE_SM90 = over.pop("sm90_prologue", True)
             sm90_prologue.MAXNREG = over.pop("sm90_maxnreg", default_maxnreg)
             sm90_prologue.INVERSE_WARPS = over.pop("inverse_warps", 1)
+            sm90_prologue.UNBOUNDED = over.pop("sm90_unbounded", False)
             chunk_delta.default_config = lambda p, o=over: dataclasses.replace(original(p), **o)
             try:
                 with use_tier(args.tier, strict=True), torch.no_grad():
@@ -98,9 +120,10 @@ def main() -> int:
                 chunk_delta.default_config = original
                 gluon_chunk.KDA_PROLOGUE_SM90 = True
                 sm90_prologue.MAXNREG, sm90_prologue.INVERSE_WARPS = default_maxnreg, 1
+                sm90_prologue.UNBOUNDED = False
             prep = sum(v for k, v in split.items() if any(w in k for w in ("prepare", "prologue", "inverse")))
             scan = sum(v for k, v in split.items() if "scan" in k)
-            rows.append(dict(shape=shape, variant=name, tier=args.tier, us=us, prepare_us=prep, scan_us=scan, kernels=split,
+            rows.append(dict(shape=shape, variant=name, tier=args.tier, gate=args.gate, us=us, prepare_us=prep, scan_us=scan, kernels=split,
                              err_vs_fla=err_fla, fla_us=fla_us))
             speed = f"{fla_us / us:5.2f}x" if fla_us else "  -  "
             print(f"{shape:24s} {args.tier:6s} {name:12s} {us:9.1f} us (prepare {prep:8.1f}, scan {scan:8.1f}) FLA {fla_us or 0:9.1f} "
