@@ -202,17 +202,15 @@ KDA_PROLOGUE_VARIANTS = {
     "kda-prologue-varlen-bare": dict(VARLEN=True, L2NORM=False, HAS_A=False, HAS_BIAS=False,
                                      BETA=1),
     "kda-prologue-k64": dict(K=64),
-    # unbounded gates with the chunk flags (UNBOUNDED, off by default): given and softplus
+    # unbounded gates with the chunk flags: given (bf16 and fp32) and softplus
     "kda-prologue-given-gate": dict(GATE=0, HAS_A=False, HAS_BIAS=False, FLAG=True),
+    "kda-prologue-given-fp32-gate": dict(GATE=0, HAS_A=False, HAS_BIAS=False, FLAG=True, GATE_FP32=True),
     "kda-prologue-softplus-gate": dict(GATE=2, FLAG=True),
     "kda-prologue-wide-bounded-neg-eigval": dict(FLAG=True, BETA=3),
 }
-# Spills known and left (sm_90 compile): K = 128 runs under its register cap of 168 (three
-# programs per SM, faster than uncapped on the H200: chunk_prepare_kda_sm90.MAXNREG) with 24 bytes,
-# K = 64 uncapped unrolls its two slices with 16; their fp64 GPU tests pass. The unbounded builds
-# (opt-in, not yet run on the GPU) carry the chunk flag: 48 bytes each under the cap
-KDA_PROLOGUE_STACK = {"kda-prologue": 24, "kda-prologue-k64": 16, "kda-prologue-given-gate": 48,
-                      "kda-prologue-softplus-gate": 48, "kda-prologue-wide-bounded-neg-eigval": 48}
+# Spills known and left (sm_90 compile): K = 64 reaches 255 registers and spills 96 bytes (K = 128:
+# 242-250 registers, none)
+KDA_PROLOGUE_STACK = {"kda-prologue-k64": 96}
 
 
 def _child_kda_prologue(name: str, folder: str) -> None:
@@ -227,14 +225,18 @@ def _child_kda_prologue(name: str, folder: str) -> None:
     consts = dict(H=32, HV=64, K=128, L2NORM=True, GATE=3, HAS_A=True, HAS_BIAS=True, BETA=2, VARLEN=False,
                   FLAG=False)
     consts.update(KDA_PROLOGUE_VARIANTS[name])
+    gate_fp32 = consts.pop("GATE_FP32", False)
     box = gl.NVMMASharedLayout.get_default_for([64, 32], gl.bfloat16)
+    gate_box = gl.NVMMASharedLayout.get_default_for([64, 32], gl.float32) if gate_fp32 else box
     pointers = {"beta": "*bf16", "A_log": "*fp32", "dt_bias": "*fp32", "a_kk": "*fp32", "a_qk": "*bf16",
                 "kg": "*bf16", "kd": "*bf16", "qg": "*bf16", "decay": "*fp32", "flags": "*i32",
                 "cu_seqlens": "*i64", "chunk_index": "*i32"}
     names = kern.arg_names
     sig = {}
     for n in names:
-        if n.endswith("_desc"):
+        if n == "g_desc" and gate_fp32:
+            sig[n] = f"tensordesc<fp32[64, 32],{gate_box!r}>"
+        elif n.endswith("_desc"):
             sig[n] = f"tensordesc<bf16[64, 32],{box!r}>"
         else:
             sig[n] = pointers.get(n) or ("constexpr" if n in consts else ("i32" if n in ("T", "NT") else "fp32"))
@@ -255,13 +257,13 @@ def test_kda_prologue_compiles_for_sm90(name, tmp_path):
                      module="tests.backends.test_gluon_sm90")
     assert res["hgmma"] > 0 and res["utmaldg"] > 0, res                   # wgmma products, TMA loads
     assert res["LOCAL"] == 0 and res["STACK"] <= KDA_PROLOGUE_STACK.get(name, 0), f"spills: {res}"
-    assert res["shared_bytes"] <= 227 * 1024 // 3, res                    # three programs per SM
+    assert res["shared_bytes"] <= 227 * 1024 // 2, res                    # two programs per SM
 
 
 def test_kda_prologue_launch_builds_descriptors(monkeypatch):
     """The host side of the sm_90 KDA prologue on the CPU, up to its launches: q, k ([B T, H K])
-    and the gate ([B T, HV K]) in [64, 32] TMA boxes, the grid, the register cap at K = 128, no
-    chunk flags for the bounded gate, and the inverse over the same chunks."""
+    and the gate ([B T, HV K]) in [64, 32] TMA boxes, the grid, the register cap, no chunk flags for
+    the bounded gate, and the inverse over the same chunks."""
     import torch
 
     from fastla.backends.gluon import chunk_prepare_kda_sm90 as sm90
@@ -287,7 +289,7 @@ def test_kda_prologue_launch_builds_descriptors(monkeypatch):
     sm90.launch(p, p.beta, 2, total, (None, None), *out, torch.empty(total, HV, K))
     ((grid, args, kw),) = launches
     names = sm90._kda_prologue_sm90_kernel.arg_names
-    assert grid == (total, HV) and kw["num_warps"] == 4 and kw["maxnreg"] == sm90.MAXNREG
+    assert grid == (total, HV) and kw["num_warps"] == 4 and kw.get("maxnreg") == sm90.MAXNREG
     assert kw["GATE"] == 3 and kw["FLAG"] is False
     q_desc, k_desc, g_desc = args[:3]
     assert list(q_desc.shape) == list(k_desc.shape) == [B * T, H * K]
@@ -299,22 +301,35 @@ def test_kda_prologue_launch_builds_descriptors(monkeypatch):
     assert n_chunks == total and inverse is out[0] and a_kk is args[names.index("a_kk")]
 
 
-def test_kda_prologue_serves_bounded_gates():
-    """The sm_90 prologue takes the bounded gate computed in the op (lower_bound >= -5); the
-    unbounded and precomputed gates stay on the Triton prologue (exact diagonal)."""
+def test_kda_prologue_serves_every_gate(monkeypatch):
+    """The sm_90 prologue takes the bounded gate computed in the op, the unbounded and the given
+    (bf16 or fp32) gates (their widest chunks flagged for the Triton prologue); with UNBOUNDED off
+    only the bounded gate (lower_bound >= -5). Not K % 32 != 0, nor a strided or fp16 gate."""
     import torch
 
-    from fastla.backends.gluon.chunk_prepare_kda_sm90 import serves
+    from fastla.backends.gluon import chunk_prepare_kda_sm90 as sm90
     from fastla.core.validation import build_problem
 
     B, T, H, K = 1, 128, 2, 64
     q, k, v = (torch.randn(B, T, H, K, dtype=torch.bfloat16) for _ in range(3))
     g = torch.randn(B, T, H, K, dtype=torch.bfloat16)
     beta = torch.rand(B, T, H, dtype=torch.bfloat16)
-    common = dict(q=q, k=k, v=v, gk=g, beta=beta, delta=True, gva=True)
+    common = dict(q=q, k=k, v=v, beta=beta, delta=True, gva=True)
     gate = dict(gate_in_op="kda", A_log=torch.zeros(H))
-    assert serves(build_problem("chunk_kda", **common, **gate, lower_bound=-5.0)) is None
-    assert serves(build_problem("chunk_kda", **common, gate_in_op="kda", lower_bound=-1.0)) is None
-    assert "bounded" in serves(build_problem("chunk_kda", **common, **gate))
-    assert "bounded" in serves(build_problem("chunk_kda", **common))
-    assert "bounded" in serves(build_problem("chunk_kda", **common, **gate, lower_bound=-8.0))
+    bounded = build_problem("chunk_kda", **common, gk=g, **gate, lower_bound=-5.0)
+    unbounded = [build_problem("chunk_kda", **common, gk=g, **gate),
+                 build_problem("chunk_kda", **common, gk=g),
+                 build_problem("chunk_kda", **common, gk=g.float()),
+                 build_problem("chunk_kda", **common, gk=g, **gate, lower_bound=-8.0)]
+    assert sm90.serves(bounded) is None
+    assert sm90.serves(build_problem("chunk_kda", **common, gk=g, gate_in_op="kda", lower_bound=-1.0)) is None
+    assert all(sm90.serves(p) is None for p in unbounded)
+    assert "bf16 or fp32" in sm90.serves(build_problem("chunk_kda", **common, gk=g.half()))
+    strided = torch.randn(B, T, K, H, dtype=torch.bfloat16).transpose(2, 3)
+    assert "bf16 or fp32" in sm90.serves(build_problem("chunk_kda", **common, gk=strided))
+    qkv48 = {n: x[..., :48].contiguous() for n, x in dict(q=q, k=k, v=v).items()}
+    narrow = build_problem("chunk_kda", **dict(common, **qkv48), gk=g[..., :48].contiguous())
+    assert "multiple of 32" in sm90.serves(narrow)
+    monkeypatch.setattr(sm90, "UNBOUNDED", False)
+    assert sm90.serves(bounded) is None
+    assert all("bounded" in sm90.serves(p) for p in unbounded)

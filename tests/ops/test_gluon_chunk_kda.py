@@ -60,14 +60,12 @@ def test_sm90_prologue_matches_triton(case, monkeypatch):
     _prologue_parity(case, monkeypatch)
 
 
-@pytest.mark.parametrize("case", ["unbounded-gate", "dense", "strong-decay", "mixed-decay", "bounded-wide"])
+@pytest.mark.parametrize("case", ["unbounded-gate", "dense", "dense-fp32-gate", "strong-decay", "mixed-decay",
+                                  "bounded-wide"])
 def test_sm90_prologue_unbounded(case, monkeypatch):
-    """UNBOUNDED (opt-in): the softplus and the given gates on the sm_90 prologue, the chunks with
-    a block span past its limit redone by the Triton prologue (strength-100 decay flags most;
-    mixed-decay gives two of the four heads that decay, so flagged and served chunks share a
-    launch)."""
-    from fastla.backends.gluon import chunk_prepare_kda_sm90 as sm90
-    monkeypatch.setattr(sm90, "UNBOUNDED", True)
+    """The softplus and the given (bf16, fp32) gates on the sm_90 prologue, the chunks with a block
+    span past its limit redone by the Triton prologue (strength-100 decay flags most; mixed-decay
+    gives two of the four heads that decay, so flagged and served chunks share a launch)."""
     flags = _prologue_parity(case, monkeypatch)
     if case == "mixed-decay":
         assert flags is not None and 0 < int(flags.sum()) < flags.numel(), flags
@@ -89,9 +87,11 @@ def _prologue_parity(case, monkeypatch):
 
     monkeypatch.setattr(sm90, "launch", recorded("sm90", sm90.launch, 5))
     monkeypatch.setattr(chunk_prepare_kda, "launch", recorded("triton", chunk_prepare_kda.launch, 7))
-    t, opts = bf16_case("dense" if case == "mixed-decay" else case)
+    t, opts = bf16_case("dense" if case in ("mixed-decay", "dense-fp32-gate") else case)
     if case == "mixed-decay":
         t["g"][:, :, :2] *= 100.0
+    if case == "dense-fp32-gate":
+        t["g"] = t["g"].float()
     check_fp64(t, opts, tier="gluon")
     flags = seen.pop("flags", None)
     monkeypatch.setattr(gluon_chunk, "KDA_PROLOGUE_SM90", False)

@@ -82,11 +82,11 @@ def supports(p: Problem) -> str | None:
 
 
 @functools.lru_cache(maxsize=None)
-def _tile_layout(rows: int, cols: int):
-    """The swizzled shared layout of a bf16 TMA tile (cached: ~10 us a call to build)."""
+def _tile_layout(rows: int, cols: int, fp32: bool = False):
+    """The swizzled shared layout of a bf16 (or fp32) TMA tile (cached: ~10 us a call to build)."""
     from triton.experimental.gluon import language as gl
 
-    return gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)
+    return gl.NVMMASharedLayout.get_default_for([rows, cols], gl.float32 if fp32 else gl.bfloat16)
 
 
 def tma_descriptor(x, rows: int, width: int, block, layout):

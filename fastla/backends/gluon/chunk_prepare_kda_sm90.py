@@ -58,9 +58,9 @@ from fastla.backends.triton.chunk_prepare import _activate_beta
 
 LOG2E = gl.constexpr(1.4426950408889634)
 BC = gl.constexpr(32)      # channels per slice
-# largest block span (log2 units) of the block-pair products: 16 x 5 nats, the bounded gate's
-# widest; operands stay within 2^(+-116) |k|
-SPAN_LIMIT = gl.constexpr(16 * 5 * 1.4426950408889634 + 1e-3)
+# widest block span (log2 units) of the midpoint-referenced products: operands within 2^(+-100) |k|
+# (bf16 tops out at 2^128); the bounded gate's widest is 16 x 5 nats = 115
+SPAN_LIMIT = gl.constexpr(200.0)
 
 
 @gluon.jit
@@ -87,31 +87,33 @@ def _row_norms(x_s, valid, NS: gl.constexpr, L3: gl.constexpr):
 
 
 @gluon.jit
-def _pair_operands(x_s, q_s, h: gl.constexpr, X, Q, D):
-    """Block pair h's left operands X D, Q D ([4, 16, 32], D [4, 32]) into shared memory, channel-major
-    ([32, 64]: each thread's 16 rows are contiguous there)."""
-    Dx = gl.expand_dims(D, 1)
-    x_s.index(h).store(gl.permute(gl.reshape(X * Dx, [64, BC]), (1, 0)).to(gl.bfloat16))
-    q_s.index(h).store(gl.permute(gl.reshape(Q * Dx, [64, BC]), (1, 0)).to(gl.bfloat16))
+def _column_operands(x_s, q_s, c: gl.constexpr, kmid, qmid, factor):
+    """Column block c's left operands k 2^(G - M_c), scale q 2^(G - M_c) ([4, 16, 32] from the
+    references at each row's own block's midpoint times ``factor`` [4, 32]: 1 on block c, 2^(M_b -
+    M_c) <= 1 below it, 0 above) into shared memory, channel-major ([32, 64]: each thread's 16
+    rows are contiguous there)."""
+    f = gl.expand_dims(factor, 1)
+    x_s.index(c).store(gl.permute(gl.reshape(kmid * f, [64, BC]), (1, 0)).to(gl.bfloat16))
+    q_s.index(c).store(gl.permute(gl.reshape(qmid * f, [64, BC]), (1, 0)).to(gl.bfloat16))
 
 
 @gluon.jit
-def _products(x_s, q_s, f_s, h: gl.constexpr, akk, aqk):
-    """A and Aqk's block columns 2h, 2h + 1 [64, 32] += (X D_h) F_h^T and (Q D_h) F_h^T."""
-    fT = f_s.slice(h * BC, BC, dim=0)                                       # F_h^T [32 channels, 32 columns]
-    akk = warpgroup_mma(x_s.index(h).permute((1, 0)), fT, akk, is_async=True)
-    aqk = warpgroup_mma(q_s.index(h).permute((1, 0)), fT, aqk, is_async=True)
+def _products(x_s, q_s, f_s, c: gl.constexpr, akk, aqk):
+    """A and Aqk's column block c [64, 16] += (k 2^(G - M_c)) R_c^T and (scale q 2^(G - M_c)) R_c^T."""
+    rT = f_s.slice(c * BC, BC, dim=0)                                       # R_c^T [32 channels, 16 columns]
+    akk = warpgroup_mma(x_s.index(c).permute((1, 0)), rT, akk, is_async=True)
+    aqk = warpgroup_mma(q_s.index(c).permute((1, 0)), rT, aqk, is_async=True)
     return akk, aqk
 
 
 @gluon.jit
-def _store_pair_columns(a_kk, a_qk, row_off, r, valid_r, beta_r, h: gl.constexpr, akk, aqk, cols_l: gl.constexpr):
-    """Columns 32h .. 32h + 31 of A (strict lower, times beta, fp32) and Aqk (lower, bf16), rows < n_left."""
-    col = 32 * h + gl.arange(0, 32, layout=cols_l)
-    off = row_off[:, None] + col[None, :]
-    m = valid_r[:, None] & (col[None, :] < 64)
-    gl.store(a_kk + off, gl.where(col[None, :] < r[:, None], akk * beta_r[:, None], 0.0), mask=m)
-    gl.store(a_qk + off, gl.where(col[None, :] <= r[:, None], aqk, 0.0).to(gl.bfloat16), mask=m)
+def _store_columns(a_kk, a_qk, row_off, r, valid_r, beta_r, c: gl.constexpr, akk, aqk, cols_l: gl.constexpr):
+    """Columns 16c .. 16c + 15 of A (strict lower, times beta, fp32) and Aqk (lower, bf16), rows < n_left."""
+    col = (16 * c + gl.arange(0, 16, layout=cols_l))[None, :]
+    off = row_off[:, None] + col
+    m = valid_r[:, None]
+    gl.store(a_kk + off, gl.where(col < r[:, None], akk * beta_r[:, None], 0.0), mask=m)
+    gl.store(a_qk + off, gl.where(col <= r[:, None], aqk, 0.0).to(gl.bfloat16), mask=m)
 
 
 @gluon.jit(do_not_specialize=["T", "NT"])
@@ -131,9 +133,10 @@ def _kda_prologue_sm90_kernel(
                                         warps_per_cta=[4, 1, 1], order=[2, 1, 0])
     L_bc: gl.constexpr = gl.SliceLayout(1, L3)                              # [4, 32] (block, channel)
     B2: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0])    # the same, as a blocked layout (scans)
-    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 32, 16])
+    MR: gl.constexpr = gl.BlockedLayout([4, 1], [1, 32], [1, 4], [1, 0])    # [4, 32], all four blocks in each thread
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16])
     x_tile: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    f_tile: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
+    f_tile: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2)
 
     i_c = gl.program_id(0).to(gl.int64)
     i_hv = gl.program_id(1)
@@ -150,6 +153,7 @@ def _kda_prologue_sm90_kernel(
     t = ib3 * 16 + ir3                                                      # [4, 16, 1] chunk rows
     valid = t < n_left
     ib = gl.arange(0, 4, layout=gl.SliceLayout(1, L_bc))[:, None]           # [4, 1] block of a [4, 32]
+    im = gl.arange(0, 4, layout=gl.SliceLayout(1, MR))[:, None]             # the same in MR
 
     # the chunk's q, k and gate tiles by TMA, [64, 32] per slice (rows past B * T zero-filled; rows
     # of the next sequence are masked by valid)
@@ -179,12 +183,12 @@ def _kda_prologue_sm90_kernel(
     else:
         a = 1.0
 
-    x_s = gl.allocate_shared_memory(gl.bfloat16, [2, BC, 64], x_tile)     # (X D_h)^T per block pair h
-    q_s = gl.allocate_shared_memory(gl.bfloat16, [2, BC, 64], x_tile)     # (Q D_h)^T
-    f_s = gl.allocate_shared_memory(gl.bfloat16, [2 * BC, 32], f_tile)    # F_h^T in rows 32h .. 32h + 31
-    zero = gl.zeros([64, 32], gl.float32, acc_l)
-    k0, k1, q0, q1 = zero, zero, zero, zero
-    widest = 0.0                                                            # the largest block span (FLAG)
+    x_s = gl.allocate_shared_memory(gl.bfloat16, [4, BC, 64], x_tile)     # left operands (k) per column block
+    q_s = gl.allocate_shared_memory(gl.bfloat16, [4, BC, 64], x_tile)     # left operands (q)
+    f_s = gl.allocate_shared_memory(gl.bfloat16, [4 * BC, 16], f_tile)    # R_c^T in rows 32c .. 32c + 31
+    zero = gl.zeros([64, 16], gl.float32, acc_l)
+    k0, k1, k2, k3, q0, q1, q2, q3 = zero, zero, zero, zero, zero, zero, zero, zero
+    widest = 0.0                                                            # the widest block span (FLAG)
     for ks in range(0, NS):
         o_k = o_c + ks * BC
         # the log decay in log2 units, 0 past n_left
@@ -197,38 +201,40 @@ def _kda_prologue_sm90_kernel(
             x = gl.where(valid, -a * gl.where(x > 20.0, LOG2E * x, gl.log2(1.0 + gl.exp2(LOG2E * x))), 0.0)
         else:                                                               # given
             x = x * LOG2E
-        L = gl.associative_scan(x, 1, _add)                                 # [4, 16, 32] within each block
-        s = gl.sum(x, 1)                                                    # [4, 32] spans
+        L = gl.associative_scan(x, 1, _add)                                 # [4, 16, 32] G - c_(b-1) within each block
+        s = gl.sum(x, 1)                                                    # [4, 32] block sums (-span)
         if FLAG:                                                            # a rising gate counts as too wide
             rising = gl.max(gl.max(gl.max(x, 2), 1), 0) > 0.0
             widest = gl.maximum(widest, gl.where(rising, 2.0 * SPAN_LIMIT, gl.max(gl.max(-s, 1), 0)))
         end = gl.convert_layout(gl.associative_scan(gl.convert_layout(s, B2), 0, _add), L_bc)   # c_b
-        start = end - s                                                     # c_(b-1)
-        c0 = gl.sum(gl.where(ib == 0, end, 0.0), 0)[None, :]                # [1, 32] the pairs' references
-        c2 = gl.sum(gl.where(ib == 2, end, 0.0), 0)[None, :]
+        mid = end - 0.5 * s                                                 # M_b, the block's midpoint
+        mids = gl.convert_layout(mid, MR)                                   # every block's M in each thread
         c_last = gl.sum(s, 0)[None, :]                                      # G_last
-        ref = gl.where(ib < 2, c0, c2)                                      # [4, 32] each block's pair's reference
         kb = _slice(k_in, ks, valid, L3) * rk
         qb = _slice(q_in, ks, valid, L3) * rq
-        eL = gl.exp2(L)
-        X = kb * eL
-        Q = qb * eL
-        F = kb * gl.exp2(gl.expand_dims(ref - start, 1) - L)               # k 2^(ref - G)
-        f_s.store(gl.reshape(gl.permute(gl.reshape(F, [2, 32, BC]), (0, 2, 1)), [2 * BC, 32]).to(gl.bfloat16))
-        _pair_operands(x_s, q_s, 0, X, Q, gl.exp2(start - c0))
-        _pair_operands(x_s, q_s, 1, X, Q, gl.where(ib >= 2, gl.exp2(start - c2), 0.0))
+        e_mid = gl.exp2(L - gl.expand_dims(0.5 * s, 1))                     # 2^(G - M_b) within 2^(+-span / 2)
+        kmid = kb * e_mid
+        qmid = qb * e_mid
+        R = kb * gl.exp2(gl.expand_dims(0.5 * s, 1) - L)                    # k 2^(M_b - G)
+        f_s.store(gl.reshape(gl.permute(R, (0, 2, 1)), [4 * BC, 16]).to(gl.bfloat16))
+        out = gate_base + t * (HV * K) + o_k
+        gl.store(kd + out, (R * gl.expand_dims(gl.exp2(c_last - mid), 1)).to(kd.dtype.element_ty), mask=valid)
+        for cb in gl.static_range(4):                                       # 2^(M_b - M_c) <= 1 below block c
+            mid_c = gl.convert_layout(gl.sum(gl.where(im == cb, mids, 0.0), 0), gl.SliceLayout(0, L_bc))[None, :]
+            _column_operands(x_s, q_s, cb, kmid, qmid,
+                             gl.where(ib == cb, 1.0, gl.where(ib > cb, gl.exp2(mid - mid_c), 0.0)))
         fence_async_shared()
         k0, q0 = _products(x_s, q_s, f_s, 0, k0, q0)
         k1, q1 = _products(x_s, q_s, f_s, 1, k1, q1)
-        # the gated keys and queries from the chunk's start, kd to its end (while the products run)
-        e_start = gl.expand_dims(gl.exp2(start), 1)                         # 2^(c_(b-1))
-        out = gate_base + t * (HV * K) + o_k
-        gl.store(kg + out, (X * e_start).to(kg.dtype.element_ty), mask=valid)
-        gl.store(qg + out, (Q * e_start).to(qg.dtype.element_ty), mask=valid)
-        gl.store(kd + out, (F * gl.expand_dims(gl.exp2(c_last - ref), 1)).to(kd.dtype.element_ty), mask=valid)
-        o_d = (i_c * HV + i_hv) * K + ks * BC + gl.arange(0, BC, layout=gl.SliceLayout(0, L_bc))[None, :]
-        gl.store(decay + o_d + ib * 0, gl.exp2(c_last + 0.0 * start), mask=ib == 0)   # [4, 32], block 0's row
-        k0, k1, q0, q1 = warpgroup_mma_wait(num_outstanding=0, deps=(k0, k1, q0, q1))
+        k2, q2 = _products(x_s, q_s, f_s, 2, k2, q2)
+        k3, q3 = _products(x_s, q_s, f_s, 3, k3, q3)
+        # the gated keys and queries from the chunk's start (while the products run)
+        e_m = gl.expand_dims(gl.exp2(mid), 1)                               # 2^(M_b) <= 1
+        gl.store(kg + out, (kmid * e_m).to(kg.dtype.element_ty), mask=valid)
+        gl.store(qg + out, (qmid * e_m).to(qg.dtype.element_ty), mask=valid)
+        o_d = (i_c * HV + i_hv) * K + ks * BC + gl.arange(0, BC, layout=gl.SliceLayout(0, L_bc))
+        gl.store(decay + o_d, gl.exp2(gl.sum(s, 0)))                        # replicated over warps: same value
+        k0, k1, k2, k3, q0, q1, q2, q3 = warpgroup_mma_wait(num_outstanding=0, deps=(k0, k1, k2, k3, q0, q1, q2, q3))
 
     rows_l: gl.constexpr = gl.SliceLayout(1, acc_l)
     cols_l: gl.constexpr = gl.SliceLayout(0, acc_l)
@@ -236,22 +242,22 @@ def _kda_prologue_sm90_kernel(
     valid_r = r < n_left
     beta_r = _activate_beta(gl.load(beta + beta_base + r * HV, mask=valid_r, other=0.0), valid_r, BETA)
     row_off = (beta_base + r * HV) * 64
-    _store_pair_columns(a_kk, a_qk, row_off, r, valid_r, beta_r, 0, k0, q0, cols_l)
-    _store_pair_columns(a_kk, a_qk, row_off, r, valid_r, beta_r, 1, k1, q1, cols_l)
+    _store_columns(a_kk, a_qk, row_off, r, valid_r, beta_r, 0, k0, q0, cols_l)
+    _store_columns(a_kk, a_qk, row_off, r, valid_r, beta_r, 1, k1, q1, cols_l)
+    _store_columns(a_kk, a_qk, row_off, r, valid_r, beta_r, 2, k2, q2, cols_l)
+    _store_columns(a_kk, a_qk, row_off, r, valid_r, beta_r, 3, k3, q3, cols_l)
     if FLAG:
         gl.store(flags + i_c * HV + i_hv, (widest > SPAN_LIMIT).to(gl.int32))
 
 
-# Unbounded and precomputed gates on this prologue too (chunks with a block span past SPAN_LIMIT
-# redone by the Triton prologue): off until validated on the GPU (built and compiled for sm_90
-# only; tests/ops/test_gluon_chunk_kda.py switches it on)
-UNBOUNDED = False
-# Register cap of the prologue at K = 128: 168 fits three programs per SM (uncapped: 223 registers,
-# two) for 24 bytes of spill (sm_90 compile). Measured (H200, benchmarks/kda_prefill_sweep.py,
-# benchmarks/results/kda_prefill_sweep-v4-knobs.json): 1x8k H64 870 -> 855 us, 2x16k H64 3542 ->
-# 3437 us for the whole forward. K = 64 runs uncapped (168 spills 136 bytes there). The inverse
-# kernel's warps: one measured fastest (two: +80 us, four: +180 us at 1x8k H64).
-MAXNREG = 168
+# Unbounded and precomputed gates on this prologue too (the chunks with a block span past
+# SPAN_LIMIT, or a rising gate, redone by the Triton prologue); False sends them all to the
+# Triton prologue
+UNBOUNDED = True
+# Register cap at K = 128 (None: uncapped, 242 registers, no spill; shared memory, 86 KB at K = 128,
+# allows two programs per SM either way). The inverse kernel's warps: one measured fastest (two:
+# +80 us, four: +180 us at 1x8k H64, benchmarks/results/kda_prefill_sweep-v4-knobs.json).
+MAXNREG = None
 INVERSE_WARPS = 1
 
 
@@ -260,11 +266,11 @@ def serves(p) -> str | None:
     from fastla.backends.triton.chunk_prepare_kda import bounded_spans
 
     if not bounded_spans(p) and not UNBOUNDED:
-        return "the gate is not the bounded one computed in the op (lower_bound >= -5)"
+        return "the gate is not the bounded one computed in the op (lower_bound >= -5; UNBOUNDED off)"
     if p.K % 32:
         return f"K = {p.K} is not a multiple of 32"
-    if p.gk.dtype != torch.bfloat16 or not p.gk.is_contiguous() or p.gk.data_ptr() % 16:
-        return "the gate is not a contiguous, 16-byte aligned bf16 tensor (TMA; fp32 gates are not validated)"
+    if p.gk.dtype not in (torch.bfloat16, torch.float32) or not p.gk.is_contiguous() or p.gk.data_ptr() % 16:
+        return "the gate is not a contiguous, 16-byte aligned bf16 or fp32 tensor (TMA)"
     return None
 
 
@@ -277,7 +283,7 @@ def launch(p, beta, beta_mode: int, total: int, tables, inverse, scores, kg, kd,
     from fastla.backends.triton.launch import launcher
 
     def desc(x, heads):                      # [B * T, heads * K] in [64, 32] boxes (rows past B * T: zeros)
-        return tma_descriptor(x, p.B * p.T, heads * p.K, [64, 32], _tile_layout(64, 32))
+        return tma_descriptor(x, p.B * p.T, heads * p.K, [64, 32], _tile_layout(64, 32, x.dtype == torch.float32))
 
     cu, chunk_index = tables
     varlen = cu is not None
