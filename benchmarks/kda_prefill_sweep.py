@@ -43,7 +43,7 @@ VARIANTS = {
     "sm90-r168": dict(sm90_maxnreg=168),           # the sm_90 prologue capped (three programs per SM; the default)
     "sm90-uncapped": dict(sm90_maxnreg=None),
     "sm90-r128": dict(sm90_maxnreg=128),
-    "sm90-unbounded": dict(sm90_unbounded=True),   # the opt-in sm_90 prologue for unbounded / given gates
+    "sm90-bounded-only": dict(sm90_unbounded=False),   # unbounded / given gates on the Triton prologue
     "inv-w2": dict(inverse_warps=2),               # the inverse kernel's warps
     "inv-w4": dict(inverse_warps=4),
     "prep-w4-bk16-r128": dict(kda_prepare_warps=4, kda_prepare_block_k=16, kda_prepare_maxnreg=128),
@@ -88,7 +88,7 @@ def main() -> int:
         fla_op = None
     rows = []
     original = chunk_delta.default_config
-    default_maxnreg = sm90_prologue.MAXNREG
+    default_maxnreg, default_unbounded = sm90_prologue.MAXNREG, sm90_prologue.UNBOUNDED
     for shape in args.shapes.split(","):
         kw = with_gate(call_kwargs(make_inputs(get_config(shape), "cuda")), args.gate)
         fla_o = fla_us = None
@@ -103,7 +103,7 @@ def main() -> int:
             gluon_chunk.KDA_PROLOGUE_SM90 = over.pop("sm90_prologue", True)
             sm90_prologue.MAXNREG = over.pop("sm90_maxnreg", default_maxnreg)
             sm90_prologue.INVERSE_WARPS = over.pop("inverse_warps", 1)
-            sm90_prologue.UNBOUNDED = over.pop("sm90_unbounded", False)
+            sm90_prologue.UNBOUNDED = over.pop("sm90_unbounded", default_unbounded)
             chunk_delta.default_config = lambda p, o=over: dataclasses.replace(original(p), **o)
             try:
                 with use_tier(args.tier, strict=True), torch.no_grad():
@@ -120,7 +120,7 @@ def main() -> int:
                 chunk_delta.default_config = original
                 gluon_chunk.KDA_PROLOGUE_SM90 = True
                 sm90_prologue.MAXNREG, sm90_prologue.INVERSE_WARPS = default_maxnreg, 1
-                sm90_prologue.UNBOUNDED = False
+                sm90_prologue.UNBOUNDED = default_unbounded
             prep = sum(v for k, v in split.items() if any(w in k for w in ("prepare", "prologue", "inverse")))
             scan = sum(v for k, v in split.items() if "scan" in k)
             rows.append(dict(shape=shape, variant=name, tier=args.tier, gate=args.gate, us=us, prepare_us=prep, scan_us=scan, kernels=split,

@@ -98,9 +98,48 @@ def _prologue_parity(case, monkeypatch):
     check_fp64(t, opts, tier="gluon")
     seen.pop("flags", None)
     assert set(seen) == {"sm90", "triton"}
+    exact = None if "cu_seqlens" in opts else _reference_inverse(t, opts)
     for name, x, ref in zip(("P", "Aqk", "kg", "kd", "qg", "decay"), seen["sm90"], seen["triton"]):
         assert torch.isfinite(x).all(), name
         assert_close(name, x.float(), ref.float(), 1e-2)
+        if name == "P" and exact is not None:
+            # P = (I + A)^-1 amplifies A's bf16 operand rounding (|dP| <= |P| |dA| |P|): each
+            # prologue's largest error against fp64, the sm_90 one at most twice the Triton one's
+            err, err_ref = ((y.double() - exact).abs().max().item() for y in (x, ref))
+            assert err <= 2 * err_ref + 2 ** -9, f"P: max error {err:.3e} vs fp64, Triton's {err_ref:.3e}"
+            continue
         err = (x.float() - ref.float()).abs().max()                     # no error confined to a few rows
         assert err <= 2e-2 * ref.float().abs().max(), f"{name}: max error {err:.3e}"
     return flags
+
+
+def _reference_inverse(t, opts):
+    """P = (I + A)^-1 of every 64-token chunk in fp64, [B, T, HV, 64] as the prologues write it
+    (dense batches): A = strict_lower(diag(beta) sum_c k_ic k_jc e^(G_ic - G_jc))."""
+    import torch.nn.functional as F
+
+    from fastla.backends.torch.chunked import _channel_scores_block
+    from fastla.core.gates import beta_activation, kda_gate, l2norm
+
+    k, g, beta = (t[n].double() for n in ("k", "g", "beta"))
+    B, T, H, K = k.shape
+    HV = g.shape[2]
+    if opts.get("use_qk_l2norm_in_kernel"):
+        k = l2norm(k)
+    if opts.get("use_gate_in_kernel"):
+        A_log, dt_bias = (opts.get(n) for n in ("A_log", "dt_bias"))
+        g = kda_gate(g, A_log.double() if A_log is not None else None,
+                     dt_bias.double() if dt_bias is not None else None, opts.get("lower_bound"))
+    if opts.get("use_beta_sigmoid_in_kernel"):
+        beta = beta_activation(beta, opts.get("allow_neg_eigval", False))
+    NT = -(-T // 64)
+    pad = NT * 64 - T
+
+    def chunks(x):                                                      # [B, T, HV, *d] -> [B NT HV, 64, *d]
+        x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad)).unflatten(1, (NT, 64))
+        return x.movedim(3, 2).flatten(0, 2)
+
+    kc, gc = chunks(k.repeat_interleave(HV // H, dim=2)), chunks(g)
+    A = _channel_scores_block(kc, kc, gc.cumsum(1), strict=True) * chunks(beta)[..., None]
+    P = torch.linalg.inv(torch.eye(64, dtype=A.dtype, device=A.device) + A)
+    return P.unflatten(0, (B, NT, HV)).movedim(2, 3).flatten(1, 2)[:, :T]
