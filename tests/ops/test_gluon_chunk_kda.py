@@ -56,7 +56,7 @@ def test_segments_and_intermediate_states(monkeypatch):
                                   "bounded-neg-eigval"])
 def test_sm90_prologue_matches_triton(case, monkeypatch):
     """The sm_90 prologue's P, Aqk, gated keys and queries, kd and decays against the Triton
-    prologue's on the same inputs (bounded gates: the ones it serves by default)."""
+    prologue's on the same inputs (bounded gates)."""
     _prologue_parity(case, monkeypatch)
 
 

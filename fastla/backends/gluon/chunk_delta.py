@@ -22,8 +22,8 @@ SCAN_WARPGROUPS = None      # warpgroups splitting a program's columns (None: sc
 # 200 KB at K = 128): off by default, it measured 4-10% slower than the plain scan at 64 columns
 # on every swept shape (docs/notes/gdn-prefill.md, v10)
 SCAN_SPECIALIZED = False
-# KDA's prologue on the sm_90 kernel (chunk_prepare_kda_sm90.py) where it serves (bounded gates),
-# else on the Triton one (backends/triton/chunk_prepare_kda.py); False for A/B sweeps
+# KDA's prologue on the sm_90 kernel (chunk_prepare_kda_sm90.py) where it serves (K % 32 == 0, a
+# bf16 or fp32 gate), else on the Triton one (backends/triton/chunk_prepare_kda.py); False for A/B sweeps
 KDA_PROLOGUE_SM90 = True
 SPECIALIZED_WIDTHS = (32, 64)
 

@@ -28,7 +28,7 @@ beta, 1/|k|, 1/|q|) are loaded one chunk ahead into registers and used a chunk l
     O -> smem -> TMA store (a sequence's partial last chunk: masked stores instead)
 so four dependent waits per chunk instead of the Triton scan's six serialized products.
 
-GK (KDA, per-channel gates; the prologue is chunk_prepare_kda_sm90.py for bounded gates, else
+GK (KDA, per-channel gates; the prologue is chunk_prepare_kda_sm90.py where it serves, else
 backends/triton/chunk_prepare_kda.py): k_desc and
 q_desc hold the gated keys kg = k e^G and queries qg = scale q e^G per value head
 ``[B * T, HV * K]``, kd_desc kd = k e^(G_last - G), and ``decay`` e^(G_last) ``[chunks, HV, K]``

@@ -1,6 +1,6 @@
-"""Hopper (sm_90) prologue of the KDA chunked forward for bounded gates (safe_gate: the gate in the
-op with lower_bound >= -5): Gluon, async wgmma, one launch for what the Triton prologue
-(backends/triton/chunk_prepare_kda.py) does in two.
+"""Hopper (sm_90) prologue of the KDA chunked forward, every gate (the bounded one computed in the
+op, the softplus one without lower_bound, a given log decay in bf16 or fp32): Gluon, async wgmma,
+one launch for what the Triton prologue (backends/triton/chunk_prepare_kda.py) does in two.
 
 Per 64-token chunk and value head, with G the in-chunk cumsum of the log decay (log2 units), unit
 keys and queries when the l2norm is in the op, and per-channel products
@@ -16,31 +16,26 @@ input come by TMA into shared memory ([64, 32] boxes, every slice at once: rows 
 zero-filled, rows of the next sequence are masked). Elementwise work is in [4, 16, 32] tiles
 (block b, row in the block, channel): warp = block, lane = channel, a block's 16 rows in one
 thread, so the cumsum within a block is 15 adds in registers and the blocks' cumsum a 4-element
-scan across warps. Per slice, with L_b the gate's cumsum within block b, s_b its span, c_b the
-cumsum at the block's end and ref_b the reference of the block's pair, the cumsum at the boundary
-inside it (c_0 for blocks 0 and 1, c_2 for blocks 2 and 3):
-    X = k 2^L,  Q = scale q 2^L                    (<= 1)
-    F = k 2^(ref - G)                              (within 2^(+-s_b) of 1 in its own pair)
-    A[:, pair h]   += (X D_h) F_h^T                (wgmma, M 64, N 32, K 32; F_h: the pair's rows)
-    Aqk[:, pair h] += (Q D_h) F_h^T
-with D_h(b) = 2^(c_(b-1) - ref_h) for blocks b of pair h or later (<= 1 below the pair, within
-2^(s) on it) and 0 for earlier blocks (whose products lie above the diagonal): every operand
-within 2^(+-115) for spans <= 16 x 5 nats, inside bf16's range; products that overflow lie above
-the diagonal and are masked. The two scaled copies per side live in shared memory channel-major
-([32, 64] bf16: a thread's 16 rows are one 32-byte run), F_h^T as [32, 32], the accumulators in
-registers (4 x [64, 32] fp32). kg = X 2^(c_(b-1)), qg = Q 2^(c_(b-1)), kd = F 2^(c_3 - ref_b) are
-stored per slice while the products run. Shared memory: 48 KB of TMA tiles and 20 KB of operands
-at K = 128 (three programs per SM under the register cap of 168, MAXNREG).
-Unbounded gates (a block whose span passes ~2^127 overflows F) and precomputed ones stay on the
-Triton prologue, which has an exact pairwise diagonal (UNBOUNDED: opt-in, see launch()).
-Limits of the block-pair scheme, against the Triton prologue's factors <= 1: an operand reaches
-2^115 |k| at the bounded gate's widest span, so keys (or scale |q|) above ~6000 in magnitude
-without the l2norm would overflow a valid entry; and for rows two blocks past a pair's reference
-under near-maximal decay, X D_h drops below bf16's normal range while F_h can be ~2^115, so
-entries of A up to ~2^-11 |k_i k_j| lose precision (below the bf16 rounding of A's O(1) entries).
+scan across warps. Column block c of A and Aqk is referenced at M_c, the midpoint of G over
+block c (per channel):
+    A[:, block c]   += (k 2^(G - M_c)) R_c^T,   R_c = k 2^(M_c - G) on block c's rows
+    Aqk[:, block c] += (scale q 2^(G - M_c)) R_c^T
+(wgmma, M 64, N 16, K 32, one per column block and side). On block c's own rows both operands lie
+within 2^(+-span / 2); on later rows the left one is k 2^(G - M_b) 2^(M_b - M_c) <= |k|, and
+rows of earlier blocks are zero. So every operand stays in bf16's range while a block's span is
+at most SPAN_LIMIT (200 log2 units: 2^(+-100)), whatever the decay elsewhere; a left operand
+only underflows where its product is below 2^-26 |k_i k_j|. Products that overflow lie above the
+diagonal and are masked. The bounded gate (span <= 16 x 5 nats = 115) always fits. Unbounded and
+given gates flag (flags[chunk, head] = 1) a chunk with a wider block, or a rising gate, and the
+Triton prologue (exact pairwise diagonal) redoes those chunks: ~1% of chunks at the registry's
+softplus gate. The left operands (four copies per side) live in shared memory channel-major
+([32, 64] bf16: a thread's 16 rows are one 32-byte run), R_c^T as [32, 16], the accumulators in
+registers (8 x [64, 16] fp32); kg = k 2^(G - M_b) 2^(M_b), qg likewise and kd = R_b 2^(G_last -
+M_b) are stored per slice while the products run. Shared memory: 48 KB of TMA tiles (64 KB with
+an fp32 gate) and 36 KB of operands at K = 128: two programs per SM (242 registers, no spill).
 The fp32 A scratch is B T HV 256 bytes (0.5 GB at 1x32k, HV 64).
 
-Budget and measurements: docs/notes/kda-prefill.md (v4).
+Budget and measurements: docs/notes/kda-prefill.md (v4, v5).
 """
 from __future__ import annotations
 
