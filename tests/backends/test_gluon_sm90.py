@@ -202,8 +202,6 @@ KDA_PROLOGUE_VARIANTS = {
     "kda-prologue-varlen-bare": dict(VARLEN=True, L2NORM=False, HAS_A=False, HAS_BIAS=False,
                                      BETA=1),
     "kda-prologue-k64": dict(K=64),
-    # P in the prologue (INVERT, off by default)
-    "kda-prologue-invert": dict(INVERT=True),
     # unbounded gates with the chunk flags: given (bf16 and fp32) and softplus
     "kda-prologue-given-gate": dict(GATE=0, HAS_A=False, HAS_BIAS=False, FLAG=True),
     "kda-prologue-given-fp32-gate": dict(GATE=0, HAS_A=False, HAS_BIAS=False, FLAG=True, GATE_FP32=True),
@@ -225,7 +223,7 @@ def _child_kda_prologue(name: str, folder: str) -> None:
     from fastla.backends.gluon.chunk_prepare_kda_sm90 import _kda_prologue_sm90_kernel as kern
 
     consts = dict(H=32, HV=64, K=128, L2NORM=True, GATE=3, HAS_A=True, HAS_BIAS=True, BETA=2, VARLEN=False,
-                  FLAG=False, INVERT=False)
+                  FLAG=False)
     consts.update(KDA_PROLOGUE_VARIANTS[name])
     gate_fp32 = consts.pop("GATE_FP32", False)
     box = gl.NVMMASharedLayout.get_default_for([64, 32], gl.bfloat16)
