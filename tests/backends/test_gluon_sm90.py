@@ -208,9 +208,10 @@ KDA_PROLOGUE_VARIANTS = {
     "kda-prologue-softplus-gate": dict(GATE=2, FLAG=True),
     "kda-prologue-wide-bounded-neg-eigval": dict(FLAG=True, BETA=3),
 }
-# Spills known and left (sm_90 compile): K = 64 reaches 255 registers and spills 96 bytes (K = 128:
-# 242-250 registers, none)
-KDA_PROLOGUE_STACK = {"kda-prologue-k64": 96}
+# Spills known and left (sm_90 compile): every build sits at 255 registers; K = 64 spills 88 bytes,
+# the given gates 16 (bf16) and 8 (fp32), the bare varlen build 8; the registry's build none
+KDA_PROLOGUE_STACK = {"kda-prologue-k64": 96, "kda-prologue-given-gate": 16, "kda-prologue-given-fp32-gate": 8,
+                      "kda-prologue-varlen-bare": 8}
 
 
 def _child_kda_prologue(name: str, folder: str) -> None:

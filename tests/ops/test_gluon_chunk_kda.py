@@ -103,10 +103,14 @@ def _prologue_parity(case, monkeypatch):
         assert torch.isfinite(x).all(), name
         assert_close(name, x.float(), ref.float(), 1e-2)
         if name == "P" and exact is not None:
-            # P = (I + A)^-1 amplifies A's bf16 operand rounding (|dP| <= |P| |dA| |P|): each
-            # prologue's largest error against fp64, the sm_90 one at most twice the Triton one's
-            err, err_ref = ((y.double() - exact).abs().max().item() for y in (x, ref))
-            assert err <= 2 * err_ref + 2 ** -9, f"P: max error {err:.3e} vs fp64, Triton's {err_ref:.3e}"
+            # against fp64, entry by entry, within twice the first-order effect of bf16 operands
+            # (|dA| <= 2^-8 |A|, A's sum of absolute products: |dP| <= |P| |dA| |P|) plus P's own
+            # bf16 rounding; the sm_90 prologue forms every block of A from bf16 operands, the
+            # Triton one forms wide-span diagonal blocks exactly in fp32
+            P, bound = exact
+            err = (x.double() - P).abs()
+            worst = (err / bound).max().item()
+            assert worst <= 1.0, f"P: error {err.max().item():.3e}, {worst:.2f}x the bf16 bound"
             continue
         err = (x.float() - ref.float()).abs().max()                     # no error confined to a few rows
         assert err <= 2e-2 * ref.float().abs().max(), f"{name}: max error {err:.3e}"
@@ -115,7 +119,9 @@ def _prologue_parity(case, monkeypatch):
 
 def _reference_inverse(t, opts):
     """P = (I + A)^-1 of every 64-token chunk in fp64, [B, T, HV, 64] as the prologues write it
-    (dense batches): A = strict_lower(diag(beta) sum_c k_ic k_jc e^(G_ic - G_jc))."""
+    (dense batches), A = strict_lower(diag(beta) sum_c k_ic k_jc e^(G_ic - G_jc)), and the bound
+    2 (2^-8 |P| |A|_abs |P|) + 2^-8 |P| + 2^-20 on an error from bf16 operands, where |A|_abs sums
+    the products' absolute values."""
     import torch.nn.functional as F
 
     from fastla.backends.torch.chunked import _channel_scores_block
@@ -139,7 +145,12 @@ def _reference_inverse(t, opts):
         x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad)).unflatten(1, (NT, 64))
         return x.movedim(3, 2).flatten(0, 2)
 
-    kc, gc = chunks(k.repeat_interleave(HV // H, dim=2)), chunks(g)
-    A = _channel_scores_block(kc, kc, gc.cumsum(1), strict=True) * chunks(beta)[..., None]
+    kc, gc, bc = chunks(k.repeat_interleave(HV // H, dim=2)), chunks(g).cumsum(1), chunks(beta)[..., None]
+    A = _channel_scores_block(kc, kc, gc, strict=True) * bc
+    A_abs = _channel_scores_block(kc.abs(), kc.abs(), gc, strict=True) * bc.abs()
     P = torch.linalg.inv(torch.eye(64, dtype=A.dtype, device=A.device) + A)
-    return P.unflatten(0, (B, NT, HV)).movedim(2, 3).flatten(1, 2)[:, :T]
+    bound = 2 * 2 ** -8 * (P.abs() @ A_abs @ P.abs()) + 2 ** -8 * P.abs() + 2 ** -20
+
+    def rows(x):                                                        # [B NT HV, 64, 64] -> [B, T, HV, 64]
+        return x.unflatten(0, (B, NT, HV)).movedim(2, 3).flatten(1, 2)[:, :T]
+    return rows(P), rows(bound)

@@ -171,3 +171,51 @@ def test_bf16_segments_and_intermediate_states(monkeypatch):
     (h,) = check_fp64(t, opts, return_intermediate_states=True)
     assert torch.isfinite(h).all()
     assert_close("h", h, h_whole, 2e-2)
+
+
+@pytest.mark.parametrize("flagged", ["some", "none"])
+def test_flagged_pass_redoes_only_flagged_chunks(flagged, monkeypatch):
+    """The prologue's flagged pass (the redo of the (chunk, head) pairs the sm_90 prologue flags)
+    on its work list, 5 programs taking several items each: flagged pairs equal the full pass's
+    outputs, the others stay untouched."""
+    import triton.language as tl
+
+    from fastla.backends.triton import chunk_prepare_kda
+    from fastla.backends.triton.recurrent import BETA_SIGMOID
+    from fastla.core.validation import build_problem
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not interpreting():
+        pytest.skip("the Triton kernels need CUDA or the interpreter")
+    monkeypatch.setattr(chunk_prepare_kda, "sm_count", lambda device: 1)
+    monkeypatch.setattr(chunk_prepare_kda, "FLAGGED_PROGRAMS_PER_SM", 5)
+    gen = torch.Generator().manual_seed(3)
+    B, T, H, HV, K = 2, 130, 2, 4, 32
+    q, k = (torch.randn(B, T, H, K, generator=gen).to(device) for _ in range(2))
+    v, g = (torch.randn(B, T, HV, K, generator=gen).to(device) for _ in range(2))
+    beta = torch.randn(B, T, HV, generator=gen).to(device)
+    p = build_problem("chunk_kda", q=q, k=k, v=v, gk=g, beta=beta, delta=True, gva=True, gate_in_op="kda",
+                      A_log=torch.zeros(HV, device=device), dt_bias=torch.zeros(HV * K, device=device))
+    NT = -(-T // 64)
+    total = B * NT
+
+    def outputs(fill):
+        return [torch.full((B, T, HV, n), fill, device=device) for n in (64, 64, K, K, K)] + \
+               [torch.full((total, HV, K), fill, device=device)]
+
+    full, redo = outputs(0.0), outputs(float("nan"))
+    chunk_prepare_kda.launch(p, q, k, beta, BETA_SIGMOID, total, (None, None), *full, tl.float32)
+    flags = ((torch.rand(total, HV, generator=gen) < 0.4) if flagged == "some" else torch.zeros(total, HV)).int()
+    flags = flags.to(device)
+    chunk_prepare_kda.launch(p, q, k, beta, BETA_SIGMOID, total, (None, None), *redo, tl.float32, flags=flags)
+    for i_c in range(total):
+        b, rows = i_c // NT, slice((i_c % NT) * 64, min(T, (i_c % NT) * 64 + 64))
+        for hv in range(HV):
+            for name, x, ref in zip(("P", "Aqk", "kg", "kd", "qg"), redo, full):
+                got = x[b, rows, hv]
+                if flags[i_c, hv]:
+                    assert torch.equal(got, ref[b, rows, hv]), (name, i_c, hv)
+                else:
+                    assert got.isnan().all(), (name, i_c, hv)
+            got = redo[5][i_c, hv]
+            assert torch.equal(got, full[5][i_c, hv]) if flags[i_c, hv] else got.isnan().all(), ("decay", i_c, hv)

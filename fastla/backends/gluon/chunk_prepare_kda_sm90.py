@@ -21,18 +21,20 @@ block c (per channel):
     A[:, block c]   += (k 2^(G - M_c)) R_c^T,   R_c = k 2^(M_c - G) on block c's rows
     Aqk[:, block c] += (scale q 2^(G - M_c)) R_c^T
 (wgmma, M 64, N 16, K 32, one per column block and side). On block c's own rows both operands lie
-within 2^(+-span / 2); on later rows the left one is k 2^(G - M_b) 2^(M_b - M_c) <= |k|, and
-rows of earlier blocks are zero. So every operand stays in bf16's range while a block's span is
-at most SPAN_LIMIT (200 log2 units: 2^(+-100)), whatever the decay elsewhere; a left operand
-only underflows where its product is below 2^-26 |k_i k_j|. Products that overflow lie above the
+within 2^(+-span / 2); on a later block b's rows the left one is X 2^(c_(b-1) - M_c) with
+X = k 2^(G - c_(b-1)), two factors <= 1 (not k 2^(G - M_b) 2^(M_b - M_c): that factor can
+underflow fp32 against a large first one), and rows of earlier blocks are zero. So every operand
+stays in bf16's range while a block's span is at most SPAN_LIMIT (200 log2 units: 2^(+-100)),
+whatever the decay elsewhere; a left operand only underflows where its product is below
+2^-26 |k_i k_j|. Products that overflow lie above the
 diagonal and are masked. The bounded gate (span <= 16 x 5 nats = 115) always fits. Unbounded and
 given gates flag (flags[chunk, head] = 1) a chunk with a wider block, or a rising gate, and the
 Triton prologue (exact pairwise diagonal) redoes those chunks: ~1% of chunks at the registry's
 softplus gate. The left operands (four copies per side) live in shared memory channel-major
 ([32, 64] bf16: a thread's 16 rows are one 32-byte run), R_c^T as [32, 16], the accumulators in
-registers (8 x [64, 16] fp32); kg = k 2^(G - M_b) 2^(M_b), qg likewise and kd = R_b 2^(G_last -
-M_b) are stored per slice while the products run. Shared memory: 48 KB of TMA tiles (64 KB with
-an fp32 gate) and 36 KB of operands at K = 128: two programs per SM (242 registers, no spill).
+registers (8 x [64, 16] fp32); kg = X 2^(c_(b-1)), qg likewise and kd = R_b 2^(G_last - M_b) are
+stored per slice while the products run. Shared memory: 48 KB of TMA tiles (64 KB with
+an fp32 gate) and 36 KB of operands at K = 128: two programs per SM (255 registers, no spill).
 The fp32 A scratch is B T HV 256 bytes (0.5 GB at 1x32k, HV 64).
 
 Budget and measurements: docs/notes/kda-prefill.md (v4, v5).
@@ -82,14 +84,15 @@ def _row_norms(x_s, valid, NS: gl.constexpr, L3: gl.constexpr):
 
 
 @gluon.jit
-def _column_operands(x_s, q_s, c: gl.constexpr, kmid, qmid, factor):
-    """Column block c's left operands k 2^(G - M_c), scale q 2^(G - M_c) ([4, 16, 32] from the
-    references at each row's own block's midpoint times ``factor`` [4, 32]: 1 on block c, 2^(M_b -
-    M_c) <= 1 below it, 0 above) into shared memory, channel-major ([32, 64]: each thread's 16
-    rows are contiguous there)."""
-    f = gl.expand_dims(factor, 1)
-    x_s.index(c).store(gl.permute(gl.reshape(kmid * f, [64, BC]), (1, 0)).to(gl.bfloat16))
-    q_s.index(c).store(gl.permute(gl.reshape(qmid * f, [64, BC]), (1, 0)).to(gl.bfloat16))
+def _column_operands(x_s, q_s, c: gl.constexpr, on_c, kmid, qmid, X, Q, below):
+    """Column block c's left operands k 2^(G - M_c), scale q 2^(G - M_c) into shared memory,
+    channel-major ([32, 64]: each thread's 16 rows are contiguous there). On block c (``on_c``
+    [4, 1, 1]) they are kmid, qmid (referenced at the row's own block's midpoint); below it X, Q
+    (k 2^(G - c_(b-1)) <= |k|) times ``below`` = 2^(c_(b-1) - M_c) <= 1 [4, 32] (0 above block
+    c): two factors <= 1, so a factor underflows only where the operand is below 2^-126 |k|."""
+    f = gl.expand_dims(below, 1)
+    x_s.index(c).store(gl.permute(gl.reshape(gl.where(on_c, kmid, X * f), [64, BC]), (1, 0)).to(gl.bfloat16))
+    q_s.index(c).store(gl.permute(gl.reshape(gl.where(on_c, qmid, Q * f), [64, BC]), (1, 0)).to(gl.bfloat16))
 
 
 @gluon.jit
@@ -214,19 +217,23 @@ def _kda_prologue_sm90_kernel(
         f_s.store(gl.reshape(gl.permute(R, (0, 2, 1)), [4 * BC, 16]).to(gl.bfloat16))
         out = gate_base + t * (HV * K) + o_k
         gl.store(kd + out, (R * gl.expand_dims(gl.exp2(c_last - mid), 1)).to(kd.dtype.element_ty), mask=valid)
-        for cb in gl.static_range(4):                                       # 2^(M_b - M_c) <= 1 below block c
+        e_half = gl.expand_dims(gl.exp2(0.5 * s), 1)                        # 2^(c_(b-1) - M_b) in [2^-100, 1]
+        X = kmid * e_half                                                   # k 2^(G - c_(b-1)) <= |k|
+        Q = qmid * e_half
+        start = end - s                                                     # c_(b-1)
+        for cb in gl.static_range(4):
             mid_c = gl.convert_layout(gl.sum(gl.where(im == cb, mids, 0.0), 0), gl.SliceLayout(0, L_bc))[None, :]
-            _column_operands(x_s, q_s, cb, kmid, qmid,
-                             gl.where(ib == cb, 1.0, gl.where(ib > cb, gl.exp2(mid - mid_c), 0.0)))
+            _column_operands(x_s, q_s, cb, ib3 == cb, kmid, qmid, X, Q,
+                             gl.where(ib > cb, gl.exp2(start - mid_c), 0.0))
         fence_async_shared()
         k0, q0 = _products(x_s, q_s, f_s, 0, k0, q0)
         k1, q1 = _products(x_s, q_s, f_s, 1, k1, q1)
         k2, q2 = _products(x_s, q_s, f_s, 2, k2, q2)
         k3, q3 = _products(x_s, q_s, f_s, 3, k3, q3)
         # the gated keys and queries from the chunk's start (while the products run)
-        e_m = gl.expand_dims(gl.exp2(mid), 1)                               # 2^(M_b) <= 1
-        gl.store(kg + out, (kmid * e_m).to(kg.dtype.element_ty), mask=valid)
-        gl.store(qg + out, (qmid * e_m).to(qg.dtype.element_ty), mask=valid)
+        e_start = gl.expand_dims(gl.exp2(start), 1)                         # 2^(c_(b-1)) <= 1
+        gl.store(kg + out, (X * e_start).to(kg.dtype.element_ty), mask=valid)
+        gl.store(qg + out, (Q * e_start).to(qg.dtype.element_ty), mask=valid)
         o_d = (i_c * HV + i_hv) * K + ks * BC + gl.arange(0, BC, layout=gl.SliceLayout(0, L_bc))
         gl.store(decay + o_d, gl.exp2(gl.sum(s, 0)))                        # replicated over warps: same value
         k0, k1, k2, k3, q0, q1, q2, q3 = warpgroup_mma_wait(num_outstanding=0, deps=(k0, k1, k2, k3, q0, q1, q2, q3))
@@ -249,7 +256,7 @@ def _kda_prologue_sm90_kernel(
 # SPAN_LIMIT, or a rising gate, redone by the Triton prologue); False sends them all to the
 # Triton prologue
 UNBOUNDED = True
-# Register cap at K = 128 (None: uncapped, 242 registers, no spill; shared memory, 86 KB at K = 128,
+# Register cap at K = 128 (None: uncapped, 255 registers, no spill; shared memory, 86 KB at K = 128,
 # allows two programs per SM either way). The inverse kernel's warps: one measured fastest (two:
 # +80 us, four: +180 us at 1x8k H64, benchmarks/results/kda_prefill_sweep-v4-knobs.json).
 MAXNREG = None
