@@ -202,6 +202,8 @@ KDA_PROLOGUE_VARIANTS = {
     "kda-prologue-varlen-bare": dict(VARLEN=True, L2NORM=False, HAS_A=False, HAS_BIAS=False,
                                      BETA=1),
     "kda-prologue-k64": dict(K=64),
+    # P in the prologue (INVERT, opt-in: not yet run on the GPU)
+    "kda-prologue-invert": dict(INVERT=True),
     # unbounded gates with the chunk flags: given (bf16 and fp32) and softplus
     "kda-prologue-given-gate": dict(GATE=0, HAS_A=False, HAS_BIAS=False, FLAG=True),
     "kda-prologue-given-fp32-gate": dict(GATE=0, HAS_A=False, HAS_BIAS=False, FLAG=True, GATE_FP32=True),
@@ -224,7 +226,7 @@ def _child_kda_prologue(name: str, folder: str) -> None:
     from fastla.backends.gluon.chunk_prepare_kda_sm90 import _kda_prologue_sm90_kernel as kern
 
     consts = dict(H=32, HV=64, K=128, L2NORM=True, GATE=3, HAS_A=True, HAS_BIAS=True, BETA=2, VARLEN=False,
-                  FLAG=False)
+                  FLAG=False, INVERT=False)
     consts.update(KDA_PROLOGUE_VARIANTS[name])
     gate_fp32 = consts.pop("GATE_FP32", False)
     box = gl.NVMMASharedLayout.get_default_for([64, 32], gl.bfloat16)
@@ -300,6 +302,13 @@ def test_kda_prologue_launch_builds_descriptors(monkeypatch):
     assert args[names.index("a_qk")] is out[1] and args[names.index("kg")] is out[2]
     ((_, n_chunks, _, a_kk, inverse, _),) = inverses
     assert n_chunks == total and inverse is out[0] and a_kk is args[names.index("a_kk")]
+    assert kw["INVERT"] is False
+    # INVERT: P straight into the inverse's buffer, no scratch and no inverse kernel
+    launches.clear()
+    monkeypatch.setattr(sm90, "INVERT", True)
+    sm90.launch(p, p.beta, 2, total, (None, None), *out, torch.empty(total, HV, K))
+    ((grid, args, kw),) = launches
+    assert kw["INVERT"] is True and args[names.index("a_kk")] is out[0] and len(inverses) == 1
 
 
 def test_kda_prologue_serves_every_gate(monkeypatch):

@@ -71,6 +71,15 @@ def test_sm90_prologue_unbounded(case, monkeypatch):
         assert flags is not None and 0 < int(flags.sum()) < flags.numel(), flags
 
 
+@pytest.mark.parametrize("case", ["bounded-gate", "bounded-varlen", "bounded-k64", "unbounded-gate", "mixed-decay"])
+def test_sm90_prologue_invert(case, monkeypatch):
+    """INVERT (opt-in): P formed in the sm_90 prologue (substitution, then block-Jacobi steps on
+    wgmma), against the Triton prologue's and, on dense batches, fp64."""
+    from fastla.backends.gluon import chunk_prepare_kda_sm90 as sm90
+    monkeypatch.setattr(sm90, "INVERT", True)
+    _prologue_parity(case, monkeypatch)
+
+
 def _prologue_parity(case, monkeypatch):
     from fastla.backends.gluon import chunk_delta as gluon_chunk
     from fastla.backends.gluon import chunk_prepare_kda_sm90 as sm90
