@@ -287,7 +287,7 @@ def _kda_prologue_sm90_kernel(
         f_s.store(gl.reshape(gl.permute(R, (0, 2, 1)), [4 * BC, 16]).to(gl.bfloat16))
         out = gate_base + t * (HV * K) + o_k
         gl.store(kd + out, (R * gl.expand_dims(gl.exp2(c_last - mid), 1)).to(kd.dtype.element_ty), mask=valid)
-        e_half = gl.expand_dims(gl.exp2(0.5 * s), 1)                        # 2^(c_(b-1) - M_b) in [2^-100, 1]
+        e_half = gl.expand_dims(gl.exp2(0.5 * s), 1)                        # 2^(M_b - c_(b-1)) in [2^-100, 1]
         X = kmid * e_half                                                   # k 2^(G - c_(b-1)) <= |k|
         Q = qmid * e_half
         start = end - s                                                     # c_(b-1)
