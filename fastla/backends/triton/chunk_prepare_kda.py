@@ -3,8 +3,9 @@ head, the per-channel gate's cumsum, the WY factor P, the causal scores and the 
 queries that the scan (the Triton one in chunk_delta.py and the Gluon one in
 backends/gluon/chunk_delta_sm90.py, both ``GK``) multiplies with the state.
 
-``_kda_prepare_kernel``, grid ``(chunks, HV)``, launched twice (SCORES False: A, P, kg, kd,
-decay; SCORES True: Aqk, qg), one warp (no barriers: the cumsums and reductions stay within the
+``_kda_prepare_kernel``, grid ``(chunks, HV)`` (FLAGGED: a 1-D grid over a device-built list of
+the (chunk, head) pairs the sm_90 prologue flagged, each program taking every grid-th one),
+launched twice (SCORES False: A, P, kg, kd, decay; SCORES True: Aqk, qg), one warp (no barriers: the cumsums and reductions stay within the
 warp), K in slices of BK = 16 channels (fp32 [16, 16] block accumulators across slices, mma.sync
 products). With G [BT, K] the in-chunk cumsum of the log decay (the KDA gate computed here when it
 is in the op), unit keys and queries when the l2norm is in the op, and per-channel products
