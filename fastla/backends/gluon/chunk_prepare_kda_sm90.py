@@ -106,20 +106,30 @@ def _products(x_s, q_s, f_s, c: gl.constexpr, akk, aqk):
 
 
 @gluon.jit
-def _lower_columns(a_qk, row_off, r, valid_r, beta_r, c: gl.constexpr, akk, aqk, cols_l: gl.constexpr):
-    """Stores columns 16c .. 16c + 15 of Aqk (lower, bf16, rows < n_left); returns A's (strict
-    lower, times beta, fp32 [64, 16])."""
+def _a_columns(r, beta_r, c: gl.constexpr, akk, cols_l: gl.constexpr):
+    """Columns 16c .. 16c + 15 of A: strict lower, times beta, fp32 [64, 16]."""
     col = (16 * c + gl.arange(0, 16, layout=cols_l))[None, :]
-    gl.store(a_qk + row_off[:, None] + col, gl.where(col <= r[:, None], aqk, 0.0).to(gl.bfloat16),
-             mask=valid_r[:, None])
     return gl.where(col < r[:, None], akk * beta_r[:, None], 0.0)
 
 
 @gluon.jit
-def _store_column(a_kk, row_off, valid_r, c: gl.constexpr, a, cols_l: gl.constexpr):
-    """Columns 16c .. 16c + 15 of A (fp32 scratch for the inverse kernel), rows < n_left."""
+def _store_scores(a_qk, row_off, r, valid_r, c: gl.constexpr, aqk, cols_l: gl.constexpr):
+    """Columns 16c .. 16c + 15 of Aqk (lower, bf16), rows < n_left."""
     col = (16 * c + gl.arange(0, 16, layout=cols_l))[None, :]
-    gl.store(a_kk + row_off[:, None] + col, a, mask=valid_r[:, None])
+    gl.store(a_qk + row_off[:, None] + col, gl.where(col <= r[:, None], aqk, 0.0).to(gl.bfloat16),
+             mask=valid_r[:, None])
+
+
+@gluon.jit
+def _store_columns(a_kk, a_qk, row_off, r, valid_r, beta_r, c: gl.constexpr, akk, aqk, cols_l: gl.constexpr):
+    """Columns 16c .. 16c + 15 of A (strict lower, times beta, fp32) and Aqk (lower, bf16), rows < n_left.
+    (_a_columns and _store_scores compute the same for INVERT; this form compiles to the binary
+    that ran on the GPU, which those two in sequence do not.)"""
+    col = (16 * c + gl.arange(0, 16, layout=cols_l))[None, :]
+    off = row_off[:, None] + col
+    m = valid_r[:, None]
+    gl.store(a_kk + off, gl.where(col < r[:, None], akk * beta_r[:, None], 0.0), mask=m)
+    gl.store(a_qk + off, gl.where(col <= r[:, None], aqk, 0.0).to(gl.bfloat16), mask=m)
 
 
 @gluon.jit
@@ -314,17 +324,18 @@ def _kda_prologue_sm90_kernel(
     valid_r = r < n_left
     beta_r = _activate_beta(gl.load(beta + beta_base + r * HV, mask=valid_r, other=0.0), valid_r, BETA)
     row_off = (beta_base + r * HV) * 64
-    a0 = _lower_columns(a_qk, row_off, r, valid_r, beta_r, 0, k0, q0, cols_l)
-    a1 = _lower_columns(a_qk, row_off, r, valid_r, beta_r, 1, k1, q1, cols_l)
-    a2 = _lower_columns(a_qk, row_off, r, valid_r, beta_r, 2, k2, q2, cols_l)
-    a3 = _lower_columns(a_qk, row_off, r, valid_r, beta_r, 3, k3, q3, cols_l)
     if INVERT:                                                              # P into a_kk
-        _invert(a_kk, row_off, valid_r, a0, a1, a2, a3, acc_l)
+        _store_scores(a_qk, row_off, r, valid_r, 0, q0, cols_l)
+        _store_scores(a_qk, row_off, r, valid_r, 1, q1, cols_l)
+        _store_scores(a_qk, row_off, r, valid_r, 2, q2, cols_l)
+        _store_scores(a_qk, row_off, r, valid_r, 3, q3, cols_l)
+        _invert(a_kk, row_off, valid_r, _a_columns(r, beta_r, 0, k0, cols_l), _a_columns(r, beta_r, 1, k1, cols_l),
+                _a_columns(r, beta_r, 2, k2, cols_l), _a_columns(r, beta_r, 3, k3, cols_l), acc_l)
     else:                                                                   # A into the scratch a_kk
-        _store_column(a_kk, row_off, valid_r, 0, a0, cols_l)
-        _store_column(a_kk, row_off, valid_r, 1, a1, cols_l)
-        _store_column(a_kk, row_off, valid_r, 2, a2, cols_l)
-        _store_column(a_kk, row_off, valid_r, 3, a3, cols_l)
+        _store_columns(a_kk, a_qk, row_off, r, valid_r, beta_r, 0, k0, q0, cols_l)
+        _store_columns(a_kk, a_qk, row_off, r, valid_r, beta_r, 1, k1, q1, cols_l)
+        _store_columns(a_kk, a_qk, row_off, r, valid_r, beta_r, 2, k2, q2, cols_l)
+        _store_columns(a_kk, a_qk, row_off, r, valid_r, beta_r, 3, k3, q3, cols_l)
     if FLAG:
         gl.store(flags + i_c * HV + i_hv, (widest > SPAN_LIMIT).to(gl.int32))
 
