@@ -86,7 +86,7 @@ SCAN_POINTERS = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "beta": "*bf16", "p_i
                  "seg_state": "*fp32"}
 KDA_PREPARE_POINTERS = {"q": "*bf16", "k": "*bf16", "g": "*bf16", "beta": "*bf16", "A_log": "*fp32",
                         "dt_bias": "*fp32", "p_out": "*bf16", "a_out": "*bf16", "kg": "*bf16", "kd": "*bf16",
-                        "qg": "*bf16", "decay": "*fp32", "work": "*i32", "cu_seqlens": "*i64",
+                        "qg": "*bf16", "decay": "*fp32", "flags": "*i32", "cu_seqlens": "*i64",
                         "chunk_index": "*i32"}
 GDN_KERNELS = {
     # name: (module.kernel, pointers, constexprs, warps, stages) as launched (K = V = 128, bf16)
@@ -109,13 +109,13 @@ GDN_KERNELS = {
     "kda-prepare": ("chunk_prepare_kda._kda_prepare_kernel",
                     {"q": "*bf16", "k": "*bf16", "g": "*bf16", "beta": "*bf16", "A_log": "*fp32", "dt_bias": "*fp32",
                      "p_out": "*bf16", "a_out": "*bf16", "kg": "*bf16", "kd": "*bf16", "qg": "*bf16",
-                     "decay": "*fp32", "work": "*i32", "cu_seqlens": "*i64", "chunk_index": "*i32"},
+                     "decay": "*fp32", "flags": "*i32", "cu_seqlens": "*i64", "chunk_index": "*i32"},
                     dict(BK=16, GATE=3, HAS_A=True, HAS_BIAS=True, BETA=2, SCORES=False, EXACT=True, FLAGGED=False),
                     1, 1),
     "kda-prepare-scores": ("chunk_prepare_kda._kda_prepare_kernel",
                            {"q": "*bf16", "k": "*bf16", "g": "*bf16", "beta": "*bf16", "A_log": "*fp32",
                             "dt_bias": "*fp32", "p_out": "*bf16", "a_out": "*bf16", "kg": "*bf16", "kd": "*bf16",
-                            "qg": "*bf16", "decay": "*fp32", "work": "*i32", "cu_seqlens": "*i64",
+                            "qg": "*bf16", "decay": "*fp32", "flags": "*i32", "cu_seqlens": "*i64",
                             "chunk_index": "*i32"},
                            dict(BK=16, GATE=3, HAS_A=True, HAS_BIAS=True, BETA=2, SCORES=True, EXACT=False,
                                 FLAGGED=False), 1, 1),

@@ -3,9 +3,8 @@ head, the per-channel gate's cumsum, the WY factor P, the causal scores and the 
 queries that the scan (the Triton one in chunk_delta.py and the Gluon one in
 backends/gluon/chunk_delta_sm90.py, both ``GK``) multiplies with the state.
 
-``_kda_prepare_kernel``, grid ``(chunks, HV)`` (FLAGGED: a 1-D grid over a device-built list of
-the (chunk, head) pairs the sm_90 prologue flagged, each program taking every grid-th one),
-launched twice (SCORES False: A, P, kg, kd, decay; SCORES True: Aqk, qg), one warp (no barriers: the cumsums and reductions stay within the
+``_kda_prepare_kernel``, grid ``(chunks, HV)``, launched twice (SCORES False: A, P, kg, kd,
+decay; SCORES True: Aqk, qg), one warp (no barriers: the cumsums and reductions stay within the
 warp), K in slices of BK = 16 channels (fp32 [16, 16] block accumulators across slices, mma.sync
 products). With G [BT, K] the in-chunk cumsum of the log decay (the KDA gate computed here when it
 is in the op), unit keys and queries when the l2norm is in the op, and per-channel products
@@ -45,11 +44,10 @@ Measurements: docs/notes/kda-prefill.md.
 """
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
-from fastla.backends.triton import next_pow2, sm_count
+from fastla.backends.triton import next_pow2
 from fastla.backends.triton.chunk_index import BT, _chunk
 from fastla.backends.triton.chunk_prepare import _activate_beta, _key_block, _lower_inverse, _store_lower
 from fastla.backends.triton.launch import launcher
@@ -172,7 +170,7 @@ def _diagonal(acc, X, F, left, kb, L, span, DOT: tl.constexpr, EXACT: tl.constex
 
 @triton.jit(do_not_specialize=["T", "NT"])     # as chunk_delta._scan_kernel
 def _kda_prepare_kernel(
-    q, k, g, beta, A_log, dt_bias, lower_bound, scale, p_out, a_out, kg, kd, qg, decay, work,
+    q, k, g, beta, A_log, dt_bias, lower_bound, scale, p_out, a_out, kg, kd, qg, decay, flags,
     cu_seqlens, chunk_index, T, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     DOT: tl.constexpr, L2NORM: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr,
@@ -180,31 +178,14 @@ def _kda_prepare_kernel(
     FLAGGED: tl.constexpr,
 ):
     """SCORES False: A, P, kg, kd and decay; SCORES True: Aqk and qg (same grid, second launch).
-    Grid (chunks, HV); FLAGGED: a 1-D grid over the work list ``work`` (its count, then chunk x HV
-    + head of each (chunk, head) the sm_90 prologue flagged), each program taking every
-    grid-th item."""
+    FLAGGED: only the (chunk, head) programs whose ``flags`` entry is set run (the chunks the
+    sm_90 prologue could not serve)."""
     tl.static_assert(BT == 64, "four 16-token blocks")
+    i_c = tl.program_id(0).to(tl.int64)
+    i_hv = tl.program_id(1)
     if FLAGGED:
-        for w in range(tl.program_id(0), tl.load(work), tl.num_programs(0)):
-            item = tl.load(work + 1 + w).to(tl.int64)
-            _prepare_chunk(q, k, g, beta, A_log, dt_bias, lower_bound, scale, p_out, a_out, kg, kd, qg, decay,
-                           cu_seqlens, chunk_index, T, NT, item // HV, (item % HV).to(tl.int32), H, HV, K, BT, BK,
-                           DOT, L2NORM, GATE, HAS_A, HAS_BIAS, BETA, VARLEN, SCORES, EXACT)
-    else:
-        _prepare_chunk(q, k, g, beta, A_log, dt_bias, lower_bound, scale, p_out, a_out, kg, kd, qg, decay,
-                       cu_seqlens, chunk_index, T, NT, tl.program_id(0).to(tl.int64), tl.program_id(1), H, HV, K,
-                       BT, BK, DOT, L2NORM, GATE, HAS_A, HAS_BIAS, BETA, VARLEN, SCORES, EXACT)
-
-
-@triton.jit
-def _prepare_chunk(
-    q, k, g, beta, A_log, dt_bias, lower_bound, scale, p_out, a_out, kg, kd, qg, decay,
-    cu_seqlens, chunk_index, T, NT, i_c, i_hv,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    DOT: tl.constexpr, L2NORM: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr,
-    HAS_BIAS: tl.constexpr, BETA: tl.constexpr, VARLEN: tl.constexpr, SCORES: tl.constexpr, EXACT: tl.constexpr,
-):
-    """The prologue of chunk ``i_c`` (int64) and value head ``i_hv`` (see _kda_prepare_kernel)."""
+        if tl.load(flags + i_c * HV + i_hv) == 0:
+            return
     i_h = i_hv // (HV // H)                                                 # GVA: the q/k head
     i_n, c, bos, eos = _chunk(chunk_index, cu_seqlens, i_c, T, NT, VARLEN)
     t0 = bos + c * BT
@@ -347,23 +328,6 @@ def bounded_spans(p) -> bool:
     return p.gate_in_op == "kda" and p.lower_bound is not None and p.lower_bound >= -5
 
 
-# programs per SM of the flagged pass (each takes every grid-th flagged (chunk, head))
-FLAGGED_PROGRAMS_PER_SM = 16
-
-
-def work_list(flags: torch.Tensor) -> torch.Tensor:
-    """[1 + n + 1] int32 from ``flags`` [chunks, HV] (n entries): the count of nonzero flags, their
-    flat indices (chunk x HV + head) in order, then a dump slot; on the device, no host sync."""
-    flat = flags.reshape(-1)
-    n = flat.numel()
-    pos = torch.cumsum(flat != 0, 0, dtype=torch.int32)                    # 1-based slot of each flagged entry
-    work = torch.zeros(n + 2, dtype=torch.int32, device=flags.device)
-    dest = torch.where(flat != 0, pos, n + 1).long()
-    work.scatter_(0, dest, torch.arange(n, dtype=torch.int32, device=flags.device))
-    work[:1] = pos[-1:]
-    return work
-
-
 def launch(p, q, k, beta, beta_mode: int, total: int, tables, inverse, scores, kg, kd, qg, decay, dot,
            block_k: int = 16, warps: int = 1, maxnreg: int | None = None, flags=None) -> None:
     """Runs the prologue over ``total`` chunks (``tables`` = (cu_seqlens, chunk index) or Nones):
@@ -375,16 +339,12 @@ def launch(p, q, k, beta, beta_mode: int, total: int, tables, inverse, scores, k
     dummy = decay
     NT = -(-p.T // BT)
     options = {} if maxnreg is None else {"maxnreg": maxnreg}
-    work = grid = None
-    if flags is not None:                   # a work list, not a program per (chunk, head): most are not flagged
-        work = work_list(flags)
-        grid = (max(1, min(flags.numel(), FLAGGED_PROGRAMS_PER_SM * sm_count(flags.device))),)
     for scores_pass in (False, True):
-        launcher(_kda_prepare_kernel, p.T, NT)[grid or (total, p.HV)](
+        launcher(_kda_prepare_kernel, p.T, NT)[(total, p.HV)](
             q, k, p.gk, beta, p.A_log if p.A_log is not None else dummy,
             p.dt_bias if p.dt_bias is not None else dummy,
             float(p.lower_bound) if p.lower_bound is not None else 0.0, p.scale,
-            inverse, scores, kg, kd, qg, decay, work if work is not None else dummy, cu if varlen else dummy,
+            inverse, scores, kg, kd, qg, decay, flags if flags is not None else dummy, cu if varlen else dummy,
             chunk_index if varlen else dummy, p.T, NT,
             H=p.H, HV=p.HV, K=p.K, BT=BT, BK=min(block_k, max(16, next_pow2(p.K))), DOT=dot,
             L2NORM=p.use_qk_l2norm, GATE=gate_mode(p), HAS_A=p.A_log is not None, HAS_BIAS=p.dt_bias is not None,
