@@ -44,7 +44,6 @@ VARIANTS = {
     "sm90-uncapped": dict(sm90_maxnreg=None),
     "sm90-r128": dict(sm90_maxnreg=128),
     "sm90-bounded-only": dict(sm90_unbounded=False),   # unbounded / given gates on the Triton prologue
-    "sm90-invert": dict(sm90_invert=True),          # P in the sm_90 prologue (no inverse kernel)
     "inv-w2": dict(inverse_warps=2),               # the inverse kernel's warps
     "inv-w4": dict(inverse_warps=4),
     "prep-w4-bk16-r128": dict(kda_prepare_warps=4, kda_prepare_block_k=16, kda_prepare_maxnreg=128),
@@ -105,7 +104,6 @@ def main() -> int:
             sm90_prologue.MAXNREG = over.pop("sm90_maxnreg", default_maxnreg)
             sm90_prologue.INVERSE_WARPS = over.pop("inverse_warps", 1)
             sm90_prologue.UNBOUNDED = over.pop("sm90_unbounded", default_unbounded)
-            sm90_prologue.INVERT = over.pop("sm90_invert", False)
             chunk_delta.default_config = lambda p, o=over: dataclasses.replace(original(p), **o)
             try:
                 with use_tier(args.tier, strict=True), torch.no_grad():
@@ -122,7 +120,7 @@ def main() -> int:
                 chunk_delta.default_config = original
                 gluon_chunk.KDA_PROLOGUE_SM90 = True
                 sm90_prologue.MAXNREG, sm90_prologue.INVERSE_WARPS = default_maxnreg, 1
-                sm90_prologue.UNBOUNDED, sm90_prologue.INVERT = default_unbounded, False
+                sm90_prologue.UNBOUNDED = default_unbounded
             prep = sum(v for k, v in split.items() if any(w in k for w in ("prepare", "prologue", "inverse")))
             scan = sum(v for k, v in split.items() if "scan" in k)
             rows.append(dict(shape=shape, variant=name, tier=args.tier, gate=args.gate, us=us, prepare_us=prep, scan_us=scan, kernels=split,

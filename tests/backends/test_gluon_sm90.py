@@ -202,18 +202,17 @@ KDA_PROLOGUE_VARIANTS = {
     "kda-prologue-varlen-bare": dict(VARLEN=True, L2NORM=False, HAS_A=False, HAS_BIAS=False,
                                      BETA=1),
     "kda-prologue-k64": dict(K=64),
-    # P in the prologue (INVERT, opt-in: not yet run on the GPU)
-    "kda-prologue-invert": dict(INVERT=True),
-    # unbounded gates with the chunk flags: given (bf16 and fp32) and softplus
+    # unbounded gates with the block flags: given (bf16 and fp32) and softplus
     "kda-prologue-given-gate": dict(GATE=0, HAS_A=False, HAS_BIAS=False, FLAG=True),
     "kda-prologue-given-fp32-gate": dict(GATE=0, HAS_A=False, HAS_BIAS=False, FLAG=True, GATE_FP32=True),
     "kda-prologue-softplus-gate": dict(GATE=2, FLAG=True),
     "kda-prologue-wide-bounded-neg-eigval": dict(FLAG=True, BETA=3),
 }
 # Spills known and left (sm_90 compile): every build sits at 255 registers; K = 64 spills 88 bytes,
-# the given gates 16 (bf16) and 8 (fp32), the bare varlen build 8; the registry's build none
-KDA_PROLOGUE_STACK = {"kda-prologue-k64": 96, "kda-prologue-given-gate": 16, "kda-prologue-given-fp32-gate": 8,
-                      "kda-prologue-varlen-bare": 8}
+# the given gates 16 (bf16 and fp32), the softplus gate and the bare varlen build 8; the
+# registry's build none
+KDA_PROLOGUE_STACK = {"kda-prologue-k64": 96, "kda-prologue-given-gate": 16, "kda-prologue-given-fp32-gate": 16,
+                      "kda-prologue-softplus-gate": 8, "kda-prologue-varlen-bare": 8}
 
 
 def _child_kda_prologue(name: str, folder: str) -> None:
@@ -226,7 +225,7 @@ def _child_kda_prologue(name: str, folder: str) -> None:
     from fastla.backends.gluon.chunk_prepare_kda_sm90 import _kda_prologue_sm90_kernel as kern
 
     consts = dict(H=32, HV=64, K=128, L2NORM=True, GATE=3, HAS_A=True, HAS_BIAS=True, BETA=2, VARLEN=False,
-                  FLAG=False, INVERT=False)
+                  FLAG=False)
     consts.update(KDA_PROLOGUE_VARIANTS[name])
     gate_fp32 = consts.pop("GATE_FP32", False)
     box = gl.NVMMASharedLayout.get_default_for([64, 32], gl.bfloat16)
@@ -265,12 +264,13 @@ def test_kda_prologue_compiles_for_sm90(name, tmp_path):
 
 def test_kda_prologue_launch_builds_descriptors(monkeypatch):
     """The host side of the sm_90 KDA prologue on the CPU, up to its launches: q, k ([B T, H K])
-    and the gate ([B T, HV K]) in [64, 32] TMA boxes, the grid, the register cap, no chunk flags for
-    the bounded gate, and the inverse over the same chunks."""
+    and the gate ([B T, HV K]) in [64, 32] TMA boxes, the grid, the register cap, no block flags for
+    the bounded gate, and the inverse over the same chunks; with an unbounded gate, the flags and
+    the wide-block kernel between the prologue and the inverse."""
     import torch
 
     from fastla.backends.gluon import chunk_prepare_kda_sm90 as sm90
-    from fastla.backends.triton import chunk_prepare_kda, launch
+    from fastla.backends.triton import chunk_prepare_kda, chunk_prepare_kda_wide, launch
     from fastla.core.validation import build_problem
 
     launches, inverses = [], []
@@ -302,18 +302,25 @@ def test_kda_prologue_launch_builds_descriptors(monkeypatch):
     assert args[names.index("a_qk")] is out[1] and args[names.index("kg")] is out[2]
     ((_, n_chunks, _, a_kk, inverse, _),) = inverses
     assert n_chunks == total and inverse is out[0] and a_kk is args[names.index("a_kk")]
-    assert kw["INVERT"] is False
-    # INVERT: P straight into the inverse's buffer, no scratch and no inverse kernel
+    # an unbounded gate: block flags, then the wide-block kernel on the same scratch, then the inverse
+    order = []
+    monkeypatch.setattr(chunk_prepare_kda_wide, "launch", lambda *args: order.append(("wide", args)))
+    monkeypatch.setattr(chunk_prepare_kda, "launch_inverse", lambda *args: order.append(("inverse", args)))
     launches.clear()
-    monkeypatch.setattr(sm90, "INVERT", True)
+    p = build_problem("chunk_kda", q=q, k=k, v=v, gk=g, beta=p.beta, delta=True, gva=True, gate_in_op="kda",
+                      A_log=torch.zeros(HV))
     sm90.launch(p, p.beta, 2, total, (None, None), *out, torch.empty(total, HV, K))
     ((grid, args, kw),) = launches
-    assert kw["INVERT"] is True and args[names.index("a_kk")] is out[0] and len(inverses) == 1
+    assert kw["FLAG"] is True and [name for name, _ in order] == ["wide", "inverse"]
+    wide = order[0][1]
+    flags = args[names.index("flags")]
+    assert flags.shape == (total, HV) and flags.dtype == torch.int32 and wide[-1] is flags
+    assert wide[5] is args[names.index("a_kk")] is order[1][1][3] and wide[6] is out[1]
 
 
 def test_kda_prologue_serves_every_gate(monkeypatch):
     """The sm_90 prologue takes the bounded gate computed in the op, the unbounded and the given
-    (bf16 or fp32) gates (their widest chunks flagged for the Triton prologue); with UNBOUNDED off
+    (bf16 or fp32) gates (their widest blocks flagged for the wide-block kernel); with UNBOUNDED off
     only the bounded gate (lower_bound >= -5). Not K % 32 != 0, nor a strided or fp16 gate."""
     import torch
 

@@ -86,8 +86,7 @@ SCAN_POINTERS = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "beta": "*bf16", "p_i
                  "seg_state": "*fp32"}
 KDA_PREPARE_POINTERS = {"q": "*bf16", "k": "*bf16", "g": "*bf16", "beta": "*bf16", "A_log": "*fp32",
                         "dt_bias": "*fp32", "p_out": "*bf16", "a_out": "*bf16", "kg": "*bf16", "kd": "*bf16",
-                        "qg": "*bf16", "decay": "*fp32", "flags": "*i32", "cu_seqlens": "*i64",
-                        "chunk_index": "*i32"}
+                        "qg": "*bf16", "decay": "*fp32", "cu_seqlens": "*i64", "chunk_index": "*i32"}
 GDN_KERNELS = {
     # name: (module.kernel, pointers, constexprs, warps, stages) as launched (K = V = 128, bf16)
     "inverse": ("chunk_prepare._inverse_kernel",
@@ -109,32 +108,31 @@ GDN_KERNELS = {
     "kda-prepare": ("chunk_prepare_kda._kda_prepare_kernel",
                     {"q": "*bf16", "k": "*bf16", "g": "*bf16", "beta": "*bf16", "A_log": "*fp32", "dt_bias": "*fp32",
                      "p_out": "*bf16", "a_out": "*bf16", "kg": "*bf16", "kd": "*bf16", "qg": "*bf16",
-                     "decay": "*fp32", "flags": "*i32", "cu_seqlens": "*i64", "chunk_index": "*i32"},
-                    dict(BK=16, GATE=3, HAS_A=True, HAS_BIAS=True, BETA=2, SCORES=False, EXACT=True, FLAGGED=False),
+                     "decay": "*fp32", "cu_seqlens": "*i64", "chunk_index": "*i32"},
+                    dict(BK=16, GATE=3, HAS_A=True, HAS_BIAS=True, BETA=2, SCORES=False, EXACT=True),
                     1, 1),
     "kda-prepare-scores": ("chunk_prepare_kda._kda_prepare_kernel",
                            {"q": "*bf16", "k": "*bf16", "g": "*bf16", "beta": "*bf16", "A_log": "*fp32",
                             "dt_bias": "*fp32", "p_out": "*bf16", "a_out": "*bf16", "kg": "*bf16", "kd": "*bf16",
-                            "qg": "*bf16", "decay": "*fp32", "flags": "*i32", "cu_seqlens": "*i64",
-                            "chunk_index": "*i32"},
-                           dict(BK=16, GATE=3, HAS_A=True, HAS_BIAS=True, BETA=2, SCORES=True, EXACT=False,
-                                FLAGGED=False), 1, 1),
+                            "qg": "*bf16", "decay": "*fp32", "cu_seqlens": "*i64", "chunk_index": "*i32"},
+                           dict(BK=16, GATE=3, HAS_A=True, HAS_BIAS=True, BETA=2, SCORES=True, EXACT=False), 1, 1),
     # the gate given precomputed (bf16, chunk_kda's default) and the softplus gate in the op, both
     # with the exact diagonal compiled in (gates without a lower bound)
     "kda-prepare-given-gate": ("chunk_prepare_kda._kda_prepare_kernel", KDA_PREPARE_POINTERS,
-                               dict(BK=16, GATE=0, HAS_A=False, HAS_BIAS=False, BETA=2, SCORES=False, EXACT=True,
-                                    FLAGGED=False), 1, 1),
+                               dict(BK=16, GATE=0, HAS_A=False, HAS_BIAS=False, BETA=2, SCORES=False, EXACT=True),
+                               1, 1),
     "kda-prepare-scores-given-gate": ("chunk_prepare_kda._kda_prepare_kernel", KDA_PREPARE_POINTERS,
                                       dict(BK=16, GATE=0, HAS_A=False, HAS_BIAS=False, BETA=2, SCORES=True,
-                                           EXACT=True, FLAGGED=False), 1, 1),
+                                           EXACT=True), 1, 1),
     "kda-prepare-softplus-gate": ("chunk_prepare_kda._kda_prepare_kernel", KDA_PREPARE_POINTERS,
-                                  dict(BK=16, GATE=2, HAS_A=True, HAS_BIAS=True, BETA=2, SCORES=True, EXACT=True,
-                                       FLAGGED=False),
+                                  dict(BK=16, GATE=2, HAS_A=True, HAS_BIAS=True, BETA=2, SCORES=True, EXACT=True),
                                   1, 1),
-    # the redo of the chunks the sm_90 prologue flags (unbounded gates past its span limit)
-    "kda-prepare-flagged": ("chunk_prepare_kda._kda_prepare_kernel", KDA_PREPARE_POINTERS,
-                            dict(BK=16, GATE=2, HAS_A=True, HAS_BIAS=True, BETA=2, SCORES=False, EXACT=True,
-                                 FLAGGED=True), 1, 1),
+    # the blocks the sm_90 prologue flags (unbounded gates past its span limit), exactly
+    "kda-wide-blocks": ("chunk_prepare_kda_wide._kda_wide_blocks_kernel",
+                        {"q": "*bf16", "k": "*bf16", "g": "*bf16", "beta": "*bf16", "A_log": "*fp32",
+                         "dt_bias": "*fp32", "a_kk": "*fp32", "a_qk": "*bf16", "kg": "*bf16", "kd": "*bf16",
+                         "qg": "*bf16", "flags": "*i32", "cu_seqlens": "*i64", "chunk_index": "*i32"},
+                        dict(BK=16, GATE=2, HAS_A=True, HAS_BIAS=True, BETA=2), 4, 1),
     "kda-scan": ("chunk_delta._scan_kernel", SCAN_POINTERS,
                  dict(BV=64, SK=128, SV=1, HAS_H0=True, STORE_FINAL=True, SEG=0, BETA=2, STORE_STATES=False,
                       L2NORM=False, GK=True), 8, 2),
@@ -185,9 +183,11 @@ def _run_child(call: str, tmp_path, module: str = "tests.backends.test_triton_sm
 @pytest.mark.parametrize("name", list(GDN_KERNELS))
 def test_gdn_chunk_kernels_compile_for_sm90(name, tmp_path):
     """Tensor-core products in the SASS (wgmma; mma.sync for the prologues' 16x16 blocks, too small
-    for a warpgroup), within Hopper's 227 KB of shared memory, spills bounded."""
+    for a warpgroup; none in the wide-block kernel, fp32 on purpose), within Hopper's 227 KB of
+    shared memory, spills bounded."""
     res = _run_child(f"_child_gdn({name!r}, {str(tmp_path)!r})", tmp_path)
-    assert (res["hmma"] if name == "inverse" or name.startswith("kda-prepare") else res["hgmma"]) > 0, res
+    if name != "kda-wide-blocks":                                           # fp32 FMA products (ieee)
+        assert (res["hmma"] if name == "inverse" or name.startswith("kda-prepare") else res["hgmma"]) > 0, res
     assert res["shared_bytes"] <= 227 * 1024, res
     assert res["LOCAL"] == 0, res
     assert res["STACK"] <= KNOWN_STACK.get(name, 0), res

@@ -63,37 +63,31 @@ def test_sm90_prologue_matches_triton(case, monkeypatch):
 @pytest.mark.parametrize("case", ["unbounded-gate", "dense", "dense-fp32-gate", "strong-decay", "mixed-decay",
                                   "bounded-wide"])
 def test_sm90_prologue_unbounded(case, monkeypatch):
-    """The softplus and the given (bf16, fp32) gates on the sm_90 prologue, the chunks with a block
-    span past its limit redone by the Triton prologue (strength-100 decay flags most; mixed-decay
-    gives two of the four heads that decay, so flagged and served chunks share a launch)."""
+    """The softplus and the given (bf16, fp32) gates on the sm_90 prologue, the blocks with a span
+    past its limit rewritten by the wide-block kernel (strength-100 decay flags most; mixed-decay
+    gives two of the four heads that decay, so flagged and served blocks share a launch)."""
     flags = _prologue_parity(case, monkeypatch)
     if case == "mixed-decay":
-        assert flags is not None and 0 < int(flags.sum()) < flags.numel(), flags
-
-
-@pytest.mark.parametrize("case", ["bounded-gate", "bounded-varlen", "bounded-k64", "unbounded-gate", "mixed-decay"])
-def test_sm90_prologue_invert(case, monkeypatch):
-    """INVERT (opt-in): P formed in the sm_90 prologue (substitution, then block-Jacobi steps on
-    wgmma), against the Triton prologue's and, on dense batches, fp64."""
-    from fastla.backends.gluon import chunk_prepare_kda_sm90 as sm90
-    monkeypatch.setattr(sm90, "INVERT", True)
-    _prologue_parity(case, monkeypatch)
+        assert flags is not None and 0 < int((flags != 0).sum()) < flags.numel(), flags
 
 
 def _prologue_parity(case, monkeypatch):
     from fastla.backends.gluon import chunk_delta as gluon_chunk
     from fastla.backends.gluon import chunk_prepare_kda_sm90 as sm90
-    from fastla.backends.triton import chunk_prepare_kda
+    from fastla.backends.triton import chunk_prepare_kda, chunk_prepare_kda_wide
     seen = {}
 
     def recorded(name, fn, first):
         def launch(*args, **kwargs):
             fn(*args, **kwargs)
             seen[name] = [x.clone() for x in args[first:first + 6]]     # P, Aqk, kg, kd, qg, decay
-            if kwargs.get("flags") is not None:                          # the redo of flagged chunks
-                seen["flags"] = kwargs["flags"].clone()
         return launch
 
+    def wide(*args, launch=chunk_prepare_kda_wide.launch):              # the block flags of the rewrite
+        launch(*args)
+        seen["flags"] = args[-1].clone()
+
+    monkeypatch.setattr(chunk_prepare_kda_wide, "launch", wide)
     monkeypatch.setattr(sm90, "launch", recorded("sm90", sm90.launch, 5))
     monkeypatch.setattr(chunk_prepare_kda, "launch", recorded("triton", chunk_prepare_kda.launch, 7))
     t, opts = bf16_case("dense" if case in ("mixed-decay", "dense-fp32-gate") else case)
@@ -114,8 +108,8 @@ def _prologue_parity(case, monkeypatch):
         if name == "P" and exact is not None:
             # against fp64, entry by entry, within twice the first-order effect of bf16 operands
             # (|dA| <= 2^-8 |A|, A's sum of absolute products: |dP| <= |P| |dA| |P|) plus P's own
-            # bf16 rounding; the sm_90 prologue forms every block of A from bf16 operands, the
-            # Triton one forms wide-span diagonal blocks exactly in fp32
+            # bf16 rounding; the sm_90 prologue forms A from bf16 operands but for the flagged
+            # blocks (the wide-block kernel, fp32), the Triton one its wide-span diagonal blocks in fp32
             P, bound = exact
             err = (x.double() - P).abs()
             worst = (err / bound).max().item()

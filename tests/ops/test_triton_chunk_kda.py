@@ -173,46 +173,82 @@ def test_bf16_segments_and_intermediate_states(monkeypatch):
     assert_close("h", h, h_whole, 2e-2)
 
 
-@pytest.mark.parametrize("flagged", ["some", "none"])
-def test_flagged_pass_redoes_only_flagged_chunks(flagged):
-    """The prologue's flagged pass (the redo of the (chunk, head) pairs the sm_90 prologue flags):
-    flagged pairs equal the full pass's outputs, the others stay untouched."""
-    import triton.language as tl
-
-    from fastla.backends.triton import chunk_prepare_kda
+@pytest.mark.parametrize("gate", ["softplus", "given"])
+@pytest.mark.parametrize("varlen", [False, True])
+def test_wide_blocks_rewrite_flagged_blocks_exactly(gate, varlen):
+    """The wide-block kernel (chunk_prepare_kda_wide.py) on random block flags under decay far
+    past the sm_90 prologue's span limit: every entry it owns (the flagged blocks' diagonals, their
+    columns below, their rows left of the unflagged column blocks, their gated keys and queries)
+    equals fp64, everything else stays poisoned."""
+    from fastla.backends.torch.chunked import _channel_scores_block
+    from fastla.backends.triton import chunk_prepare_kda_wide
     from fastla.backends.triton.recurrent import BETA_SIGMOID
+    from fastla.core.gates import kda_gate, l2norm
     from fastla.core.validation import build_problem
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not interpreting():
         pytest.skip("the Triton kernels need CUDA or the interpreter")
-    gen = torch.Generator().manual_seed(3)
-    B, T, H, HV, K = 2, 130, 2, 4, 32
-    q, k = (torch.randn(B, T, H, K, generator=gen).to(device) for _ in range(2))
-    v, g = (torch.randn(B, T, HV, K, generator=gen).to(device) for _ in range(2))
-    beta = torch.randn(B, T, HV, generator=gen).to(device)
-    p = build_problem("chunk_kda", q=q, k=k, v=v, gk=g, beta=beta, delta=True, gva=True, gate_in_op="kda",
-                      A_log=torch.zeros(HV, device=device), dt_bias=torch.zeros(HV * K, device=device))
-    NT = -(-T // 64)
-    total = B * NT
+    gen = torch.Generator().manual_seed(5)
+    lengths = [70, 1, 129] if varlen else None
+    B, T, H, HV, K = (1, sum(lengths), 2, 4, 32) if varlen else (2, 130, 2, 4, 32)
+    q, k = (torch.randn(B, T, H, K, generator=gen) for _ in range(2))
+    v = torch.randn(B, T, HV, K, generator=gen)
+    beta = torch.randn(B, T, HV, generator=gen)
+    gate_opts = {}
+    if gate == "softplus":                             # -e^A softplus(g + dt_bias): spans to ~100 nats a token
+        g = torch.randn(B, T, HV, K, generator=gen) * 4
+        gate_opts = dict(gate_in_op="kda", A_log=torch.full((HV,), 1.5), dt_bias=torch.randn(HV * K, generator=gen) * 3)
+        G = kda_gate(g.double(), gate_opts["A_log"].double(), gate_opts["dt_bias"].double(), None)
+    else:                                              # a given log decay, some channels x 100
+        g = torch.nn.functional.logsigmoid(torch.randn(B, T, HV, K, generator=gen))
+        g[..., ::3] *= 100.0
+        G = g.double()
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist()) if varlen else None
+    p = build_problem("chunk_kda", q=q, k=k, v=v, gk=g, beta=beta, delta=True, gva=True, use_qk_l2norm=True,
+                      cu_seqlens=cu, **gate_opts)
+    p = dataclasses.replace(p, q=p.q.to(device), k=p.k.to(device), gk=p.gk.to(device),
+                            **{n: getattr(p, n).to(device) for n in ("A_log", "dt_bias") if getattr(p, n) is not None})
+    seqs = [(0, n, s) for s, n in zip(cu[:-1].tolist(), lengths)] if varlen else \
+           [(b, T, 0) for b in range(B)]
+    chunks = [(b, s + c, min(n - c, 64)) for b, n, s in seqs for c in range(0, n, 64)]
+    tables = (None, None)
+    if varlen:                                         # (sequence, chunk within it) per chunk
+        index = [(i, c) for i, n in enumerate(lengths) for c in range(-(-n // 64))]
+        tables = (cu.to(device), torch.tensor(index, dtype=torch.int32, device=device))
+    total = len(chunks)
+    flags = torch.randint(0, 16, (total, HV), generator=gen, dtype=torch.int32)
+    flags[0] = 15
+    nan = float("nan")
+    a_kk, scores = (torch.full((B, T, HV, 64), nan, device=device) for _ in range(2))
+    kg, kd, qg = (torch.full((B, T, HV, K), nan, device=device) for _ in range(3))
+    chunk_prepare_kda_wide.launch(p, beta.to(device), BETA_SIGMOID, total, tables, a_kk, scores, kg, kd, qg,
+                                  flags.to(device))
 
-    def outputs(fill):
-        return [torch.full((B, T, HV, n), fill, device=device) for n in (64, 64, K, K, K)] + \
-               [torch.full((total, HV, K), fill, device=device)]
-
-    full, redo = outputs(0.0), outputs(float("nan"))
-    chunk_prepare_kda.launch(p, q, k, beta, BETA_SIGMOID, total, (None, None), *full, tl.float32)
-    flags = ((torch.rand(total, HV, generator=gen) < 0.4) if flagged == "some" else torch.zeros(total, HV)).int()
-    flags = flags.to(device)
-    chunk_prepare_kda.launch(p, q, k, beta, BETA_SIGMOID, total, (None, None), *redo, tl.float32, flags=flags)
-    for i_c in range(total):
-        b, rows = i_c // NT, slice((i_c % NT) * 64, min(T, (i_c % NT) * 64 + 64))
+    kn, qn = l2norm(k.double()), l2norm(q.double()) * p.scale
+    for i_c, (b, t0, n) in enumerate(chunks):
+        rows = slice(t0, t0 + n)
         for hv in range(HV):
-            for name, x, ref in zip(("P", "Aqk", "kg", "kd", "qg"), redo, full):
-                got = x[b, rows, hv]
-                if flags[i_c, hv]:
-                    assert torch.equal(got, ref[b, rows, hv]), (name, i_c, hv)
-                else:
-                    assert got.isnan().all(), (name, i_c, hv)
-            got = redo[5][i_c, hv]
-            assert torch.equal(got, full[5][i_c, hv]) if flags[i_c, hv] else got.isnan().all(), ("decay", i_c, hv)
+            kc, qc = kn[b, rows, hv // 2], qn[b, rows, hv // 2]
+            Gc = G[b, rows, hv].cumsum(0)
+            A = _channel_scores_block(kc[None], kc[None], Gc[None], strict=True)[0] * \
+                torch.sigmoid(beta[b, rows, hv].double())[:, None]
+            Aqk = _channel_scores_block(qc[None], kc[None], Gc[None], strict=False)[0]
+            mine = torch.zeros(n, 64, dtype=torch.bool)           # entries the kernel writes
+            own = torch.zeros(n, dtype=torch.bool)                # rows of flagged blocks
+            for bi in range(4):
+                for bj in range(bi + 1):
+                    if (flags[i_c, hv] >> bi) & 1 or (flags[i_c, hv] >> bj) & 1:
+                        mine[16 * bi:16 * bi + 16, 16 * bj:16 * bj + 16] = True
+                own[16 * bi:16 * bi + 16] = bool((flags[i_c, hv] >> bi) & 1)
+            for name, x, ref in (("A", a_kk, A), ("Aqk", scores, Aqk)):
+                got = x[b, rows, hv].double().cpu()
+                assert got[~mine].isnan().all(), (name, i_c, hv)
+                ref = torch.nn.functional.pad(ref, (0, 64 - n))[mine]
+                assert torch.allclose(got[mine], ref, rtol=1e-4, atol=1e-5), (name, i_c, hv)
+            ek = torch.stack([Gc.exp() * kc, (Gc[-1] - Gc).exp() * kc, Gc.exp() * qc])
+            for x, ref in zip((kg, kd, qg), ek):
+                got = x[b, rows, hv].double().cpu()
+                # fp32 exponents: the cumsum's rounding grows with |G| (up to ~2500 nats here)
+                rtol = 1e-4 + 1e-6 * Gc.abs().max().item()
+                assert got[~own].isnan().all() and torch.allclose(got[own], ref[own], rtol=rtol, atol=1e-6)

@@ -28,22 +28,23 @@ stays in bf16's range while a block's span is at most SPAN_LIMIT (200 log2 units
 whatever the decay elsewhere; a left operand only underflows where its product is below
 2^-26 |k_i k_j|. Products that overflow lie above the
 diagonal and are masked. The bounded gate (span <= 16 x 5 nats = 115) always fits. Unbounded and
-given gates flag (flags[chunk, head] = 1) a chunk with a wider block, or a rising gate, and the
-Triton prologue (exact pairwise diagonal) redoes those chunks: ~1% of chunks at the registry's
-softplus gate. The left operands (four copies per side) live in shared memory channel-major
+given gates set bit b of flags[chunk, head] for a wider block b (all four bits for a rising gate),
+and a Triton kernel (backends/triton/chunk_prepare_kda_wide.py) rewrites those blocks' rows and
+columns of A and Aqk and their gated keys and queries exactly, before the inverse kernel: ~1%
+of blocks at the registry's softplus gate. The left operands (four copies per side) live in shared memory channel-major
 ([32, 64] bf16: a thread's 16 rows are one 32-byte run), R_c^T as [32, 16], the accumulators in
 registers (8 x [64, 16] fp32); kg = X 2^(c_(b-1)), qg likewise and kd = R_b 2^(G_last - M_b) are
 stored per slice while the products run. Shared memory: 48 KB of TMA tiles (64 KB with
 an fp32 gate) and 36 KB of operands at K = 128: two programs per SM (255 registers, no spill).
-The fp32 A scratch is B T HV 256 bytes (0.5 GB at 1x32k, HV 64); INVERT (opt-in, not yet run on
-the GPU) forms P here instead (_invert) and drops it.
+The fp32 A scratch is B T HV 256 bytes (0.5 GB at 1x32k, HV 64). P formed here instead (the
+diagonal blocks by substitution, then block-Jacobi steps on wgmma) measured no faster than the
+inverse kernel: +114 us in this kernel against the inverse's 119 at 1x8k H64 (notes, v6).
 
 Budget and measurements: docs/notes/kda-prefill.md (v4, v5).
 """
 from __future__ import annotations
 
 import torch
-import triton
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -59,11 +60,19 @@ BC = gl.constexpr(32)      # channels per slice
 # widest block span (log2 units) of the midpoint-referenced products: operands within 2^(+-100) |k|
 # (bf16 tops out at 2^128); the bounded gate's widest is 16 x 5 nats = 115
 SPAN_LIMIT = gl.constexpr(200.0)
+RISING = gl.constexpr(1e30)    # a block's "span" where the gate rises (FLAG: every block of the chunk)
 
 
 @gluon.jit
 def _add(a, b):
     return a + b
+
+
+@gluon.jit
+def _log2_approx(x):
+    """log2 on MUFU.LG2 (lg2.approx, ~2^-22 relative error); gl.log2 compiles to libdevice's
+    polynomial, ~70 instructions an element."""
+    return gl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True, pack=1)
 
 
 @gluon.jit
@@ -106,91 +115,13 @@ def _products(x_s, q_s, f_s, c: gl.constexpr, akk, aqk):
 
 
 @gluon.jit
-def _a_columns(r, beta_r, c: gl.constexpr, akk, cols_l: gl.constexpr):
-    """Columns 16c .. 16c + 15 of A: strict lower, times beta, fp32 [64, 16]."""
-    col = (16 * c + gl.arange(0, 16, layout=cols_l))[None, :]
-    return gl.where(col < r[:, None], akk * beta_r[:, None], 0.0)
-
-
-@gluon.jit
-def _store_scores(a_qk, row_off, r, valid_r, c: gl.constexpr, aqk, cols_l: gl.constexpr):
-    """Columns 16c .. 16c + 15 of Aqk (lower, bf16), rows < n_left."""
-    col = (16 * c + gl.arange(0, 16, layout=cols_l))[None, :]
-    gl.store(a_qk + row_off[:, None] + col, gl.where(col <= r[:, None], aqk, 0.0).to(gl.bfloat16),
-             mask=valid_r[:, None])
-
-
-@gluon.jit
 def _store_columns(a_kk, a_qk, row_off, r, valid_r, beta_r, c: gl.constexpr, akk, aqk, cols_l: gl.constexpr):
-    """Columns 16c .. 16c + 15 of A (strict lower, times beta, fp32) and Aqk (lower, bf16), rows < n_left.
-    (_a_columns and _store_scores compute the same for INVERT; this form compiles to the binary
-    that ran on the GPU, which those two in sequence do not.)"""
+    """Columns 16c .. 16c + 15 of A (strict lower, times beta, fp32) and Aqk (lower, bf16), rows < n_left."""
     col = (16 * c + gl.arange(0, 16, layout=cols_l))[None, :]
     off = row_off[:, None] + col
     m = valid_r[:, None]
     gl.store(a_kk + off, gl.where(col < r[:, None], akk * beta_r[:, None], 0.0), mask=m)
     gl.store(a_qk + off, gl.where(col <= r[:, None], aqk, 0.0).to(gl.bfloat16), mask=m)
-
-
-@gluon.jit
-def _tf32(x):
-    """x rounded to the nearest tf32 (wgmma reads fp32 operands as tf32 by truncation)."""
-    return ((x.to(gl.int32, bitcast=True) + 0x1000) & -8192).to(gl.float32, bitcast=True)
-
-
-@gluon.jit
-def _invert(p_out, row_off, valid_r, a0, a1, a2, a3, acc_l: gl.constexpr):
-    """P = (I + A)^-1 (bf16, rows < n_left) from A's column blocks a_c ([64, 16] fp32, strictly
-    lower): the diagonal blocks' inverses D by forward substitution (a warp per block, a lane per
-    column, the block's rows in registers), then with N = D Lb (Lb: A's blocks below the
-    diagonal) three block-Jacobi steps P <- D - N P from P = D, exact after three since N is
-    nilpotent of order 4: P = D - N D + N^2 D - N^3 D. Products on wgmma in tf32 (operands
-    rounded to nearest), as the Triton inverse's block products."""
-    rows_l: gl.constexpr = gl.SliceLayout(1, acc_l)
-    rb = (gl.arange(0, 64, layout=rows_l) // 16)[:, None]                   # [64, 1] row block
-    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    d_s = gl.allocate_shared_memory(gl.float32, [64, 16], plain)          # A's diagonal blocks, row 4i + b
-    diag = gl.where(rb == 0, a0, gl.where(rb == 1, a1, gl.where(rb == 2, a2, a3)))
-    d_s.store(gl.reshape(gl.permute(gl.reshape(diag, [4, 16, 16]), (1, 0, 2)), [64, 16]))
-
-    # D: [4, 16, 16] (block, row, column), rows in registers, a lane per column
-    L4: gl.constexpr = gl.BlockedLayout([1, 16, 4, 1], [1, 1, 1, 32], [4, 1, 1, 1], [3, 2, 1, 0])
-    LX: gl.constexpr = gl.SliceLayout(2, L4)
-    ri = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, LX)))[None, :, None]
-    ci = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, LX)))[None, None, :]
-    X = gl.where(ri == ci, 1.0, 0.0) + gl.zeros([4, 16, 16], gl.float32, LX)
-    for i in gl.static_range(1, 16):
-        a_i = d_s.slice(4 * i, 4, dim=0).load(gl.SliceLayout(2, LX))        # [4, 16] A_bb[i, :] in each thread
-        dot = gl.sum(gl.expand_dims(a_i, 2) * X, 1)                         # [4, 16] (A_bb X)[i, :]
-        X = gl.where(ri == i, gl.where(ci == i, 1.0, 0.0) - gl.expand_dims(dot, 1), X)
-    bq = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, L4))))[None, None, :, None]
-    bb = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L4))))[:, None, None, None]
-    D = gl.reshape(gl.where(bq == bb, gl.expand_dims(X, 2), 0.0), [64, 64])   # block diagonal
-
-    op: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
-    d_op = gl.allocate_shared_memory(gl.float32, [64, 64], op)            # D (left operand)
-    lT = gl.allocate_shared_memory(gl.float32, [64, 64], op)              # Lb^T (right operand, K-major)
-    pT = gl.allocate_shared_memory(gl.float32, [64, 64], op)              # P^T (right operand, K-major)
-    Dt = _tf32(D)
-    d_op.store(Dt)
-    pT.store(gl.permute(Dt, (1, 0)))
-    lT.slice(0, 16, dim=0).store(gl.permute(_tf32(gl.where(rb == 0, 0.0, a0)), (1, 0)))
-    lT.slice(16, 16, dim=0).store(gl.permute(_tf32(gl.where(rb <= 1, 0.0, a1)), (1, 0)))
-    lT.slice(32, 16, dim=0).store(gl.permute(_tf32(gl.where(rb <= 2, 0.0, a2)), (1, 0)))
-    lT.slice(48, 16, dim=0).store(gl.permute(gl.zeros([64, 16], gl.float32, acc_l), (1, 0)))
-    fence_async_shared()
-    acc64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 8])
-    N = warpgroup_mma(d_op, lT.permute((1, 0)), gl.zeros([64, 64], gl.float32, acc64))
-    neg_n = gl.convert_layout(_tf32(-N), gl.DotOperandLayout(operand_index=0, parent=acc64, k_width=1))
-    D = gl.convert_layout(D, acc64)
-    P = warpgroup_mma(neg_n, pT.permute((1, 0)), D)     # D - N D
-    for _ in gl.static_range(2):
-        pT.store(gl.permute(_tf32(P), (1, 0)))
-        fence_async_shared()
-        P = warpgroup_mma(neg_n, pT.permute((1, 0)), D)
-    col = gl.arange(0, 64, layout=gl.SliceLayout(0, acc64))[None, :]
-    off = gl.convert_layout(row_off, gl.SliceLayout(1, acc64))[:, None] + col
-    gl.store(p_out + off, P.to(gl.bfloat16), mask=gl.convert_layout(valid_r, gl.SliceLayout(1, acc64))[:, None])
 
 
 @gluon.jit(do_not_specialize=["T", "NT"])
@@ -199,12 +130,11 @@ def _kda_prologue_sm90_kernel(
     cu_seqlens, chunk_index, T, NT,
     H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, L2NORM: gl.constexpr, GATE: gl.constexpr,
     HAS_A: gl.constexpr, HAS_BIAS: gl.constexpr, BETA: gl.constexpr, VARLEN: gl.constexpr, FLAG: gl.constexpr,
-    INVERT: gl.constexpr,
 ):
     """GATE as recurrent.py numbers it: 3 the bounded gate in the op; 2 (-softplus) and 0 (the log
-    decay given) are unbounded and need FLAG: chunks with a block span past SPAN_LIMIT, or a
-    rising (positive) gate, get flags[chunk, head] = 1 (their outputs may be wrong and the Triton
-    prologue redoes them)."""
+    decay given) are unbounded and need FLAG: flags[chunk, head] gets bit b for a block b whose
+    span passes SPAN_LIMIT, all four bits for a rising (positive) gate anywhere in the chunk (what
+    depends on those blocks may be wrong: the wide-block kernel rewrites it)."""
     gl.static_assert(K % BC == 0, "K in slices of 32 channels")
     NS: gl.constexpr = K // BC
     L3: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16, 1], threads_per_warp=[1, 1, 32],
@@ -266,7 +196,8 @@ def _kda_prologue_sm90_kernel(
     f_s = gl.allocate_shared_memory(gl.bfloat16, [4 * BC, 16], f_tile)    # R_c^T in rows 32c .. 32c + 31
     zero = gl.zeros([64, 16], gl.float32, acc_l)
     k0, k1, k2, k3, q0, q1, q2, q3 = zero, zero, zero, zero, zero, zero, zero, zero
-    widest = 0.0                                                            # the widest block span (FLAG)
+    wide = gl.zeros([4, BC], gl.float32, L_bc)                             # widest span per block and lane, RISING
+                                                                            # where the gate rises (FLAG)
     for ks in range(0, NS):
         o_k = o_c + ks * BC
         # the log decay in log2 units, 0 past n_left
@@ -276,14 +207,13 @@ def _kda_prologue_sm90_kernel(
         if GATE == 3:                                                       # lower_bound sigmoid(a (g + dt_bias))
             x = gl.where(valid, (LOG2E * lower_bound) / (1.0 + gl.exp2(-LOG2E * a * x)), 0.0)
         elif GATE == 2:                                                     # -a softplus(g + dt_bias)
-            x = gl.where(valid, -a * gl.where(x > 20.0, LOG2E * x, gl.log2(1.0 + gl.exp2(LOG2E * x))), 0.0)
+            x = gl.where(valid, -a * gl.where(x > 20.0, LOG2E * x, _log2_approx(1.0 + gl.exp2(LOG2E * x))), 0.0)
         else:                                                               # given
             x = x * LOG2E
         L = gl.associative_scan(x, 1, _add)                                 # [4, 16, 32] G - c_(b-1) within each block
         s = gl.sum(x, 1)                                                    # [4, 32] block sums (-span)
-        if FLAG:                                                            # a rising gate counts as too wide
-            rising = gl.max(gl.max(gl.max(x, 2), 1), 0) > 0.0
-            widest = gl.maximum(widest, gl.where(rising, 2.0 * SPAN_LIMIT, gl.max(gl.max(-s, 1), 0)))
+        if FLAG:                                                            # in-thread maxima (reduced at the end)
+            wide = gl.maximum(wide, gl.where(gl.max(x, 1) > 0.0, RISING, -s))
         end = gl.convert_layout(gl.associative_scan(gl.convert_layout(s, B2), 0, _add), L_bc)   # c_b
         mid = end - 0.5 * s                                                 # M_b, the block's midpoint
         mids = gl.convert_layout(mid, MR)                                   # every block's M in each thread
@@ -324,35 +254,25 @@ def _kda_prologue_sm90_kernel(
     valid_r = r < n_left
     beta_r = _activate_beta(gl.load(beta + beta_base + r * HV, mask=valid_r, other=0.0), valid_r, BETA)
     row_off = (beta_base + r * HV) * 64
-    if INVERT:                                                              # P into a_kk
-        _store_scores(a_qk, row_off, r, valid_r, 0, q0, cols_l)
-        _store_scores(a_qk, row_off, r, valid_r, 1, q1, cols_l)
-        _store_scores(a_qk, row_off, r, valid_r, 2, q2, cols_l)
-        _store_scores(a_qk, row_off, r, valid_r, 3, q3, cols_l)
-        _invert(a_kk, row_off, valid_r, _a_columns(r, beta_r, 0, k0, cols_l), _a_columns(r, beta_r, 1, k1, cols_l),
-                _a_columns(r, beta_r, 2, k2, cols_l), _a_columns(r, beta_r, 3, k3, cols_l), acc_l)
-    else:                                                                   # A into the scratch a_kk
-        _store_columns(a_kk, a_qk, row_off, r, valid_r, beta_r, 0, k0, q0, cols_l)
-        _store_columns(a_kk, a_qk, row_off, r, valid_r, beta_r, 1, k1, q1, cols_l)
-        _store_columns(a_kk, a_qk, row_off, r, valid_r, beta_r, 2, k2, q2, cols_l)
-        _store_columns(a_kk, a_qk, row_off, r, valid_r, beta_r, 3, k3, q3, cols_l)
-    if FLAG:
-        gl.store(flags + i_c * HV + i_hv, (widest > SPAN_LIMIT).to(gl.int32))
+    _store_columns(a_kk, a_qk, row_off, r, valid_r, beta_r, 0, k0, q0, cols_l)
+    _store_columns(a_kk, a_qk, row_off, r, valid_r, beta_r, 1, k1, q1, cols_l)
+    _store_columns(a_kk, a_qk, row_off, r, valid_r, beta_r, 2, k2, q2, cols_l)
+    _store_columns(a_kk, a_qk, row_off, r, valid_r, beta_r, 3, k3, q3, cols_l)
+    if FLAG:                                                                # bit b: block b too wide; all if rising
+        bit = 1 << gl.arange(0, 4, layout=gl.SliceLayout(1, L_bc))
+        widest = gl.max(wide, 1)                                            # [4]
+        bits = gl.sum(gl.where(widest > SPAN_LIMIT, bit, 0), 0)
+        gl.store(flags + i_c * HV + i_hv, gl.where(gl.max(widest, 0) >= RISING, 15, bits))
 
 
-# Unbounded and precomputed gates on this prologue too (the chunks with a block span past
-# SPAN_LIMIT, or a rising gate, redone by the Triton prologue); False sends them all to the
-# Triton prologue
+# Unbounded and precomputed gates on this prologue too (the blocks with a span past SPAN_LIMIT,
+# or a rising gate, rewritten by the wide-block kernel); False sends them all to the Triton prologue
 UNBOUNDED = True
 # Register cap at K = 128 (None: uncapped, 255 registers, no spill; shared memory, 86 KB at K = 128,
 # allows two programs per SM either way). The inverse kernel's warps: one measured fastest (two:
 # +80 us, four: +180 us at 1x8k H64, benchmarks/results/kda_prefill_sweep-v4-knobs.json).
 MAXNREG = None
 INVERSE_WARPS = 1
-# P = (I + A)^-1 in this kernel (_invert: no fp32 A scratch, no inverse kernel): opt-in until run
-# on the GPU (sm_90 compile: 255 registers, no spill, the same 86 KB of shared memory; a CPU model
-# of its arithmetic is within 3e-5 of fp64); GPU tests ready in test_sm90_prologue_invert
-INVERT = False
 
 
 def serves(p) -> str | None:
@@ -373,7 +293,7 @@ def launch(p, beta, beta_mode: int, total: int, tables, inverse, scores, kg, kd,
     P into ``inverse`` and Aqk into ``scores`` ``[B, T, HV, 64]``, the gated keys and queries into
     ``kg``, ``kd``, ``qg`` ``[B, T, HV, K]``, e^(G_last) into ``decay`` ``[total, HV, K]``."""
     from fastla.backends.gluon.chunk_delta import _tile_layout, tma_descriptor
-    from fastla.backends.triton import chunk_prepare_kda
+    from fastla.backends.triton import chunk_prepare_kda, chunk_prepare_kda_wide
     from fastla.backends.triton.launch import launcher
 
     def desc(x, heads):                      # [B * T, heads * K] in [64, 32] boxes (rows past B * T: zeros)
@@ -382,8 +302,8 @@ def launch(p, beta, beta_mode: int, total: int, tables, inverse, scores, kg, kd,
     cu, chunk_index = tables
     varlen = cu is not None
     NT = -(-p.T // 64)
-    a_kk = inverse if INVERT else torch.empty(p.B, p.T, p.HV, 64, dtype=torch.float32, device=p.device)
-    flag = not chunk_prepare_kda.bounded_spans(p)           # unbounded spans: flag the chunks past SPAN_LIMIT
+    a_kk = torch.empty(p.B, p.T, p.HV, 64, dtype=torch.float32, device=p.device)
+    flag = not chunk_prepare_kda.bounded_spans(p)           # unbounded spans: flag the blocks past SPAN_LIMIT
     flags = torch.empty(total, p.HV, dtype=torch.int32, device=p.device) if flag else decay
     launcher(_kda_prologue_sm90_kernel, p.T, NT)[(total, p.HV)](
         desc(p.q, p.H), desc(p.k, p.H), desc(p.gk, p.HV), beta, p.A_log if p.A_log is not None else decay,
@@ -391,11 +311,8 @@ def launch(p, beta, beta_mode: int, total: int, tables, inverse, scores, kg, kd,
         a_kk, scores, kg, kd, qg, decay, flags, cu if varlen else decay, chunk_index if varlen else decay, p.T, NT,
         H=p.H, HV=p.HV, K=p.K, L2NORM=p.use_qk_l2norm, GATE=chunk_prepare_kda.gate_mode(p),
         HAS_A=p.A_log is not None, HAS_BIAS=p.dt_bias is not None, BETA=beta_mode, VARLEN=varlen, FLAG=flag,
-        INVERT=INVERT,
         num_warps=4, **({"maxnreg": MAXNREG} if MAXNREG and p.K == 128 else {}),
     )
-    if not INVERT:
-        chunk_prepare_kda.launch_inverse(p, total, tables, a_kk, inverse, INVERSE_WARPS)
-    if flag:                                                # the flagged chunks again, exactly
-        chunk_prepare_kda.launch(p, p.q, p.k, beta, beta_mode, total, tables, inverse, scores, kg, kd, qg, decay,
-                                 triton.language.bfloat16, flags=flags)
+    if flag:                                                # the flagged blocks again, exactly
+        chunk_prepare_kda_wide.launch(p, beta, beta_mode, total, tables, a_kk, scores, kg, kd, qg, flags)
+    chunk_prepare_kda.launch_inverse(p, total, tables, a_kk, inverse, INVERSE_WARPS)

@@ -61,12 +61,11 @@ SPAN_LIMIT = tl.constexpr(80.0 * 1.4426950408889634)
 
 
 @triton.jit
-def _log_decay_rows(g, A_log, dt_bias, lower_bound, base, blk: tl.constexpr, n_left, i_hv, o_k, HV: tl.constexpr,
-                    K: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """Log2 decay of the chunk's rows 16 blk .. 16 blk + 15 in channels o_k [16, BK] (the KDA gate
-    when GATE is in the op, times log2(e)); 0 off the chunk and off the K channels, so the cumsum
-    holds G_last past the chunk's end."""
-    t = blk * 16 + tl.arange(0, 16)
+def _log_decay(g, A_log, dt_bias, lower_bound, base, t, n_left, i_hv, o_k, HV: tl.constexpr, K: tl.constexpr,
+               GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Log2 decay of the chunk's rows t in channels o_k [len(t), BK] (the KDA gate when GATE is in
+    the op, times log2(e)); 0 off the chunk and off the K channels, so a cumsum holds G_last past
+    the chunk's end."""
     m = (t < n_left)[:, None] & (o_k < K)[None, :]
     x = tl.load(g + base + t[:, None] * (HV * K) + o_k[None, :], mask=m, other=0.0).to(tl.float32)
     if GATE != 0:
@@ -111,8 +110,8 @@ def _block(q, k, g, A_log, dt_bias, lower_bound, qk_row0, gate_base, blk: tl.con
     [BK]; X = left e^L (left: unit keys, or scaled unit queries with SCORES) and
     F = k e^(s - L) = k e^(c_b - G), both <= 1 and exact at the block's ends (F_15 = k); the raw
     left rows and keys for the exact diagonal. Returns (X, F, left, k, L, s)."""
-    x = _log_decay_rows(g, A_log, dt_bias, lower_bound, gate_base, blk, n_left, i_hv, o_k, HV, K, GATE, HAS_A,
-                        HAS_BIAS)
+    x = _log_decay(g, A_log, dt_bias, lower_bound, gate_base, blk * 16 + tl.arange(0, 16), n_left, i_hv, o_k, HV, K,
+                   GATE, HAS_A, HAS_BIAS)
     L = tl.cumsum(x, 0)
     span = tl.sum(tl.where(tl.arange(0, 16)[:, None] == 15, L, 0.0), 0)
     kb = _key_block(k, qk_row0, blk, n_left, o_k, K, H * K).to(tl.float32) * r_key[:, None]
@@ -170,22 +169,16 @@ def _diagonal(acc, X, F, left, kb, L, span, DOT: tl.constexpr, EXACT: tl.constex
 
 @triton.jit(do_not_specialize=["T", "NT"])     # as chunk_delta._scan_kernel
 def _kda_prepare_kernel(
-    q, k, g, beta, A_log, dt_bias, lower_bound, scale, p_out, a_out, kg, kd, qg, decay, flags,
+    q, k, g, beta, A_log, dt_bias, lower_bound, scale, p_out, a_out, kg, kd, qg, decay,
     cu_seqlens, chunk_index, T, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     DOT: tl.constexpr, L2NORM: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr,
     HAS_BIAS: tl.constexpr, BETA: tl.constexpr, VARLEN: tl.constexpr, SCORES: tl.constexpr, EXACT: tl.constexpr,
-    FLAGGED: tl.constexpr,
 ):
-    """SCORES False: A, P, kg, kd and decay; SCORES True: Aqk and qg (same grid, second launch).
-    FLAGGED: only the (chunk, head) programs whose ``flags`` entry is set run (the chunks the
-    sm_90 prologue could not serve)."""
+    """SCORES False: A, P, kg, kd and decay; SCORES True: Aqk and qg (same grid, second launch)."""
     tl.static_assert(BT == 64, "four 16-token blocks")
     i_c = tl.program_id(0).to(tl.int64)
     i_hv = tl.program_id(1)
-    if FLAGGED:
-        if tl.load(flags + i_c * HV + i_hv) == 0:
-            return
     i_h = i_hv // (HV // H)                                                 # GVA: the q/k head
     i_n, c, bos, eos = _chunk(chunk_index, cu_seqlens, i_c, T, NT, VARLEN)
     t0 = bos + c * BT
@@ -329,11 +322,10 @@ def bounded_spans(p) -> bool:
 
 
 def launch(p, q, k, beta, beta_mode: int, total: int, tables, inverse, scores, kg, kd, qg, decay, dot,
-           block_k: int = 16, warps: int = 1, maxnreg: int | None = None, flags=None) -> None:
+           block_k: int = 16, warps: int = 1, maxnreg: int | None = None) -> None:
     """Runs the prologue over ``total`` chunks (``tables`` = (cu_seqlens, chunk index) or Nones):
     writes P into ``inverse``, Aqk into ``scores`` ``[B, T, HV, BT]``, the gated keys and queries
-    into ``kg``, ``kd``, ``qg`` ``[B, T, HV, K]`` and e^(G_last) into ``decay`` ``[total, HV, K]``;
-    with ``flags`` ``[total, HV]`` int32, only for the (chunk, head) pairs flagged nonzero."""
+    into ``kg``, ``kd``, ``qg`` ``[B, T, HV, K]`` and e^(G_last) into ``decay`` ``[total, HV, K]``."""
     cu, chunk_index = tables
     varlen = cu is not None
     dummy = decay
@@ -344,11 +336,11 @@ def launch(p, q, k, beta, beta_mode: int, total: int, tables, inverse, scores, k
             q, k, p.gk, beta, p.A_log if p.A_log is not None else dummy,
             p.dt_bias if p.dt_bias is not None else dummy,
             float(p.lower_bound) if p.lower_bound is not None else 0.0, p.scale,
-            inverse, scores, kg, kd, qg, decay, flags if flags is not None else dummy, cu if varlen else dummy,
+            inverse, scores, kg, kd, qg, decay, cu if varlen else dummy,
             chunk_index if varlen else dummy, p.T, NT,
             H=p.H, HV=p.HV, K=p.K, BT=BT, BK=min(block_k, max(16, next_pow2(p.K))), DOT=dot,
             L2NORM=p.use_qk_l2norm, GATE=gate_mode(p), HAS_A=p.A_log is not None, HAS_BIAS=p.dt_bias is not None,
-            BETA=beta_mode, VARLEN=varlen, SCORES=scores_pass, EXACT=not bounded_spans(p), FLAGGED=flags is not None,
+            BETA=beta_mode, VARLEN=varlen, SCORES=scores_pass, EXACT=not bounded_spans(p),
             num_warps=warps,
             num_stages=1, **options,
         )

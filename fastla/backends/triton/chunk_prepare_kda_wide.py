@@ -1,0 +1,178 @@
+"""The KDA prologue's wide blocks, exactly (Triton, any CUDA GPU; launched after the sm_90 prologue,
+backends/gluon/chunk_prepare_kda_sm90.py, before the inverse kernel).
+
+The sm_90 prologue references a 16-token block's products at the midpoint of its decay, so its
+operands reach 2^(+-span / 2); with an unbounded or given gate a block can decay by more than its
+limit (SPAN_LIMIT, 200 log2 units) in some channel, or the gate can rise. It then sets bit b of
+``flags[chunk, head]`` for each such block b (all four bits when the gate rises anywhere in the
+chunk), and this kernel rewrites what depends on those blocks, with every factor <= 1 for a
+decaying gate, whatever the span:
+
+- the diagonal block (b, b) of A and Aqk, pair by pair: ``sum_c x_ic k_jc 2^(L_ic - L_jc)``
+  (L the cumsum within the block, j <= i) as a [16, 16, BK] tile per slice;
+- row block b against earlier columns, referenced at the block's start c_(b-1):
+  ``(x 2^(G - c_(b-1))) (k 2^(c_(b-1) - G))^T``, written only in the column blocks whose own bit
+  is clear (a flagged column block is its own program's);
+- the later rows against column block b, referenced at its end c_b:
+  ``(x 2^(G - c_b)) (k 2^(c_b - G))^T``;
+- kg = k 2^G, qg = scale q 2^G, kd = k 2^(G_last - G) on the block's rows.
+So every entry has one writer: (b, c) with b > c is column block c's program when c is flagged,
+else row block b's, else the sm_90 prologue's (its value is right: neither block is wide).
+
+Writes A (strict lower, times beta, fp32 scratch) and Aqk (lower, the scores' dtype) ``[B, T, HV,
+64]``, kg, kd, qg ``[B, T, HV, K]``; decay (2^G_last) stays the sm_90 prologue's. Grid
+``(chunks, HV, 4)``, a program per block, 4 warps, K in slices of BK = 16 (the [16, 16, 16]
+pairwise tile is 32 fp32 per thread); products in fp32 (``ieee``). Programs of clear bits
+return after one load: ~1% of blocks are flagged at the registry's softplus gate (A up to 4, no
+lower bound), none with the bounded gate (its spans are at most 16 x 5 nats = 115 log2 units).
+Before this kernel the flagged chunks went through the one-warp Triton prologue again (626 us at
+1x8k H64: one program's latency per flagged chunk, two launches); docs/notes/kda-prefill.md.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from fastla.backends.triton.chunk_index import _chunk
+from fastla.backends.triton.chunk_prepare import _activate_beta
+from fastla.backends.triton.chunk_prepare_kda import _log_decay, gate_mode
+from fastla.backends.triton.launch import launcher
+
+
+@triton.jit
+def _rows(x, base, t, n_left, o_k, K: tl.constexpr, stride):
+    """Rows t of a chunk's [64, K] tensor at x + base (row stride ``stride``), channels o_k, fp32;
+    0 past n_left and K."""
+    m = (t < n_left)[:, None] & (o_k < K)[None, :]
+    return tl.load(x + base + t[:, None] * stride + o_k[None, :], mask=m, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _inverse_norms(x, base, t, n_left, K: tl.constexpr, BK: tl.constexpr, stride):
+    """1 / |x_t| over all K channels (FLA's eps) [len(t)]."""
+    acc = tl.zeros(t.shape, dtype=tl.float32)
+    for ks in range(0, tl.cdiv(K, BK)):
+        r = _rows(x, base, t, n_left, ks * BK + tl.arange(0, BK), K, stride)
+        acc += tl.sum(r * r, 1)
+    return tl.rsqrt(acc + 1e-6)
+
+
+@triton.jit(do_not_specialize=["T", "NT"])     # as chunk_delta._scan_kernel
+def _kda_wide_blocks_kernel(
+    q, k, g, beta, A_log, dt_bias, lower_bound, scale, a_kk, a_qk, kg, kd, qg, flags, cu_seqlens, chunk_index, T, NT,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, L2NORM: tl.constexpr,
+    GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, BETA: tl.constexpr, VARLEN: tl.constexpr,
+):
+    """Block b = program_id(2) of chunk program_id(0), value head program_id(1), when its flag bit is set."""
+    i_c = tl.program_id(0).to(tl.int64)
+    i_hv = tl.program_id(1)
+    b = tl.program_id(2)
+    bits = tl.load(flags + i_c * HV + i_hv)
+    if ((bits >> b) & 1) == 0:
+        return
+    i_h = i_hv // (HV // H)                                                 # GVA: the q/k head
+    i_n, c, bos, eos = _chunk(chunk_index, cu_seqlens, i_c, T, NT, VARLEN)
+    t0 = bos + c * 64
+    n_left = eos - t0                                                       # tokens of the chunk from t0, >= 1
+    qk_row0 = (t0 * H + i_h) * K
+    beta_base = t0 * HV + i_hv                                              # chunk row 0 in beta, A, Aqk
+    gate_base = beta_base * K                                               # chunk row 0 in g, kg, kd, qg
+
+    r = tl.arange(0, 64)                                                    # chunk rows
+    rb = b * 16 + tl.arange(0, 16)                                          # the block's rows
+    before = (r < b * 16)[:, None]                                          # rows of earlier blocks
+    after = (r >= b * 16 + 16)[:, None]                                     # rows of later blocks
+    if L2NORM:
+        rk = _inverse_norms(k, qk_row0, r, n_left, K, BK, H * K)
+        rq = scale * _inverse_norms(q, qk_row0, r, n_left, K, BK, H * K)
+        rk_b = _inverse_norms(k, qk_row0, rb, n_left, K, BK, H * K)
+        rq_b = scale * _inverse_norms(q, qk_row0, rb, n_left, K, BK, H * K)
+    else:
+        rk = tl.full([64], 1.0, tl.float32)
+        rq = rk * scale
+        rk_b = tl.full([16], 1.0, tl.float32)
+        rq_b = rk_b * scale
+
+    z = tl.zeros([16, 64], dtype=tl.float32)
+    row_k, row_q = z, z                                                     # row block b x earlier columns
+    col_k = tl.zeros([64, 16], dtype=tl.float32)                            # later rows x column block b
+    col_q = col_k
+    dia_k = tl.zeros([16, 16], dtype=tl.float32)                            # the block's own pairs
+    dia_q = dia_k
+    i3 = tl.arange(0, 16)[:, None, None]
+    j3 = tl.arange(0, 16)[None, :, None]
+    lower3 = j3 <= i3
+    for ks in range(0, tl.cdiv(K, BK)):
+        o_k = ks * BK + tl.arange(0, BK)
+        x = _log_decay(g, A_log, dt_bias, lower_bound, gate_base, r, n_left, i_hv, o_k, HV, K, GATE, HAS_A,
+                       HAS_BIAS)                                            # [64, BK] log2 decay, 0 past the chunk
+        xb = _log_decay(g, A_log, dt_bias, lower_bound, gate_base, rb, n_left, i_hv, o_k, HV, K, GATE, HAS_A,
+                        HAS_BIAS)                                           # [16, BK] the block's rows
+        start = tl.sum(tl.where(before, x, 0.0), 0)[None, :]                # c_(b-1) [1, BK]
+        L = tl.cumsum(xb, 0)                                                # G - c_(b-1) on the block's rows
+        span = tl.sum(xb, 0)[None, :]                                       # c_b - c_(b-1)
+        kc = _rows(k, qk_row0, r, n_left, o_k, K, H * K) * rk[:, None]     # [64, BK]
+        qc = _rows(q, qk_row0, r, n_left, o_k, K, H * K) * rq[:, None]
+        kb = _rows(k, qk_row0, rb, n_left, o_k, K, H * K) * rk_b[:, None]  # [16, BK]
+        qb = _rows(q, qk_row0, rb, n_left, o_k, K, H * K) * rq_b[:, None]
+
+        # earlier columns j, referenced at c_(b-1): k_j 2^(c_(b-1) - G_j) and 2^(G_i - c_(b-1)) = 2^L
+        right = tl.where(before, kc * tl.exp2(start - tl.cumsum(tl.where(before, x, 0.0), 0)), 0.0)
+        e_L = tl.exp2(L)
+        row_k = tl.dot(kb * e_L, tl.trans(right), row_k, input_precision="ieee")
+        row_q = tl.dot(qb * e_L, tl.trans(right), row_q, input_precision="ieee")
+        # later rows i, referenced at c_b: 2^(G_i - c_b) and k_j 2^(c_b - G_j) = k_j 2^(span - L)
+        e_after = tl.where(after, tl.exp2(tl.cumsum(tl.where(after, x, 0.0), 0)), 0.0)
+        right_b = kb * tl.exp2(span - L)
+        col_k = tl.dot(kc * e_after, tl.trans(right_b), col_k, input_precision="ieee")
+        col_q = tl.dot(qc * e_after, tl.trans(right_b), col_q, input_precision="ieee")
+        # the block's own pairs j <= i: 2^(L_i - L_j) [16, 16, BK]
+        e = tl.where(lower3, tl.exp2(tl.where(lower3, L[:, None, :] - L[None, :, :], 0.0)), 0.0)
+        ke = kb[None, :, :] * e
+        dia_k += tl.sum(kb[:, None, :] * ke, 2)
+        dia_q += tl.sum(qb[:, None, :] * ke, 2)
+        # the gated keys and queries of the block's rows
+        G = start + L
+        out = gate_base + rb[:, None] * (HV * K) + o_k[None, :]
+        m = (rb < n_left)[:, None] & (o_k < K)[None, :]
+        e_G = tl.exp2(G)
+        tl.store(kg + out, (kb * e_G).to(kg.dtype.element_ty), mask=m)
+        tl.store(qg + out, (qb * e_G).to(qg.dtype.element_ty), mask=m)
+        tl.store(kd + out, (kb * tl.exp2(tl.sum(x, 0)[None, :] - G)).to(kd.dtype.element_ty), mask=m)
+
+    valid_b = rb < n_left
+    valid = r < n_left
+    beta_b = _activate_beta(tl.load(beta + beta_base + rb * HV, mask=valid_b, other=0.0), valid_b, BETA)[:, None]
+    beta_r = _activate_beta(tl.load(beta + beta_base + r * HV, mask=valid, other=0.0), valid, BETA)[:, None]
+    cols = tl.arange(0, 64)[None, :]
+    # row block b in the earlier column blocks whose bit is clear
+    mine = (cols < b * 16) & (((bits >> (cols // 16)) & 1) == 0) & valid_b[:, None]
+    off_b = ((beta_base + rb * HV) * 64)[:, None] + cols
+    tl.store(a_kk + off_b, row_k * beta_b, mask=mine)
+    tl.store(a_qk + off_b, row_q.to(a_qk.dtype.element_ty), mask=mine)
+    # the diagonal block, zeros above
+    jb = tl.arange(0, 16)[None, :]
+    ib = tl.arange(0, 16)[:, None]
+    off_d = ((beta_base + rb * HV) * 64 + b * 16)[:, None] + jb
+    tl.store(a_kk + off_d, tl.where(jb < ib, dia_k * beta_b, 0.0), mask=valid_b[:, None])
+    tl.store(a_qk + off_d, tl.where(jb <= ib, dia_q, 0.0).to(a_qk.dtype.element_ty), mask=valid_b[:, None])
+    # column block b in the later rows
+    off_c = ((beta_base + r * HV) * 64 + b * 16)[:, None] + jb
+    m_c = after & valid[:, None]
+    tl.store(a_kk + off_c, col_k * beta_r, mask=m_c)
+    tl.store(a_qk + off_c, col_q.to(a_qk.dtype.element_ty), mask=m_c)
+
+
+def launch(p, beta, beta_mode: int, total: int, tables, a_kk, scores, kg, kd, qg, flags) -> None:
+    """Rewrites the flagged blocks (``flags`` ``[total, HV]`` int32, bit b for block b) of A (fp32
+    scratch) and Aqk ``[B, T, HV, 64]`` and of kg, kd, qg ``[B, T, HV, K]``."""
+    cu, chunk_index = tables
+    varlen = cu is not None
+    NT = -(-p.T // 64)
+    launcher(_kda_wide_blocks_kernel, p.T, NT)[(total, p.HV, 4)](
+        p.q, p.k, p.gk, beta, p.A_log if p.A_log is not None else flags,
+        p.dt_bias if p.dt_bias is not None else flags, float(p.lower_bound or 0.0), p.scale,
+        a_kk, scores, kg, kd, qg, flags, cu if varlen else flags, chunk_index if varlen else flags, p.T, NT,
+        H=p.H, HV=p.HV, K=p.K, BK=16, L2NORM=p.use_qk_l2norm, GATE=gate_mode(p), HAS_A=p.A_log is not None,
+        HAS_BIAS=p.dt_bias is not None, BETA=beta_mode, VARLEN=varlen, num_warps=4, num_stages=1,
+    )
