@@ -36,6 +36,13 @@ VARIANTS = {
     "gluon-bv64-wg2": dict(SCAN_BLOCK_V=64, SCAN_WARPGROUPS=2),
     "gluon-bv128": dict(SCAN_BLOCK_V=128),  # two warpgroups
     "gluon-s3": dict(SCAN_BLOCK_V=64, SCAN_STAGES=3),   # three stages do not fit at 128 columns
+    "gluon-noseg": dict(segment_chunks=0),  # the plan's segments (sequence parallelism) on the sm_90 tier
+    "gluon-seg8": dict(segment_chunks=8),
+    "gluon-seg16": dict(segment_chunks=16),
+    "gluon-seg32": dict(segment_chunks=32),
+    "gluon-bv32-seg16": dict(SCAN_BLOCK_V=32, segment_chunks=16),
+    "gluon-inv-vpp1": dict(inverse_heads=1),
+    "gluon-inv-vpp2": dict(inverse_heads=2),
     "bv16": dict(scan_block_v=16, scan_stages=2, scan_warps=4),
     "bv32s2": dict(scan_block_v=32, scan_stages=2, scan_warps=4),
     "bv32s3": dict(scan_block_v=32, scan_stages=3, scan_warps=4),
@@ -112,11 +119,11 @@ def main() -> int:
         for name in names:
             over = VARIANTS[name]
             tier = "gluon" if name.startswith("gluon") else "triton"
-            saved = {a: getattr(gluon_chunk, a) for a in (over or {})} if tier == "gluon" else {}
+            saved = {a: getattr(gluon_chunk, a) for a in (over or {}) if a.isupper()} if tier == "gluon" else {}
             for a, value in saved.items():
                 setattr(gluon_chunk, a, over[a])
-            if tier == "gluon":
-                over = None
+            if tier == "gluon":                    # lower-case keys: the launch plan (default_config) too
+                over = {a: x for a, x in (over or {}).items() if not a.isupper()} or None
             chunk_delta.default_config = lambda p, o=over: (
                 original(p) if o is None else dataclasses.replace(original(p), **o))
             variant = chunk_delta.default_config

@@ -25,6 +25,7 @@ from benchmarks.gdn_prefill_sweep import kernel_split, rel
 from fastla.backends.gluon import chunk_delta as gluon_chunk
 from fastla.backends.gluon import chunk_prepare_kda_sm90 as sm90_prologue
 from fastla.backends.triton import chunk_delta
+from fastla.backends.triton import chunk_prepare_kda_wide as wide
 from fastla.bench.inputs import call_kwargs, make_inputs
 from fastla.bench.registry import get_config
 from fastla.core.dispatch import use_tier
@@ -44,6 +45,10 @@ VARIANTS = {
     "sm90-uncapped": dict(sm90_maxnreg=None),
     "sm90-r128": dict(sm90_maxnreg=128),
     "sm90-bounded-only": dict(sm90_unbounded=False),   # unbounded / given gates on the Triton prologue
+    "wide-bk32": dict(wide=(32, 4, 1)),             # the wide-block kernel's (channels, warps, stages)
+    "wide-w8": dict(wide=(16, 8, 1)),
+    "wide-bk32-w8": dict(wide=(32, 8, 1)),
+    "wide-s2": dict(wide=(16, 4, 2)),
     "inv-w2": dict(inverse_warps=2),               # the inverse kernel's warps
     "inv-w4": dict(inverse_warps=4),
     "prep-w4-bk16-r128": dict(kda_prepare_warps=4, kda_prepare_block_k=16, kda_prepare_maxnreg=128),
@@ -89,6 +94,7 @@ def main() -> int:
     rows = []
     original = chunk_delta.default_config
     default_maxnreg, default_unbounded = sm90_prologue.MAXNREG, sm90_prologue.UNBOUNDED
+    default_wide = wide.BLOCK_K, wide.WARPS, wide.STAGES
     for shape in args.shapes.split(","):
         kw = with_gate(call_kwargs(make_inputs(get_config(shape), "cuda")), args.gate)
         fla_o = fla_us = None
@@ -104,6 +110,7 @@ def main() -> int:
             sm90_prologue.MAXNREG = over.pop("sm90_maxnreg", default_maxnreg)
             sm90_prologue.INVERSE_WARPS = over.pop("inverse_warps", 1)
             sm90_prologue.UNBOUNDED = over.pop("sm90_unbounded", default_unbounded)
+            wide.BLOCK_K, wide.WARPS, wide.STAGES = over.pop("wide", default_wide)
             chunk_delta.default_config = lambda p, o=over: dataclasses.replace(original(p), **o)
             try:
                 with use_tier(args.tier, strict=True), torch.no_grad():
@@ -121,7 +128,8 @@ def main() -> int:
                 gluon_chunk.KDA_PROLOGUE_SM90 = True
                 sm90_prologue.MAXNREG, sm90_prologue.INVERSE_WARPS = default_maxnreg, 1
                 sm90_prologue.UNBOUNDED = default_unbounded
-            prep = sum(v for k, v in split.items() if any(w in k for w in ("prepare", "prologue", "inverse")))
+                wide.BLOCK_K, wide.WARPS, wide.STAGES = default_wide
+            prep = sum(v for k, v in split.items() if any(w in k for w in ("prepare", "prologue", "inverse", "wide")))
             scan = sum(v for k, v in split.items() if "scan" in k)
             rows.append(dict(shape=shape, variant=name, tier=args.tier, gate=args.gate, us=us, prepare_us=prep, scan_us=scan, kernels=split,
                              err_vs_fla=err_fla, fla_us=fla_us))

@@ -154,7 +154,7 @@ def _child_gdn(name: str, folder: str) -> None:
     consts = {**dict(H=16, HV=32, K=128, V=128, BT=64, BK=128, DOT=tl.bfloat16, L2NORM=True, VARLEN=False), **extra}
     names = kern.arg_names
     consts = {n: c for n, c in consts.items() if n in names}
-    sig = {n: ptrs.get(n) or ("constexpr" if n in consts else ("i32" if n in ("T", "NT", "total") else "fp32"))
+    sig = {n: ptrs.get(n) or ("constexpr" if n in consts else ("i32" if n in ("T", "NT", "total", "n_flags", "per_program") else "fp32"))
            for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ptrs}
     src = ASTSource(kern, sig, {(names.index(n),): v for n, v in consts.items()}, attrs)

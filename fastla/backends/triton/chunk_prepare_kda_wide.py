@@ -20,23 +20,28 @@ So every entry has one writer: (b, c) with b > c is column block c's program whe
 else row block b's, else the sm_90 prologue's (its value is right: neither block is wide).
 
 Writes A (strict lower, times beta, fp32 scratch) and Aqk (lower, the scores' dtype) ``[B, T, HV,
-64]``, kg, kd, qg ``[B, T, HV, K]``; decay (2^G_last) stays the sm_90 prologue's. Grid
-``(chunks, HV, 4)``, a program per block, 4 warps, K in slices of BK = 16 (the [16, 16, 16]
-pairwise tile is 32 fp32 per thread); products in fp32 (``ieee``). Programs of clear bits
-return after one load: ~1% of blocks are flagged at the registry's softplus gate (A up to 4, no
-lower bound), none with the bounded gate (its spans are at most 16 x 5 nats = 115 log2 units).
-Before this kernel the flagged chunks went through the one-warp Triton prologue again (626 us at
-1x8k H64: one program's latency per flagged chunk, two launches); docs/notes/kda-prefill.md.
+64]``, kg, kd, qg ``[B, T, HV, K]``; decay (2^G_last) stays the sm_90 prologue's. Persistent
+grid, PROGRAMS_PER_SM x SMs programs of 4 warps, each scanning a contiguous range of the flags
+(256 at a time) and rewriting the set blocks one after the other; K in slices of BK = 16 (the
+[16, 16, 16] pairwise tile is 32 fp32 per thread; 254 registers); products in fp32 (``ieee``).
+~1% of blocks are flagged at the registry's softplus gate (A up to 4, no lower bound), none with
+the bounded gate (its spans are at most 16 x 5 nats = 115 log2 units). A program per (chunk,
+head, block) took 122 us at 1x8k H64 for the empty programs alone (two fit an SM at 254
+registers); before this kernel the flagged chunks went through the one-warp Triton prologue
+again (626 us: one program's latency per flagged chunk, two launches); docs/notes/kda-prefill.md.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
+from fastla.backends.triton import sm_count
 from fastla.backends.triton.chunk_index import _chunk
 from fastla.backends.triton.chunk_prepare import _activate_beta
 from fastla.backends.triton.chunk_prepare_kda import _log_decay, gate_mode
 from fastla.backends.triton.launch import launcher
+
+FLAGS_READ = tl.constexpr(256)    # flags a program reads at once
 
 
 @triton.jit
@@ -57,19 +62,40 @@ def _inverse_norms(x, base, t, n_left, K: tl.constexpr, BK: tl.constexpr, stride
     return tl.rsqrt(acc + 1e-6)
 
 
-@triton.jit(do_not_specialize=["T", "NT"])     # as chunk_delta._scan_kernel
+@triton.jit(do_not_specialize=["T", "NT", "n_flags", "per_program"])
 def _kda_wide_blocks_kernel(
     q, k, g, beta, A_log, dt_bias, lower_bound, scale, a_kk, a_qk, kg, kd, qg, flags, cu_seqlens, chunk_index, T, NT,
+    n_flags, per_program,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, L2NORM: tl.constexpr,
     GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, BETA: tl.constexpr, VARLEN: tl.constexpr,
 ):
-    """Block b = program_id(2) of chunk program_id(0), value head program_id(1), when its flag bit is set."""
-    i_c = tl.program_id(0).to(tl.int64)
-    i_hv = tl.program_id(1)
-    b = tl.program_id(2)
-    bits = tl.load(flags + i_c * HV + i_hv)
-    if ((bits >> b) & 1) == 0:
-        return
+    """Persistent: program i scans flags[i * per_program : (i + 1) * per_program] (the (chunk, head)
+    pairs, head fastest) FLAGS_READ at a time and rewrites the flagged blocks of each set entry."""
+    o = tl.arange(0, FLAGS_READ)
+    lo = tl.program_id(0) * per_program
+    hi = tl.minimum(lo + per_program, n_flags)
+    for base in range(lo, hi, FLAGS_READ):
+        f = tl.load(flags + base + o, mask=base + o < hi, other=0)
+        is_set = f != 0
+        rank = tl.cumsum(is_set.to(tl.int32), 0)
+        for j in range(tl.sum(is_set.to(tl.int32), 0)):
+            pick = is_set & (rank == j + 1)                                 # the j-th set entry
+            idx = (base + tl.sum(tl.where(pick, o, 0), 0)).to(tl.int64)
+            bits = tl.sum(tl.where(pick, f, 0), 0)
+            for b in range(4):
+                if ((bits >> b) & 1) != 0:
+                    _rewrite_block(q, k, g, beta, A_log, dt_bias, lower_bound, scale, a_kk, a_qk, kg, kd, qg,
+                                   cu_seqlens, chunk_index, T, NT, idx // HV, idx % HV, b, bits, H, HV, K, BK,
+                                   L2NORM, GATE, HAS_A, HAS_BIAS, BETA, VARLEN)
+
+
+@triton.jit
+def _rewrite_block(
+    q, k, g, beta, A_log, dt_bias, lower_bound, scale, a_kk, a_qk, kg, kd, qg, cu_seqlens, chunk_index, T, NT,
+    i_c, i_hv, b, bits, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, L2NORM: tl.constexpr,
+    GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, BETA: tl.constexpr, VARLEN: tl.constexpr,
+):
+    """Block b of chunk i_c, value head i_hv (``bits``: the chunk's flags)."""
     i_h = i_hv // (HV // H)                                                 # GVA: the q/k head
     i_n, c, bos, eos = _chunk(chunk_index, cu_seqlens, i_c, T, NT, VARLEN)
     t0 = bos + c * 64
@@ -163,16 +189,27 @@ def _kda_wide_blocks_kernel(
     tl.store(a_qk + off_c, col_q.to(a_qk.dtype.element_ty), mask=m_c)
 
 
+# channels per slice, warps and pipeline stages of a program; programs per SM (persistent)
+BLOCK_K = 16
+WARPS = 4
+STAGES = 1
+PROGRAMS_PER_SM = 2
+
+
 def launch(p, beta, beta_mode: int, total: int, tables, a_kk, scores, kg, kd, qg, flags) -> None:
     """Rewrites the flagged blocks (``flags`` ``[total, HV]`` int32, bit b for block b) of A (fp32
     scratch) and Aqk ``[B, T, HV, 64]`` and of kg, kd, qg ``[B, T, HV, K]``."""
     cu, chunk_index = tables
     varlen = cu is not None
     NT = -(-p.T // 64)
-    launcher(_kda_wide_blocks_kernel, p.T, NT)[(total, p.HV, 4)](
+    n_flags = total * p.HV
+    programs = min(n_flags, PROGRAMS_PER_SM * sm_count(p.device))
+    per_program = -(-n_flags // programs)
+    launcher(_kda_wide_blocks_kernel, p.T, NT)[(-(-n_flags // per_program),)](
         p.q, p.k, p.gk, beta, p.A_log if p.A_log is not None else flags,
         p.dt_bias if p.dt_bias is not None else flags, float(p.lower_bound or 0.0), p.scale,
         a_kk, scores, kg, kd, qg, flags, cu if varlen else flags, chunk_index if varlen else flags, p.T, NT,
-        H=p.H, HV=p.HV, K=p.K, BK=16, L2NORM=p.use_qk_l2norm, GATE=gate_mode(p), HAS_A=p.A_log is not None,
-        HAS_BIAS=p.dt_bias is not None, BETA=beta_mode, VARLEN=varlen, num_warps=4, num_stages=1,
+        n_flags, per_program,
+        H=p.H, HV=p.HV, K=p.K, BK=BLOCK_K, L2NORM=p.use_qk_l2norm, GATE=gate_mode(p), HAS_A=p.A_log is not None,
+        HAS_BIAS=p.dt_bias is not None, BETA=beta_mode, VARLEN=varlen, num_warps=WARPS, num_stages=STAGES,
     )
