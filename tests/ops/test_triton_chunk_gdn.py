@@ -138,16 +138,20 @@ def test_small_head_dim():
 
 
 @pytest.mark.parametrize("variant", ["three_stages", "wide_tiles", "segments_of_one_chunk", "segments_of_two_chunks",
-                                     "inverse_per_value_head"])
+                                     "inverse_per_value_head", "inverse_shared_heads"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_launch_variants(variant, device, monkeypatch):
-    """The non-default launch variants the GPU sweep times compute the same function."""
-    from fastla.backends.triton import chunk_delta
+    """The non-default launch variants the GPU sweep times compute the same function (shared
+    heads: both value heads in one inverse program, which this small grid would not choose)."""
+    from fastla.backends.triton import chunk_delta, chunk_prepare
+    if variant == "inverse_shared_heads":
+        monkeypatch.setattr(chunk_prepare, "INVERSE_PROGRAMS_PER_SM", 0)
     config = {"three_stages": chunk_delta.ChunkConfig(scan_stages=3),
               "wide_tiles": chunk_delta.ChunkConfig(scan_block_v=64, scan_warps=8),
               "segments_of_one_chunk": chunk_delta.ChunkConfig(segment_chunks=1),
               "segments_of_two_chunks": chunk_delta.ChunkConfig(segment_chunks=2, scan_block_v=16),
-              "inverse_per_value_head": chunk_delta.ChunkConfig(inverse_heads=1, inverse_warps=2)}[variant]
+              "inverse_per_value_head": chunk_delta.ChunkConfig(inverse_heads=1, inverse_warps=2),
+              "inverse_shared_heads": chunk_delta.ChunkConfig(inverse_heads=2)}[variant]
     monkeypatch.setattr(chunk_delta, "default_config", lambda p: config)
     lengths = [1, 63, 64, 65, 130]
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
@@ -180,8 +184,19 @@ def test_segment_heuristic():
     assert plan(8, [512]) == 32                     # 1x32k HV8: 16 segments per head
     assert plan(64, [512]) == 0                     # HV64: the grid is already full
     assert plan(16, [128]) == 0                     # 1x8k HV16: the split does not pay
+    assert plan(8, [128]) == 16                     # 1x8k HV8: 8 and 16 tie, the longer wins (measured)
     assert plan(8, [12]) == 0                       # too short
     assert plan(8, [512]) % chunk_delta.MIN_SEGMENT_CHUNKS == 0
+
+
+def test_inverse_heads_per_program():
+    """Value heads share an inverse program while the grid keeps 6 programs per SM (H200: 792)."""
+    from fastla.backends.triton.chunk_prepare import values_per_program
+    assert values_per_program(4, 4, 32768, 132) == 4                 # 1x32k HV64
+    assert values_per_program(4, 4, 4096, 132) == 4                  # 1x32k HV8: 1024 programs
+    assert values_per_program(4, 4, 2088, 132) == 2                  # varlen 9x16k HV8
+    assert values_per_program(4, 4, 1024, 132) == 1                  # 1x8k HV8
+    assert values_per_program(3, 4, 100, 132) == 1 and values_per_program(6, 4, 10 ** 6, 132) == 3
 
 
 @pytest.mark.parametrize("segments", [0, 1])

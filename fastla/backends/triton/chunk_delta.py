@@ -332,8 +332,10 @@ def segment_length(lanes: int, tiles: int, summary_tiles: int, chunk_counts, sms
     resident: whole sequences take ceil(lanes x tiles / R) waves of the longest sequence; segments
     of L chunks take ceil(n x summary_tiles / R) + ceil(n x tiles / R) waves of L steps (summary
     over the V + K columns, then replay; n = segments x value heads), plus one step per segment
-    of the longest sequence for the combine. ``lanes`` = sequences x value heads, ``sms`` the
-    GPU's SM count."""
+    of the longest sequence for the combine. Ties go to the longer segment: the model counts a
+    combine as one step and the summaries' fixed costs not at all (1x8k HV 8 ties 8 and 16
+    chunks: 200 us at 8, 180 at 16, gdn_prefill_sweep-v11-small-heads.json). ``lanes`` =
+    sequences x value heads, ``sms`` the GPU's SM count."""
     longest = max(chunk_counts, default=0)
     resident = PROGRAMS_PER_SM * sms
     heads = lanes // max(len(chunk_counts), 1)
@@ -343,7 +345,7 @@ def segment_length(lanes: int, tiles: int, summary_tiles: int, chunk_counts, sms
     while length < longest:
         n = sum(-(-c // length) for c in chunk_counts) * heads
         cost = (-(-n * summary_tiles // resident) + -(-n * tiles // resident)) * length + -(-longest // length)
-        if cost < best_cost:
+        if cost <= best_cost:
             best, best_cost = length, cost
         length += MIN_SEGMENT_CHUNKS
     return best

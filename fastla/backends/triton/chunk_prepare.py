@@ -2,7 +2,7 @@
 the WY factor P and the causal scores.
 
 ``_inverse_kernel``, grid ``(chunks, HV / VPP)``: one chunk of VPP value heads that share a q/k
-head (GVA). With G = cumsum(g) over the chunk and unit keys (l2norm in the op) or raw keys:
+head (GVA; up to 4 while the grid keeps 6 programs per SM, ``values_per_program``). With G = cumsum(g) over the chunk and unit keys (l2norm in the op) or raw keys:
     A = strict_lower(beta_i (k_i . k_j) exp(G_i - G_j))   [BT, BT],   P = (I + A)^-1
 The Gram matrix of the chunk's keys is formed once per program, as its ten lower [16, 16] blocks
 (bf16 products, fp32 accumulation, over K in slices of BK; the key norms from the same loads,
@@ -29,7 +29,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from fastla.backends.triton import cdiv, next_pow2
+from fastla.backends.triton import cdiv, next_pow2, sm_count
 from fastla.backends.triton.chunk_index import BT, _chunk
 from fastla.backends.triton.launch import launcher
 from fastla.backends.triton.recurrent import _softplus
@@ -283,10 +283,20 @@ def _scores_kernel(
                  mask=m_t[:, None])
 
 
-def values_per_program(ratio: int, limit: int) -> int:
+# the inverse's one-warp programs (255 registers) fit 8 per SM; sharing a program's Gram blocks
+# among value heads pays only while the grid keeps at least this many programs per SM: at 1x8k
+# HV 8 (1024 chunk-heads), 4 heads a program took 47 us and 1 head 17 us; at 1x32k HV 8, 4 heads
+# 88 us and 1 head 103 (benchmarks/results/gdn_prefill_sweep-v11-small-heads.json, -v6-1.json)
+INVERSE_PROGRAMS_PER_SM = 6
+
+
+def values_per_program(ratio: int, limit: int, chunk_heads: int, sms: int) -> int:
     """Value heads per inverse program: the largest divisor of the GVA ratio HV / H up to ``limit``
-    (their Gram blocks are shared)."""
-    return max(d for d in range(1, min(ratio, limit) + 1) if ratio % d == 0)
+    (their Gram blocks are shared) that leaves INVERSE_PROGRAMS_PER_SM programs per SM over the
+    ``chunk_heads`` (chunks x HV) pairs, else 1."""
+    fits = [d for d in range(1, min(ratio, limit) + 1)
+            if ratio % d == 0 and (d == 1 or chunk_heads // d >= INVERSE_PROGRAMS_PER_SM * sms)]
+    return max(fits)
 
 
 def launch(p, g, beta, beta_mode: int, total: int, tables, gcum, inverse, dot, config) -> None:
@@ -298,7 +308,7 @@ def launch(p, g, beta, beta_mode: int, total: int, tables, gcum, inverse, dot, c
     cu, chunk_index = tables
     varlen = cu is not None
     dummy = gcum
-    vpp = values_per_program(HV // H, config.inverse_heads)
+    vpp = values_per_program(HV // H, config.inverse_heads, total * HV, sm_count(p.device))
     BK = min(64, max(16, next_pow2(K)))
     launcher(_inverse_kernel, T, NT)[(total, HV // vpp)](
         p.k, g, beta, p.A_log if p.A_log is not None else dummy, p.dt_bias if p.dt_bias is not None else dummy,

@@ -20,18 +20,22 @@ So every entry has one writer: (b, c) with b > c is column block c's program whe
 else row block b's, else the sm_90 prologue's (its value is right: neither block is wide).
 
 Writes A (strict lower, times beta, fp32 scratch) and Aqk (lower, the scores' dtype) ``[B, T, HV,
-64]``, kg, kd, qg ``[B, T, HV, K]``; decay (2^G_last) stays the sm_90 prologue's. Persistent
-grid, PROGRAMS_PER_SM x SMs programs of 4 warps, each scanning a contiguous range of the flags
-(256 at a time) and rewriting the set blocks one after the other; K in slices of BK = 16 (the
-[16, 16, 16] pairwise tile is 32 fp32 per thread; 254 registers); products in fp32 (``ieee``).
+64]``, kg, kd, qg ``[B, T, HV, K]``; decay (2^G_last) stays the sm_90 prologue's. Two launches:
+``_list_blocks_kernel`` lists the flagged blocks (256 flags a program, one atomic per program to
+reserve its slots), then ``_kda_wide_blocks_kernel``, persistent (PROGRAMS_PER_SM x SMs programs
+of 4 warps), rewrites list entries i, i + programs, ... (a cluster of flagged blocks, e.g. one
+head wide in every chunk, spreads over the programs); K in slices of BK = 16 (the [16, 16, 16]
+pairwise tile is 32 fp32 per thread; 255 registers, no spill); products in fp32 (``ieee``).
 ~1% of blocks are flagged at the registry's softplus gate (A up to 4, no lower bound), none with
-the bounded gate (its spans are at most 16 x 5 nats = 115 log2 units). A program per (chunk,
-head, block) took 122 us at 1x8k H64 for the empty programs alone (two fit an SM at 254
-registers); before this kernel the flagged chunks went through the one-warp Triton prologue
-again (626 us: one program's latency per flagged chunk, two launches); docs/notes/kda-prefill.md.
+the bounded gate (its spans are at most 16 x 5 nats = 115 log2 units). Measured at 1x8k / 2x16k
+H64 with the softplus gate: a program per (chunk, head, block) 126 / 231 us (the empty programs:
+two fit an SM); persistent programs over contiguous ranges of the flags 214 / 57 us (a range can
+hold a cluster); the one-warp Triton prologue over the flagged chunks before this kernel 626 /
+522 us (one program's latency per flagged chunk, two launches); docs/notes/kda-prefill.md.
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -62,31 +66,36 @@ def _inverse_norms(x, base, t, n_left, K: tl.constexpr, BK: tl.constexpr, stride
     return tl.rsqrt(acc + 1e-6)
 
 
-@triton.jit(do_not_specialize=["T", "NT", "n_flags", "per_program"])
+@triton.jit(do_not_specialize=["n_flags"])
+def _list_blocks_kernel(flags, items, count, n_flags):
+    """Work list: the flagged blocks of flags[FLAGS_READ * program_id(0) + ...] (the (chunk, head)
+    pairs, head fastest) appended to ``items`` as entry * 4 + block, one atomic per program on
+    ``count`` for its range of slots."""
+    o = tl.program_id(0) * FLAGS_READ + tl.arange(0, FLAGS_READ)
+    f = tl.load(flags + o, mask=o < n_flags, other=0)
+    o4 = o[:, None] * 4 + tl.arange(0, 4)[None, :]                          # [FLAGS_READ, 4] (entry, block)
+    is_set = ((f[:, None] >> tl.arange(0, 4)[None, :]) & 1) != 0
+    rank = tl.reshape(tl.cumsum(tl.reshape(is_set.to(tl.int32), [4 * FLAGS_READ]), 0), [FLAGS_READ, 4])
+    n_set = tl.sum(tl.sum(is_set.to(tl.int32), 1), 0)
+    if n_set > 0:
+        first = tl.atomic_add(count, n_set)
+        tl.store(items + first + rank - 1, o4, mask=is_set)
+
+
+@triton.jit(do_not_specialize=["T", "NT"])
 def _kda_wide_blocks_kernel(
-    q, k, g, beta, A_log, dt_bias, lower_bound, scale, a_kk, a_qk, kg, kd, qg, flags, cu_seqlens, chunk_index, T, NT,
-    n_flags, per_program,
+    q, k, g, beta, A_log, dt_bias, lower_bound, scale, a_kk, a_qk, kg, kd, qg, flags, items, count, cu_seqlens,
+    chunk_index, T, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, L2NORM: tl.constexpr,
     GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, BETA: tl.constexpr, VARLEN: tl.constexpr,
 ):
-    """Persistent: program i scans flags[i * per_program : (i + 1) * per_program] (the (chunk, head)
-    pairs, head fastest) FLAGS_READ at a time and rewrites the flagged blocks of each set entry."""
-    o = tl.arange(0, FLAGS_READ)
-    lo = tl.program_id(0) * per_program
-    hi = tl.minimum(lo + per_program, n_flags)
-    for base in range(lo, hi, FLAGS_READ):
-        f = tl.load(flags + base + o, mask=base + o < hi, other=0)
-        is_set = f != 0
-        rank = tl.cumsum(is_set.to(tl.int32), 0)
-        for j in range(tl.sum(is_set.to(tl.int32), 0)):
-            pick = is_set & (rank == j + 1)                                 # the j-th set entry
-            idx = (base + tl.sum(tl.where(pick, o, 0), 0)).to(tl.int64)
-            bits = tl.sum(tl.where(pick, f, 0), 0)
-            for b in range(4):
-                if ((bits >> b) & 1) != 0:
-                    _rewrite_block(q, k, g, beta, A_log, dt_bias, lower_bound, scale, a_kk, a_qk, kg, kd, qg,
-                                   cu_seqlens, chunk_index, T, NT, idx // HV, idx % HV, b, bits, H, HV, K, BK,
-                                   L2NORM, GATE, HAS_A, HAS_BIAS, BETA, VARLEN)
+    """Persistent: program i rewrites the listed blocks i, i + programs, i + 2 programs, ..."""
+    for i in range(tl.program_id(0), tl.load(count), tl.num_programs(0)):
+        item = tl.load(items + i)
+        entry = (item // 4).to(tl.int64)
+        _rewrite_block(q, k, g, beta, A_log, dt_bias, lower_bound, scale, a_kk, a_qk, kg, kd, qg, cu_seqlens,
+                       chunk_index, T, NT, entry // HV, entry % HV, item % 4, tl.load(flags + entry), H, HV, K, BK,
+                       L2NORM, GATE, HAS_A, HAS_BIAS, BETA, VARLEN)
 
 
 @triton.jit
@@ -203,13 +212,14 @@ def launch(p, beta, beta_mode: int, total: int, tables, a_kk, scores, kg, kd, qg
     varlen = cu is not None
     NT = -(-p.T // 64)
     n_flags = total * p.HV
-    programs = min(n_flags, PROGRAMS_PER_SM * sm_count(p.device))
-    per_program = -(-n_flags // programs)
-    launcher(_kda_wide_blocks_kernel, p.T, NT)[(-(-n_flags // per_program),)](
+    items = torch.empty(4 * n_flags, dtype=torch.int32, device=p.device)
+    count = torch.zeros(1, dtype=torch.int32, device=p.device)
+    launcher(_list_blocks_kernel)[(triton.cdiv(n_flags, FLAGS_READ),)](flags, items, count, n_flags, num_warps=4)
+    launcher(_kda_wide_blocks_kernel, p.T, NT)[(min(4 * n_flags, PROGRAMS_PER_SM * sm_count(p.device)),)](
         p.q, p.k, p.gk, beta, p.A_log if p.A_log is not None else flags,
         p.dt_bias if p.dt_bias is not None else flags, float(p.lower_bound or 0.0), p.scale,
-        a_kk, scores, kg, kd, qg, flags, cu if varlen else flags, chunk_index if varlen else flags, p.T, NT,
-        n_flags, per_program,
+        a_kk, scores, kg, kd, qg, flags, items, count, cu if varlen else flags, chunk_index if varlen else flags,
+        p.T, NT,
         H=p.H, HV=p.HV, K=p.K, BK=BLOCK_K, L2NORM=p.use_qk_l2norm, GATE=gate_mode(p), HAS_A=p.A_log is not None,
         HAS_BIAS=p.dt_bias is not None, BETA=beta_mode, VARLEN=varlen, num_warps=WARPS, num_stages=STAGES,
     )
