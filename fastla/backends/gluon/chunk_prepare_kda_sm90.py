@@ -21,26 +21,26 @@ block c (per channel):
     A[:, block c]   += (k 2^(G - M_c)) R_c^T,   R_c = k 2^(M_c - G) on block c's rows
     Aqk[:, block c] += (scale q 2^(G - M_c)) R_c^T
 (wgmma, M 64, N 16, K 32, one per column block and side). On block c's own rows both operands lie
-within 2^(+-span / 2); on a later block b's rows the left one is X 2^(c_(b-1) - M_c) with
-X = k 2^(G - c_(b-1)), two factors <= 1 (not k 2^(G - M_b) 2^(M_b - M_c): that factor can
-underflow fp32 against a large first one), and rows of earlier blocks are zero. So every operand
-stays in bf16's range while a block's span is at most SPAN_LIMIT (200 log2 units: 2^(+-100)),
-whatever the decay elsewhere; a left operand only underflows where its product is below
-2^-26 |k_i k_j|. Products that overflow lie above the
-diagonal and are masked. The bounded gate (span <= 16 x 5 nats = 115) always fits. Unbounded and
-given gates set bit b of flags[chunk, head] for a wider block b (all four bits for a rising gate),
-and a Triton kernel (backends/triton/chunk_prepare_kda_wide.py) rewrites those blocks' rows and
-columns of A and Aqk and their gated keys and queries exactly, before the inverse kernel: ~1%
-of blocks at the registry's softplus gate. The left operands (four copies per side) live in shared memory channel-major
-([32, 64] bf16: a thread's 16 rows are one 32-byte run), R_c^T as [32, 16], the accumulators in
-registers (8 x [64, 16] fp32); kg = X 2^(c_(b-1)), qg likewise and kd = R_b 2^(G_last - M_b) are
-stored per slice while the products run. Shared memory: 48 KB of TMA tiles (64 KB with
-an fp32 gate) and 36 KB of operands at K = 128: two programs per SM (255 registers, no spill).
-The fp32 A scratch is B T HV 256 bytes (0.5 GB at 1x32k, HV 64). P formed here instead (the
-diagonal blocks by substitution, then block-Jacobi steps on wgmma) measured no faster than the
-inverse kernel: +114 us in this kernel against the inverse's 119 at 1x8k H64 (notes, v6).
+within 2^(+-span / 2); on a later block b's rows the left one is X 2^(c_(b-1) - M_c) with X = k
+2^(G - c_(b-1)), two factors <= 1 (not k 2^(G - M_b) 2^(M_b - M_c): that factor can underflow fp32
+against a large first one), and rows of earlier blocks are zero. So every operand stays in bf16's
+range while a block's span is at most SPAN_LIMIT (200 log2 units: 2^(+-100)), whatever the decay
+elsewhere; a left operand only underflows where its product is below 2^-26 |k_i k_j|. Products that
+overflow lie above the diagonal and are masked. The bounded gate (span <= 16 x 5 nats = 115) always
+fits. Unbounded and given gates set bit b of flags[chunk, head] for a wider block b (all four bits
+for a rising gate), and a Triton kernel (backends/triton/chunk_prepare_kda_wide.py) rewrites those
+blocks' rows and columns of A and Aqk and their gated keys and queries exactly, before the inverse
+kernel: ~1% of blocks at the registry's softplus gate. The left operands (four copies per side)
+live in shared memory channel-major ([32, 64] bf16: a thread's 16 rows are one 32-byte run), R_c^T
+as [32, 16], the accumulators in registers (8 x [64, 16] fp32); kg = X 2^(c_(b-1)), qg likewise and
+kd = R_b 2^(G_last - M_b) are stored per slice while the products run. Shared memory: 48 KB of TMA
+tiles (64 KB with an fp32 gate) and 36 KB of operands at K = 128: two programs per SM (255
+registers, no spill). The fp32 A scratch is B T HV 256 bytes (0.5 GB at 1x32k, HV 64). P formed
+here instead (the diagonal blocks by substitution, then block-Jacobi steps on wgmma) measured no
+faster than the inverse kernel: +114 us in this kernel against the inverse's 119 at 1x8k H64
+(notes, v6).
 
-Budget and measurements: docs/notes/kda-prefill.md (v4, v5).
+Budget and measurements: docs/notes/kda-prefill.md (v4 to v6).
 """
 from __future__ import annotations
 

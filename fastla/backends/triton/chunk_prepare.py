@@ -2,7 +2,8 @@
 the WY factor P and the causal scores.
 
 ``_inverse_kernel``, grid ``(chunks, HV / VPP)``: one chunk of VPP value heads that share a q/k
-head (GVA; up to 4 while the grid keeps 6 programs per SM, ``values_per_program``). With G = cumsum(g) over the chunk and unit keys (l2norm in the op) or raw keys:
+head (GVA; up to 4 while the grid keeps 6 programs per SM, ``values_per_program``). With
+G = cumsum(g) over the chunk and unit keys (l2norm in the op) or raw keys:
     A = strict_lower(beta_i (k_i . k_j) exp(G_i - G_j))   [BT, BT],   P = (I + A)^-1
 The Gram matrix of the chunk's keys is formed once per program, as its ten lower [16, 16] blocks
 (bf16 products, fp32 accumulation, over K in slices of BK; the key norms from the same loads,

@@ -20,18 +20,19 @@ So every entry has one writer: (b, c) with b > c is column block c's program whe
 else row block b's, else the sm_90 prologue's (its value is right: neither block is wide).
 
 Writes A (strict lower, times beta, fp32 scratch) and Aqk (lower, the scores' dtype) ``[B, T, HV,
-64]``, kg, kd, qg ``[B, T, HV, K]``; decay (2^G_last) stays the sm_90 prologue's. Two launches:
-``_list_blocks_kernel`` lists the flagged blocks (256 flags a program, one atomic per program to
-reserve its slots), then ``_kda_wide_blocks_kernel``, persistent (PROGRAMS_PER_SM x SMs programs
-of 4 warps), rewrites list entries i, i + programs, ... (a cluster of flagged blocks, e.g. one
-head wide in every chunk, spreads over the programs); K in slices of BK = 16 (the [16, 16, 16]
-pairwise tile is 32 fp32 per thread; 255 registers, no spill); products in fp32 (``ieee``).
-~1% of blocks are flagged at the registry's softplus gate (A up to 4, no lower bound), none with
-the bounded gate (its spans are at most 16 x 5 nats = 115 log2 units). Measured at 1x8k / 2x16k
-H64 with the softplus gate: a program per (chunk, head, block) 126 / 231 us (the empty programs:
-two fit an SM); persistent programs over contiguous ranges of the flags 214 / 57 us (a range can
-hold a cluster); the one-warp Triton prologue over the flagged chunks before this kernel 626 /
-522 us (one program's latency per flagged chunk, two launches); docs/notes/kda-prefill.md.
+64]``, kg, kd, qg ``[B, T, HV, K]``; decay (2^G_last) stays the sm_90 prologue's. Two launches
+after the list's counter is zeroed: ``_list_blocks_kernel`` lists the flagged blocks (256 flags a
+program, one atomic per program to reserve its slots), then ``_kda_wide_blocks_kernel``, persistent
+(PROGRAMS_PER_SM x SMs programs of 4 warps), rewrites list entries i, i + programs, ... (a cluster
+of flagged blocks, e.g. one head wide in every chunk, spreads over the programs); K in slices of BK
+= 16 (the [16, 16, 16] pairwise tile is 32 fp32 per thread; 248 registers, no spill); products in
+fp32 (``ieee``). ~1% of blocks are flagged at the registry's softplus gate (A up to 4, no lower
+bound), none with the bounded gate (its spans are at most 16 x 5 nats = 115 log2 units). Measured
+at 1x8k / 2x16k H64 with the softplus gate: this structure 71 / 53 us (with the 3 us list); a
+program per (chunk, head, block) 126 / 231 us (the empty programs: two fit an SM); persistent
+programs over contiguous ranges of the flags 214 / 57 us (a range can hold a cluster); the one-warp
+Triton prologue over the flagged chunks before this kernel 626 / 522 us (one program's latency per
+flagged chunk, two launches); docs/notes/kda-prefill.md.
 """
 from __future__ import annotations
 
