@@ -20,7 +20,7 @@ from triton.testing import do_bench_cudagraph
 
 import fastla  # noqa: F401  (registers the tiers)
 from fastla.backends.gluon import chunk_delta as gluon_chunk
-from fastla.backends.triton import chunk_delta
+from fastla.backends.triton import chunk_delta, chunk_prepare
 from fastla.bench.inputs import call_kwargs, make_inputs
 from fastla.bench.registry import get_config
 from fastla.core.dispatch import use_tier
@@ -104,6 +104,7 @@ def main() -> int:
         fla_op = None
     rows = []
     original = chunk_delta.default_config
+    programs_per_sm = chunk_prepare.INVERSE_PROGRAMS_PER_SM
     for shape in args.shapes.split(","):
         cfg = get_config(shape)
         inputs = make_inputs(cfg, "cuda")
@@ -127,6 +128,8 @@ def main() -> int:
             chunk_delta.default_config = lambda p, o=over: (
                 original(p) if o is None else dataclasses.replace(original(p), **o))
             variant = chunk_delta.default_config
+            # a variant's inverse_heads is what runs (not capped by the occupancy rule)
+            chunk_prepare.INVERSE_PROGRAMS_PER_SM = 0 if "inverse_heads" in (over or {}) else programs_per_sm
             try:
                 with use_tier(tier, strict=True), torch.no_grad():
                     call = lambda: chunk_gated_delta_rule(**kw)  # noqa: E731
@@ -142,6 +145,7 @@ def main() -> int:
                 continue
             finally:
                 chunk_delta.default_config = original
+                chunk_prepare.INVERSE_PROGRAMS_PER_SM = programs_per_sm
                 for a, value in saved.items():
                     setattr(gluon_chunk, a, value)
             prep = sum(v for k, v in split.items() if "inverse" in k or "scores" in k)

@@ -129,7 +129,7 @@ def main() -> int:
                 sm90_prologue.MAXNREG, sm90_prologue.INVERSE_WARPS = default_maxnreg, 1
                 sm90_prologue.UNBOUNDED = default_unbounded
                 wide.BLOCK_K, wide.WARPS, wide.STAGES = default_wide
-            prep = sum(v for k, v in split.items() if any(w in k for w in ("prepare", "prologue", "inverse", "wide")))
+            prep = sum(v for k, v in split.items() if any(w in k for w in ("prepare", "prologue", "inverse", "wide", "list")))
             scan = sum(v for k, v in split.items() if "scan" in k)
             rows.append(dict(shape=shape, variant=name, tier=args.tier, gate=args.gate, us=us, prepare_us=prep, scan_us=scan, kernels=split,
                              err_vs_fla=err_fla, fla_us=fla_us))

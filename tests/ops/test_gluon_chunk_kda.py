@@ -61,14 +61,20 @@ def test_sm90_prologue_matches_triton(case, monkeypatch):
 
 
 @pytest.mark.parametrize("case", ["unbounded-gate", "dense", "dense-fp32-gate", "strong-decay", "mixed-decay",
-                                  "bounded-wide"])
+                                  "one-wide-block", "bounded-wide"])
 def test_sm90_prologue_unbounded(case, monkeypatch):
     """The softplus and the given (bf16, fp32) gates on the sm_90 prologue, the blocks with a span
     past its limit rewritten by the wide-block kernel (strength-100 decay flags most; mixed-decay
-    gives two of the four heads that decay, so flagged and served blocks share a launch)."""
+    gives two of the four heads that decay, so flagged and served chunks share a launch;
+    one-wide-block one block a chunk, at every position, so rewritten entries sit next to the
+    prologue's own; lower_bound -8 spans at most 185 log2 units and flags none)."""
     flags = _prologue_parity(case, monkeypatch)
     if case == "mixed-decay":
         assert flags is not None and 0 < int((flags != 0).sum()) < flags.numel(), flags
+    if case == "strong-decay":
+        assert flags is not None and flags.any(), flags
+    if case == "one-wide-block":
+        assert flags is not None and ((flags != 0) & (flags != 15)).any(), flags
 
 
 def _prologue_parity(case, monkeypatch):
@@ -90,9 +96,13 @@ def _prologue_parity(case, monkeypatch):
     monkeypatch.setattr(chunk_prepare_kda_wide, "launch", wide)
     monkeypatch.setattr(sm90, "launch", recorded("sm90", sm90.launch, 5))
     monkeypatch.setattr(chunk_prepare_kda, "launch", recorded("triton", chunk_prepare_kda.launch, 7))
-    t, opts = bf16_case("dense" if case in ("mixed-decay", "dense-fp32-gate") else case)
+    t, opts = bf16_case("dense" if case in ("mixed-decay", "dense-fp32-gate", "one-wide-block") else case)
     if case == "mixed-decay":
         t["g"][:, :, :2] *= 100.0
+    if case == "one-wide-block":                 # chunk c: block c % 4 decays 15 nats a token in channel 0
+        for c in range(-(-t["g"].shape[1] // 64)):
+            rows = slice(64 * c + 16 * (c % 4), 64 * c + 16 * (c % 4) + 16)
+            t["g"][:, rows, :, 0] = -15.0
     if case == "dense-fp32-gate":
         t["g"] = t["g"].float()
     check_fp64(t, opts, tier="gluon")

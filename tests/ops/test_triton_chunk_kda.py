@@ -173,7 +173,7 @@ def test_bf16_segments_and_intermediate_states(monkeypatch):
     assert_close("h", h, h_whole, 2e-2)
 
 
-@pytest.mark.parametrize("gate", ["softplus", "given"])
+@pytest.mark.parametrize("gate", ["softplus", "given", "bounded"])
 @pytest.mark.parametrize("varlen", [False, True])
 def test_wide_blocks_rewrite_flagged_blocks_exactly(gate, varlen):
     """The wide-block kernel (chunk_prepare_kda_wide.py) on random block flags under decay far
@@ -200,6 +200,11 @@ def test_wide_blocks_rewrite_flagged_blocks_exactly(gate, varlen):
         g = torch.randn(B, T, HV, K, generator=gen) * 4
         gate_opts = dict(gate_in_op="kda", A_log=torch.full((HV,), 1.5), dt_bias=torch.randn(HV * K, generator=gen) * 3)
         G = kda_gate(g.double(), gate_opts["A_log"].double(), gate_opts["dt_bias"].double(), None)
+    elif gate == "bounded":                            # lower_bound sigmoid(e^A (g + dt_bias)), down to -20 a token
+        g = torch.randn(B, T, HV, K, generator=gen) * 4
+        gate_opts = dict(gate_in_op="kda", A_log=torch.zeros(HV), dt_bias=torch.randn(HV * K, generator=gen),
+                         lower_bound=-20.0)
+        G = kda_gate(g.double(), gate_opts["A_log"].double(), gate_opts["dt_bias"].double(), -20.0)
     else:                                              # a given log decay, some channels x 100
         g = torch.nn.functional.logsigmoid(torch.randn(B, T, HV, K, generator=gen))
         g[..., ::3] *= 100.0

@@ -1,6 +1,7 @@
 """Hopper (sm_90) prologue of the KDA chunked forward, every gate (the bounded one computed in the
 op, the softplus one without lower_bound, a given log decay in bf16 or fp32): Gluon, async wgmma,
-one launch for what the Triton prologue (backends/triton/chunk_prepare_kda.py) does in two.
+one launch for what the Triton prologue (backends/triton/chunk_prepare_kda.py) does in two (then
+the inverse kernel, and for unbounded gates the wide-block rewrite before it).
 
 Per 64-token chunk and value head, with G the in-chunk cumsum of the log decay (log2 units), unit
 keys and queries when the l2norm is in the op, and per-channel products
@@ -61,6 +62,9 @@ BC = gl.constexpr(32)      # channels per slice
 # (bf16 tops out at 2^128); the bounded gate's widest is 16 x 5 nats = 115
 SPAN_LIMIT = gl.constexpr(200.0)
 RISING = gl.constexpr(1e30)    # a block's "span" where the gate rises (FLAG: every block of the chunk)
+# a log2 decay above this rises (lg2.approx's absolute error near 1 can make the softplus gate's
+# -a log2(1 + 2^x) a hair positive; a rise this small changes no factor)
+RISE_TOLERANCE = gl.constexpr(1e-5)
 
 
 @gluon.jit
@@ -213,7 +217,7 @@ def _kda_prologue_sm90_kernel(
         L = gl.associative_scan(x, 1, _add)                                 # [4, 16, 32] G - c_(b-1) within each block
         s = gl.sum(x, 1)                                                    # [4, 32] block sums (-span)
         if FLAG:                                                            # in-thread maxima (reduced at the end)
-            wide = gl.maximum(wide, gl.where(gl.max(x, 1) > 0.0, RISING, -s))
+            wide = gl.maximum(wide, gl.where(gl.max(x, 1) > RISE_TOLERANCE, RISING, -s))
         end = gl.convert_layout(gl.associative_scan(gl.convert_layout(s, B2), 0, _add), L_bc)   # c_b
         mid = end - 0.5 * s                                                 # M_b, the block's midpoint
         mids = gl.convert_layout(mid, MR)                                   # every block's M in each thread

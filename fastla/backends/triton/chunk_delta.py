@@ -222,7 +222,8 @@ class ChunkConfig:
     """Launch choices of the kernels (measured: docs/notes/gdn-prefill.md)."""
     inverse_warps: int = 1
     inverse_stages: int = 1
-    inverse_heads: int = 4              # value heads per inverse program (a divisor of HV / H up to this)
+    inverse_heads: int = 4              # value heads per inverse program (a divisor of HV / H up to this,
+                                        # while 6 programs per SM remain: chunk_prepare.values_per_program)
     scan_block_v: int = 32
     scan_warps: int = 4
     scan_stages: int = 2
@@ -340,12 +341,12 @@ def segment_length(lanes: int, tiles: int, summary_tiles: int, chunk_counts, sms
     resident = PROGRAMS_PER_SM * sms
     heads = lanes // max(len(chunk_counts), 1)
     whole = -(-lanes * tiles // resident) * longest
-    best, best_cost = 0, SEGMENT_GAIN * whole
+    best, best_cost = 0, float("inf")
     length = MIN_SEGMENT_CHUNKS
     while length < longest:
         n = sum(-(-c // length) for c in chunk_counts) * heads
         cost = (-(-n * summary_tiles // resident) + -(-n * tiles // resident)) * length + -(-longest // length)
-        if cost <= best_cost:
+        if cost < SEGMENT_GAIN * whole and cost <= best_cost:
             best, best_cost = length, cost
         length += MIN_SEGMENT_CHUNKS
     return best
