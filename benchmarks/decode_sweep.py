@@ -82,6 +82,10 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sizes", default="1,16,64,256", help="comma-separated batch sizes N")
+    ap.add_argument("--form", default="pool", choices=("pool", "fla"),
+                    help="time the pool updated in place, or FLA's form (a separate fp32 h0 in, a new final "
+                         "state out: the registry's, which streams the state from HBM where a small pool stays in L2)")
+    ap.add_argument("--states", default="float32,bfloat16")
     args = ap.parse_args()
     rep = 30 if args.quick else 100
     try:
@@ -92,13 +96,16 @@ def main() -> int:
     rows = []
     for op in ("gdn", "kda"):
         for N in [int(x) for x in args.sizes.split(",")]:
-            for sd in (torch.float32, torch.bfloat16):
+            for sd in [getattr(torch, x) for x in args.states.split(",")]:
+                if args.form == "fla" and sd != torch.float32:
+                    continue                    # FLA's form keeps an fp32 state
                 t, pool, idx = make(op, N, sd)
                 bytes_state = 2 * N * HV * K * V * pool.element_size()
-                p = problem(op, t, pool, idx, pooled=True)
+                p = problem(op, t, pool, idx, pooled=args.form == "pool")
                 default = recurrent.default_config(p)
-                configs = [default] + [recurrent.DecodeConfig(bv, w) for bv in (8, 16, 32, 64)
-                                       for w in (1, 2, 4, 8) if (bv, w) != (default.block_v, default.num_warps)]
+                configs = [default] + [recurrent.DecodeConfig(bv, w) for bv in (8, 16, 32, 64, 128)
+                                       for w in (1, 2, 4, 8) if (bv, w) != (default.block_v, default.num_warps)
+                                       and bv * 128 // (32 * w) <= 256]     # state registers per thread
                 best = None
                 for cfg in configs:
                     err = check(op, t, pool, idx, cfg)
@@ -107,7 +114,8 @@ def main() -> int:
                                          us=None, note="WRONG"))
                         continue
                     us = 1e3 * do_bench_cudagraph(lambda: recurrent.run(p, cfg), rep=rep)
-                    row = dict(op=op, N=N, state=str(sd).replace("torch.", ""), bv=cfg.block_v, warps=cfg.num_warps,
+                    row = dict(op=op, N=N, form=args.form, state=str(sd).replace("torch.", ""), bv=cfg.block_v,
+                               warps=cfg.num_warps,
                                err=err, us=us, tbs=bytes_state / us / 1e6, default=cfg == default)
                     rows.append(row)
                     if best is None or us < best["us"]:
@@ -125,7 +133,7 @@ def main() -> int:
                       f"{d['tbs']:5.2f} TB/s | best bv={best['bv']:2d} w={best['warps']} {best['us']:7.2f} us "
                       f"{best['tbs']:5.2f} TB/s | FLA {fla_us and round(fla_us, 2)} us", flush=True)
                 rows.append(dict(op=op, N=N, state=str(sd), fla_us=fla_us, kind="fla"))
-    path = os.path.join(args.out, "decode_sweep.json")
+    path = os.path.join(args.out, f"decode_sweep-{args.form}.json")
     with open(path, "w") as f:
         json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                        rows=rows), f, indent=1)

@@ -134,6 +134,9 @@ GDN_KERNELS = {
                          "qg": "*bf16", "flags": "*i32", "items": "*i32", "count": "*i32", "cu_seqlens": "*i64",
                          "chunk_index": "*i32"},
                         dict(BK=16, GATE=2, HAS_A=True, HAS_BIAS=True, BETA=2), 4, 1),
+    # P from the sm_90 prologue's A (the diagonal blocks' rows loaded as the substitution needs them)
+    "kda-inverse": ("chunk_prepare_kda._kda_inverse_kernel",
+                    {"a": "*fp32", "p_out": "*bf16", "cu_seqlens": "*i64", "chunk_index": "*i32"}, {}, 1, 1),
     "kda-wide-list": ("chunk_prepare_kda_wide._list_blocks_kernel",
                       {"flags": "*i32", "items": "*i32", "count": "*i32"}, {}, 4, 1),
     "kda-scan": ("chunk_delta._scan_kernel", SCAN_POINTERS,
@@ -190,7 +193,8 @@ def test_gdn_chunk_kernels_compile_for_sm90(name, tmp_path):
     shared memory, spills bounded."""
     res = _run_child(f"_child_gdn({name!r}, {str(tmp_path)!r})", tmp_path)
     if not name.startswith("kda-wide"):                                    # fp32 FMA products (ieee), a list
-        assert (res["hmma"] if name == "inverse" or name.startswith("kda-prepare") else res["hgmma"]) > 0, res
+        small = name in ("inverse", "kda-inverse") or name.startswith("kda-prepare")
+        assert (res["hmma"] if small else res["hgmma"]) > 0, res
     assert res["shared_bytes"] <= 227 * 1024, res
     assert res["LOCAL"] == 0, res
     assert res["STACK"] <= KNOWN_STACK.get(name, 0), res

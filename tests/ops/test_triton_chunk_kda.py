@@ -257,3 +257,42 @@ def test_wide_blocks_rewrite_flagged_blocks_exactly(gate, varlen):
                 # fp32 exponents: the cumsum's rounding grows with |G| (up to ~2500 nats here)
                 rtol = 1e-4 + 1e-6 * Gc.abs().max().item()
                 assert got[~own].isnan().all() and torch.allclose(got[own], ref[own], rtol=rtol, atol=1e-6)
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_inverse_kernel_matches_fp64(varlen):
+    """The KDA inverse kernel (chunk_prepare_kda.launch_inverse, after the sm_90 prologue): P = (I + A)^-1
+    per chunk and value head from a strictly lower fp32 A, partial last chunks included, against
+    torch's fp64 inverse; rows past a chunk's end are never read (poisoned) and never written."""
+    from types import SimpleNamespace
+
+    from fastla.backends.triton import chunk_prepare_kda
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not interpreting():
+        pytest.skip("the Triton kernels need CUDA or the interpreter")
+    gen = torch.Generator().manual_seed(3)
+    lengths = [70, 1, 129] if varlen else None
+    B, T, HV = (1, sum(lengths), 3) if varlen else (2, 130, 3)
+    seqs = [(0, n, s) for s, n in zip(torch.tensor([0] + lengths).cumsum(0).tolist(), lengths)] if varlen else \
+        [(b, T, 0) for b in range(B)]
+    chunks = [(b, s + c, min(n - c, 64)) for b, n, s in seqs for c in range(0, n, 64)]
+    nan = float("nan")
+    a = torch.full((B, T, HV, 64), nan)
+    for b, t0, n in chunks:                         # beta (k_i . k_j) decay-like entries, up to ~1
+        x = torch.randn(HV, n, 64, generator=gen) * 0.4
+        a[b, t0:t0 + n] = torch.where(torch.ones(n, 64, dtype=torch.bool).tril(-1), x, 0.0).transpose(0, 1)[..., :64]
+    tables = (None, None)
+    if varlen:
+        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
+        index = [(i, c) for i, n in enumerate(lengths) for c in range(-(-n // 64))]
+        tables = (cu.to(device), torch.tensor(index, dtype=torch.int32, device=device))
+    out = torch.full((B, T, HV, 64), nan, device=device)
+    chunk_prepare_kda.launch_inverse(SimpleNamespace(T=T, HV=HV), len(chunks), tables, a.to(device), out)
+    for b, t0, n in chunks:
+        for hv in range(HV):
+            blk = a[b, t0:t0 + n, hv, :n].double()
+            ref = torch.linalg.inv(torch.eye(n, dtype=torch.float64) + blk)
+            got = out[b, t0:t0 + n, hv].double().cpu()
+            assert torch.allclose(got[:, :n], ref, rtol=1e-5, atol=1e-5), (b, t0, hv)
+            assert (got[:, n:] == 0).all(), (b, t0, hv)     # whole rows: zeros right of the chunk's end
