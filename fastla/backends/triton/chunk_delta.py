@@ -224,7 +224,6 @@ class ChunkConfig:
     inverse_stages: int = 1
     inverse_heads: int = 4              # value heads per inverse program (a divisor of HV / H up to this,
                                         # while 6 programs per SM remain: chunk_prepare.values_per_program)
-    inverse_diag_rows: bool = False     # the diagonal blocks' substitution reads A's rows from memory
     scan_block_v: int = 32
     scan_warps: int = 4
     scan_stages: int = 2

@@ -8,8 +8,9 @@ G = cumsum(g) over the chunk and unit keys (l2norm in the op) or raw keys:
 The Gram matrix of the chunk's keys is formed once per program, as its ten lower [16, 16] blocks
 (bf16 products, fp32 accumulation, over K in slices of BK; the key norms from the same loads,
 applied to the blocks afterwards); for each value head the gate and beta make A's blocks, the four
-diagonal blocks are inverted by forward substitution (15 row steps, all four at once), and the
-six lower blocks follow by block forward substitution on tensor cores (tf32, exact: no series).
+diagonal blocks are inverted by forward substitution (15 row steps each, fp32, the rows of A
+read back from P's output rows where they wait in fp32), and the six lower blocks follow by block
+forward substitution on tensor cores (tf32, exact: no series).
 Writes P ``[B, T, HV, BT]`` (whole rows of the chunk, zero above the block diagonal, so that
 the Gluon scan can load whole tiles) in the product dtype and G ``[B, T, HV]`` in fp32. The scan
 (chunk_delta.py) forms W = P (beta e^G k) and U = P (beta v) implicitly, so they never reach HBM.
@@ -20,7 +21,7 @@ the causal scores scale diag(rq) q k^T diag(rk) e^(G_i - G_j) ``[B, T, HV, BT]``
 rows) that the scan multiplies with V_new.
 
 Budgets (sm_90, K = V = 128, checked in tests/backends/test_triton_sm90.py): the inverse one
-warp, 255 registers, no spill, mma.sync for the 16x16 products (too small for a warpgroup); the
+warp, 255 registers, 8 bytes of spill, mma.sync for the 16x16 products (too small for a warpgroup); the
 scores 127 registers. Traffic per token and value head: 128 bytes of P and 128 of scores
 written (bf16), q and k read once per GVA group by each kernel.
 Measurements: docs/notes/gdn-prefill.md.
@@ -205,7 +206,7 @@ def _inverse_kernel(
     k, g, beta, A_log, dt_bias, p_out, gcum, cu_seqlens, chunk_index, T, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     VPP: tl.constexpr, DOT: tl.constexpr, L2NORM: tl.constexpr, GATE: tl.constexpr,
-    HAS_BIAS: tl.constexpr, BETA: tl.constexpr, VARLEN: tl.constexpr, DIAG_ROWS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BETA: tl.constexpr, VARLEN: tl.constexpr,
 ):
     tl.static_assert(BT == 64, "four 16-token blocks")
     i_c = tl.program_id(0)
@@ -277,29 +278,26 @@ def _inverse_kernel(
         a20 = _a_block(g20, r2, r0, b2, G2, G0, False)
         a31 = _a_block(g31, r3, r1, b3, G3, G1, False)
         a30 = _a_block(g30, r3, r0, b3, G3, G0, False)
-        if DIAG_ROWS:
-            # the diagonal blocks through memory, each row read where the substitution needs it
-            # (_diag_inverse_rows): P's own rows hold them in fp32 until P is stored over them (a row
-            # of 64 bf16 or fp32 elements has room for 32 or 64 fp32 words, 16 used); the barriers
-            # order the writes, the reads and P's stores among the program's threads
-            bits: tl.constexpr = p_out.dtype.element_ty.primitive_bitwidth
-            scratch = p_out.to(tl.pointer_type(tl.float32), bitcast=True)
-            s_row0 = base * BT * bits // 32
-            s_stride = HV * BT * bits // 32
-            _store_rows(scratch, s_row0, a00, 0, n_left, s_stride)
-            _store_rows(scratch, s_row0, a11, 1, n_left, s_stride)
-            _store_rows(scratch, s_row0, a22, 2, n_left, s_stride)
-            _store_rows(scratch, s_row0, a33, 3, n_left, s_stride)
-            tl.debug_barrier()
-            p00 = _diag_inverse_rows(scratch, s_row0, 0, 0, n_left, s_stride)
-            p11 = _diag_inverse_rows(scratch, s_row0, 0, 1, n_left, s_stride)
-            p22 = _diag_inverse_rows(scratch, s_row0, 0, 2, n_left, s_stride)
-            p33 = _diag_inverse_rows(scratch, s_row0, 0, 3, n_left, s_stride)
-            tl.debug_barrier()
-            p10, p20, p21, p30, p31, p32 = _lower_merge(p00, p11, p22, p33, a10, a20, a21, a30, a31, a32)
-        else:
-            p00, p10, p11, p20, p21, p22, p30, p31, p32, p33 = _lower_inverse(a00, a10, a11, a20, a21, a22, a30,
-                                                                              a31, a32, a33)
+        # the diagonal blocks through memory, each row read where the substitution needs it
+        # (_diag_inverse_rows; 1x32k HV64: 478 -> 366 us against extracting the rows from
+        # registers): P's own rows hold them in fp32 until P is stored over them (a row of 64 bf16
+        # or fp32 elements has room for 32 or 64 fp32 words, 16 used); the barriers order the
+        # writes, the reads and P's stores among the program's threads
+        bits: tl.constexpr = p_out.dtype.element_ty.primitive_bitwidth
+        scratch = p_out.to(tl.pointer_type(tl.float32), bitcast=True)
+        s_row0 = base * BT * bits // 32
+        s_stride = HV * BT * bits // 32
+        _store_rows(scratch, s_row0, a00, 0, n_left, s_stride)
+        _store_rows(scratch, s_row0, a11, 1, n_left, s_stride)
+        _store_rows(scratch, s_row0, a22, 2, n_left, s_stride)
+        _store_rows(scratch, s_row0, a33, 3, n_left, s_stride)
+        tl.debug_barrier()
+        p00 = _diag_inverse_rows(scratch, s_row0, 0, 0, n_left, s_stride)
+        p11 = _diag_inverse_rows(scratch, s_row0, 0, 1, n_left, s_stride)
+        p22 = _diag_inverse_rows(scratch, s_row0, 0, 2, n_left, s_stride)
+        p33 = _diag_inverse_rows(scratch, s_row0, 0, 3, n_left, s_stride)
+        tl.debug_barrier()
+        p10, p20, p21, p30, p31, p32 = _lower_merge(p00, p11, p22, p33, a10, a20, a21, a30, a31, a32)
         _store_lower(p_out, base * BT, p00, p10, p11, p20, p21, p22, p30, p31, p32, p33, n_left, HV * BT, BT)
 
 
@@ -370,7 +368,7 @@ def launch(p, g, beta, beta_mode: int, total: int, tables, gcum, inverse, dot, c
         p.k, g, beta, p.A_log if p.A_log is not None else dummy, p.dt_bias if p.dt_bias is not None else dummy,
         inverse, gcum, cu if varlen else dummy, chunk_index if varlen else dummy,
         T, NT, H=H, HV=HV, K=K, BT=BT, BK=BK, VPP=vpp, DOT=dot, L2NORM=p.use_qk_l2norm, GATE=p.gate_in_op == "gdn",
-        HAS_BIAS=p.dt_bias is not None, BETA=beta_mode, VARLEN=varlen, DIAG_ROWS=config.inverse_diag_rows,
+        HAS_BIAS=p.dt_bias is not None, BETA=beta_mode, VARLEN=varlen,
         num_warps=config.inverse_warps, num_stages=config.inverse_stages,
     )
 
