@@ -276,7 +276,8 @@ def _kda_inverse_kernel(a, p_out, cu_seqlens, chunk_index, T, NT, HV: tl.constex
                         VARLEN: tl.constexpr):
     """P = (I + A)^-1 per chunk and value head from A (strictly lower, beta applied, fp32
     ``[B, T, HV, 64]``) as the sm_90 prologue writes it (backends/gluon/chunk_prepare_kda_sm90.py);
-    grid (chunks, HV), one warp."""
+    grid (chunks, HV), one warp; the diagonal blocks' substitution loads A's rows as it needs them
+    (1x8k H64: 67 us, against 120 with the rows extracted from registers)."""
     i_c = tl.program_id(0).to(tl.int64)
     i_hv = tl.program_id(1)
     i_n, c, bos, eos = _chunk(chunk_index, cu_seqlens, i_c, T, NT, VARLEN)

@@ -11,10 +11,10 @@ Shapes (any batch/time/head strides; the last dim must be contiguous, else the t
     state     [slots or N, HV, K, V] (V-first: [.., HV, V, K]), fp32 or bf16 storage, fp32 math
 
 Grid: ``(N * HV * cdiv(V, BV),)``, one axis (2^31 - 1 programs), a head's V tiles adjacent: they
-share the state's rows, so programs that run together read whole rows (tiles on a second grid
-axis, launched after every head's first tile, made bf16 N=256 1.4x slower: 274 vs 200 us at BV
-32 and 64 in the pool sweep; rows of 64 bytes per program). One program owns the ``[K, BV]``
-slab of one value head's
+share the state's rows, so programs that run together read whole rows (with the tiles on a
+second grid axis, launched after every head's first tile, bf16 N=256 took 274 us at BV 32
+against 176-187 us adjacent; docs/notes/decode.md). One program owns the ``[K, BV]`` slab of one
+value head's
 state for one sequence: it loads it once (from ``initial_state`` or pool slot
 ``ssm_state_indices``), runs the sequence's tokens (gate, l2norm, beta, delta rule, output),
 and stores it once (per token for 2-D indices). Budget per program: ``BK * BV`` fp32 state
