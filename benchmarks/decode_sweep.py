@@ -105,7 +105,7 @@ def main() -> int:
                 default = recurrent.default_config(p)
                 configs = [default] + [recurrent.DecodeConfig(bv, w) for bv in (8, 16, 32, 64, 128)
                                        for w in (1, 2, 4, 8) if (bv, w) != (default.block_v, default.num_warps)
-                                       and bv * 128 // (32 * w) <= 256]     # state registers per thread
+                                       and K * bv // (32 * w) <= 256]       # state registers per thread
                 best = None
                 for cfg in configs:
                     err = check(op, t, pool, idx, cfg)

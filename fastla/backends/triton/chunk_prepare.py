@@ -130,6 +130,17 @@ def _diag_inverse_rows(a, row0, col0, blk: tl.constexpr, n_left, stride):
 
 
 @triton.jit
+def _diag_inverses_rows(a, row0, COL_STEP: tl.constexpr, n_left, stride):
+    """The four diagonal blocks' (I + A_bb)^-1 by _diag_inverse_rows, block b's rows read at
+    columns b * COL_STEP (16: A's own [64, 64] rows; 0: rows holding only their block)."""
+    p00 = _diag_inverse_rows(a, row0, 0, 0, n_left, stride)                                    # [16, 16] each
+    p11 = _diag_inverse_rows(a, row0, COL_STEP, 1, n_left, stride)
+    p22 = _diag_inverse_rows(a, row0, 2 * COL_STEP, 2, n_left, stride)
+    p33 = _diag_inverse_rows(a, row0, 3 * COL_STEP, 3, n_left, stride)
+    return p00, p11, p22, p33
+
+
+@triton.jit
 def _store_rows(out, row0, X, blk: tl.constexpr, n_left, stride):
     """Block ``blk``'s rows of X [16, 16] at out + row0 + (16 blk + i) * stride, columns 0-15
     (rows of the chunk only)."""
@@ -292,10 +303,7 @@ def _inverse_kernel(
         _store_rows(scratch, s_row0, a22, 2, n_left, s_stride)
         _store_rows(scratch, s_row0, a33, 3, n_left, s_stride)
         tl.debug_barrier()
-        p00 = _diag_inverse_rows(scratch, s_row0, 0, 0, n_left, s_stride)
-        p11 = _diag_inverse_rows(scratch, s_row0, 0, 1, n_left, s_stride)
-        p22 = _diag_inverse_rows(scratch, s_row0, 0, 2, n_left, s_stride)
-        p33 = _diag_inverse_rows(scratch, s_row0, 0, 3, n_left, s_stride)
+        p00, p11, p22, p33 = _diag_inverses_rows(scratch, s_row0, 0, n_left, s_stride)
         tl.debug_barrier()
         p10, p20, p21, p30, p31, p32 = _lower_merge(p00, p11, p22, p33, a10, a20, a21, a30, a31, a32)
         _store_lower(p_out, base * BT, p00, p10, p11, p20, p21, p22, p30, p31, p32, p33, n_left, HV * BT, BT)

@@ -50,7 +50,7 @@ import triton.language as tl
 from fastla.backends.triton import next_pow2
 from fastla.backends.triton.chunk_index import BT, _chunk
 from fastla.backends.triton.chunk_prepare import (
-    _activate_beta, _diag_inverse_rows, _key_block, _lower_inverse, _lower_merge, _store_lower,
+    _activate_beta, _diag_inverses_rows, _key_block, _lower_inverse, _lower_merge, _store_lower,
 )
 from fastla.backends.triton.launch import launcher
 from fastla.backends.triton.recurrent import GATE_KDA, GATE_KDA_BOUNDED, GATE_NONE
@@ -285,10 +285,7 @@ def _kda_inverse_kernel(a, p_out, cu_seqlens, chunk_index, T, NT, HV: tl.constex
     n_left = eos - t0
     row0 = (t0 * HV + i_hv) * BT
     stride = HV * BT
-    p00 = _diag_inverse_rows(a, row0, 0, 0, n_left, stride)                                     # [16, 16] each
-    p11 = _diag_inverse_rows(a, row0, 16, 1, n_left, stride)
-    p22 = _diag_inverse_rows(a, row0, 32, 2, n_left, stride)
-    p33 = _diag_inverse_rows(a, row0, 48, 3, n_left, stride)
+    p00, p11, p22, p33 = _diag_inverses_rows(a, row0, 16, n_left, stride)                  # [16, 16] each
     p10, p20, p21, p30, p31, p32 = _lower_merge(
         p00, p11, p22, p33, _load_block(a, row0, 1, 0, n_left, stride), _load_block(a, row0, 2, 0, n_left, stride),
         _load_block(a, row0, 2, 1, n_left, stride), _load_block(a, row0, 3, 0, n_left, stride),
