@@ -35,6 +35,7 @@ def main() -> int:
     ap.add_argument("--calls", type=int, default=50)
     ap.add_argument("--launch", default="cached,triton", help="cached: fastla's launcher; triton: Triton's every time")
     ap.add_argument("--stub", action="store_true", help="CPU tensors, launches stubbed (no GPU needed)")
+    ap.add_argument("--top", type=int, default=12, help="profile lines printed (by own time)")
     args = ap.parse_args()
     if args.stub:
         _stub_launches()
@@ -60,7 +61,7 @@ def main() -> int:
                 prof.disable()
                 _sync(args.stub)
             out = io.StringIO()
-            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(12)
+            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(args.top)
             print(f"{shape:28s} {tier:7s} {how:6s} host {host * 1e6:7.1f} us per call, eager wall {gpu * 1e6:7.1f} us")
             print("\n".join(line for line in out.getvalue().splitlines()[6:] if line.strip()))
     return 0
