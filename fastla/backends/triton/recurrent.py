@@ -142,9 +142,13 @@ def _recurrent_fwd_kernel(
         b_q = tl.load(p_q + i_rel * sq_t + o_k, mask=m_k, other=0.0).to(tl.float32)        # [BK]
         b_k = tl.load(p_k + i_rel * sk_t + o_k, mask=m_k, other=0.0).to(tl.float32)        # [BK]
         b_v = tl.load(p_v + i_rel * sv_t + o_v, mask=m_v, other=0.0).to(tl.float32)        # [BV]
+        # the l2norm as two scalars applied after the state products, so that its reductions
+        # run alongside them instead of before them (the step's dependent chain is its latency)
+        r_q = 1.0
+        r_k = 1.0
         if L2NORM:
-            b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6)
-            b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
+            r_q = 1.0 / tl.sqrt(tl.sum(b_q * b_q) + 1e-6)
+            r_k = 1.0 / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
         # this step's decay of each key row of the state: a = exp(g) * exp(gk)       [BK]
         b_a = tl.full([BK], 1.0, tl.float32)
         if HAS_G:
@@ -171,8 +175,8 @@ def _recurrent_fwd_kernel(
         # Both reductions read the state as loaded: with S' = Diag(a) S,
         #   S'^T k = S^T (a*k),  o = (S' + k u^T)^T q = S^T (a*q) + (q.k) u,
         # so the two cross-thread sums are independent and the update is one FMA per element.
-        b_hk = tl.sum(b_h * (b_a * b_k)[:, None], 0)                         # [BV]
-        b_hq = tl.sum(b_h * (b_a * b_q)[:, None], 0)                         # [BV]
+        b_hk = tl.sum(b_h * (b_a * b_k)[:, None], 0) * r_k                   # [BV]
+        b_hq = tl.sum(b_h * (b_a * b_q)[:, None], 0) * r_q                   # [BV]
         if DELTA:
             if BETA == 0:
                 b_beta = 1.0
@@ -185,8 +189,8 @@ def _recurrent_fwd_kernel(
             b_u = b_beta * (b_v - b_hk)                                       # [BV]
         else:
             b_u = b_v
-        b_o = (b_hq + tl.sum(b_q * b_k) * b_u) * scale                       # [BV]
-        b_h = b_h * b_a[:, None] + b_k[:, None] * b_u[None, :]
+        b_o = (b_hq + tl.sum(b_q * b_k) * (r_q * r_k) * b_u) * scale         # [BV]
+        b_h = b_h * b_a[:, None] + (b_k * r_k)[:, None] * b_u[None, :]
         if POOL != 0:
             b_o = tl.where(live, b_o, 0.0)
         tl.store(o + (i_t * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
