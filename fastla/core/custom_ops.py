@@ -95,13 +95,17 @@ def compiled_recurrent(op: str, **kw):
     return o, final if kw["output_final_state"] else None
 
 
+def _needs_grad(kw: dict) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    unused = () if kw.get("gate_in_op") else ("A_log", "dt_bias")   # dropped by validation without the gate
+    return any(x.requires_grad for n, x in kw.items() if isinstance(x, Tensor) and n not in unused)
+
+
 def run_recurrent(op: str, **kw):
     """Serve a public recurrent call: validated and dispatched now, or, while ``torch.compile``
     traces a call that needs no gradients, recorded as one custom op."""
-    unused = () if kw.get("gate_in_op") else ("A_log", "dt_bias")   # dropped by validation without the gate
-    tensors = [x for n, x in kw.items() if isinstance(x, Tensor) and n not in unused]
-    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in tensors)
-    if torch.compiler.is_compiling() and not needs_grad:
+    if torch.compiler.is_compiling() and not _needs_grad(kw):
         args = {n: kw.get(n) for n in (
             "q", "k", "v", "g", "gk", "gv", "beta", "A_log", "dt_bias", "g_gamma", "initial_state", "cu_seqlens",
             "cu_seqlens_cpu", "ssm_state_indices", "num_accepted_tokens", "lower_bound", "gate_in_op")}

@@ -90,16 +90,18 @@ def _tile_layout(rows: int, cols: int, fp32: bool = False):
 
 
 def tma_descriptor(x, rows: int, width: int, block, layout):
-    """A TMA descriptor of ``x`` viewed as [rows, width] in ``block`` boxes: the fields
-    TensorDescriptor.from_tensor sets, without its re-validation (~5 us a descriptor; contiguity,
+    """A TMA descriptor of the contiguous ``x`` read as [rows, width] in ``block`` boxes: the
+    fields TensorDescriptor.from_tensor sets, without its re-validation (~5 us a descriptor;
     16-byte alignment and dtypes are checked in supports, and for the KDA gate in
-    chunk_prepare_kda_sm90.serves)."""
+    chunk_prepare_kda_sm90.serves) and without a view (~1.5 us): the launch reads only the
+    base's address and dtype, and the shape and strides given here."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    base = x.view(rows, width)
+    if not x.is_contiguous() or x.numel() != rows * width:
+        raise RuntimeError(f"a TMA descriptor needs a contiguous tensor of {rows} x {width} elements, "
+                           f"got shape {list(x.shape)} with strides {list(x.stride())}")
     d = TensorDescriptor.__new__(TensorDescriptor)
-    d.base, d.shape, d.strides, d.block_shape, d.layout, d.padding = (
-        base, base.shape, base.stride(), block, layout, "zero")
+    d.base, d.shape, d.strides, d.block_shape, d.layout, d.padding = x, (rows, width), (width, 1), block, layout, "zero"
     return d
 
 

@@ -102,6 +102,11 @@ class Launcher:
                 k += (a.dtype, a.data_ptr() & 15 == 0)
             elif mode == 0:
                 k.append(("constexpr", a))
+            elif c is int:                                              # (exact: bools and IntEnums below)
+                width = 0 if _I32[0] <= a < _I32[1] else (2 if a >= 2 ** 63 else 1)
+                k.append((a == 1, a & 15 == 0, width) if mode == 1 else width)
+            elif c is float:
+                k.append(float)
             elif hasattr(a, "data_ptr"):
                 k += (getattr(a, "dtype", None), a.data_ptr() & 15 == 0)
             elif isinstance(a, int) and c is not bool:

@@ -269,7 +269,7 @@ def supports(p: Problem) -> str | None:
 
 def _strides(x: torch.Tensor | None) -> tuple[int, int, int]:
     """(batch, time, head) element strides, zeros for an absent input."""
-    return (x.stride(0), x.stride(1), x.stride(2)) if x is not None else (0, 0, 0)
+    return x.stride()[:3] if x is not None else (0, 0, 0)
 
 
 def run(p: Problem, config: DecodeConfig | None = None):
