@@ -158,13 +158,8 @@ def _check_pool(ssm_state_indices, num_accepted_tokens, disable_state_update, in
     if idx.dim() not in (1, 2) or idx.shape[0] != N:
         raise ValueError(f"ssm_state_indices must have shape [N] or [N, T] with N={N} sequences, got {list(idx.shape)}")
     slots = initial_state.shape[0]
-    readable = _can_read(idx)
-    if readable and idx.numel() and int(idx.max()) >= slots:
-        raise ValueError(
-            f"ssm_state_indices out of range: max index {int(idx.max())} but the pool has {slots} slots"
-        )
-    if num_accepted_tokens is not None:
-        nat = num_accepted_tokens
+    nat = num_accepted_tokens
+    if nat is not None:
         if not isinstance(nat, torch.Tensor) or nat.dtype not in _INT_DTYPES:
             raise ValueError("num_accepted_tokens must be an int32 or int64 tensor")
         if tuple(nat.shape) != (N,):
@@ -173,10 +168,16 @@ def _check_pool(ssm_state_indices, num_accepted_tokens, disable_state_update, in
             raise ValueError(f"num_accepted_tokens is on {nat.device} but q is on {device}")
         if idx.dim() != 2:
             raise ValueError("num_accepted_tokens requires 2-D ssm_state_indices [N, T] (a slot per token)")
-        if readable and nat.numel() and (int(nat.min()) < 1 or int(nat.max()) > idx.shape[1]):
-            raise ValueError(
-                f"num_accepted_tokens must lie in [1, {idx.shape[1]}], got [{int(nat.min())}, {int(nat.max())}]"
-            )
+    if _can_read(idx) and idx.numel():
+        # the value checks in one device-to-host read (one sync on a GPU, not one per check)
+        if nat is None:
+            top, accepted = int(idx.max()), ()
+        else:
+            top, *accepted = torch.stack([x.to(torch.int64) for x in (idx.max(), nat.min(), nat.max())]).tolist()
+        if top >= slots:
+            raise ValueError(f"ssm_state_indices out of range: max index {top} but the pool has {slots} slots")
+        if accepted and (accepted[0] < 1 or accepted[1] > idx.shape[1]):
+            raise ValueError(f"num_accepted_tokens must lie in [1, {idx.shape[1]}], got [{accepted[0]}, {accepted[1]}]")
     return Pool(idx, num_accepted_tokens, bool(disable_state_update))
 
 
