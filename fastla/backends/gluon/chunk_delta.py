@@ -93,8 +93,8 @@ def tma_descriptor(x, rows: int, width: int, block, layout):
     """A TMA descriptor of the contiguous ``x`` read as [rows, width] in ``block`` boxes: the
     fields TensorDescriptor.from_tensor sets, without its re-validation (~5 us a descriptor;
     16-byte alignment and dtypes are checked in supports, and for the KDA gate in
-    chunk_prepare_kda_sm90.serves) and without a view (~1.5 us): the launch reads only the
-    base's address and dtype, and the shape and strides given here."""
+    chunk_prepare_kda_sm90.serves) and without a view: the launch reads only the base's address
+    and dtype, and the shape and strides given here."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     if not x.is_contiguous() or x.numel() != rows * width:
