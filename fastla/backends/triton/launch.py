@@ -71,6 +71,12 @@ def _int_class(x: int) -> int:
     return 2 if x >= 2 ** 63 else 1
 
 
+def _int_key(x: int, mode: int):
+    """An int argument's part of the key: equal to 1, divisible by 16 and width when Triton
+    specializes on it (``mode`` 1), the width alone otherwise."""
+    return (x == 1, x & 15 == 0, _int_class(x)) if mode == 1 else _int_class(x)
+
+
 class Launcher:
     """``Launcher(kernel)[grid](*args, **constexprs_and_options)``, as the kernel itself."""
 
@@ -103,14 +109,13 @@ class Launcher:
             elif mode == 0:
                 k.append(("constexpr", a))
             elif c is int:                                              # (exact: bools and IntEnums below)
-                width = 0 if _I32[0] <= a < _I32[1] else (2 if a >= 2 ** 63 else 1)
-                k.append((a == 1, a & 15 == 0, width) if mode == 1 else width)
+                k.append(_int_key(a, mode))
             elif c is float:
                 k.append(float)
             elif hasattr(a, "data_ptr"):
                 k += (getattr(a, "dtype", None), a.data_ptr() & 15 == 0)
             elif isinstance(a, int) and c is not bool:
-                k.append((a == 1, a & 15 == 0, _int_class(a)) if mode == 1 else _int_class(a))
+                k.append(_int_key(a, mode))
             elif hasattr(a, "block_shape"):                             # a TMA descriptor
                 k.append((c, a.base.dtype, tuple(a.block_shape), getattr(a, "layout", None),
                           getattr(a, "padding", None)))
