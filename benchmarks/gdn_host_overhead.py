@@ -5,10 +5,11 @@ the GPU time per call for comparison, and the host functions that cost the most 
     python benchmarks/gdn_host_overhead.py [--shapes NAME,..] [--tiers gluon,triton] [--calls 50]
     python benchmarks/gdn_host_overhead.py --stub     # no GPU needed: launches stubbed
 
-``--stub`` times the host path on CPU tensors with every kernel launch replaced by the cached
-launcher's bookkeeping (its key lookup and argument list; no driver call) and the tiers told that
-they can run: the validation, dispatch, planning, allocations and launch keys of a call, without
-a GPU (the driver's own launch, ~5 us a kernel, is not in it)."""
+``--launch``: ``plan`` (the call plans replay a repeated call, fastla/core/call_plan.py),
+``cached`` (the full host path with the cached launcher), ``triton`` (every launch through
+Triton). ``--stub`` (fastla/bench/host_stub.py) times the host path on CPU tensors with the
+compiled kernels' launchers stubbed (no driver call: ~5 us a launch on the GPU host is not in
+it) and the tiers told that they can run; allocations are CPU allocations there."""
 from __future__ import annotations
 
 import argparse
@@ -22,8 +23,10 @@ import torch
 
 import fastla  # noqa: F401  (registers the tiers)
 from fastla.backends.triton import launch
+from fastla.bench import host_stub
 from fastla.bench.inputs import call_kwargs, make_inputs
 from fastla.bench.registry import get_config
+from fastla.core import call_plan
 from fastla.core.dispatch import use_tier
 from fastla.ops.gated_delta_rule import chunk_gated_delta_rule
 
@@ -33,17 +36,19 @@ def main() -> int:
     ap.add_argument("--shapes", default="gdn/h2-hv8/1x8192,gdn/h4-hv16/1x8192,gdn/h16-hv64/varlen9x16384")
     ap.add_argument("--tiers", default="gluon,triton")
     ap.add_argument("--calls", type=int, default=50)
-    ap.add_argument("--launch", default="cached,triton", help="cached: fastla's launcher; triton: Triton's every time")
+    ap.add_argument("--launch", default="plan,cached,triton",
+                    help="plan: call plans; cached: fastla's launcher, no plans; triton: Triton's launcher every time")
     ap.add_argument("--stub", action="store_true", help="CPU tensors, launches stubbed (no GPU needed)")
     ap.add_argument("--top", type=int, default=12, help="profile lines printed (by own time)")
     args = ap.parse_args()
     if args.stub:
-        _stub_launches()
-        args.launch = "cached"
+        host_stub.install()
+        args.launch = ",".join(x for x in args.launch.split(",") if x != "triton")
     for shape in args.shapes.split(","):
         kw = call_kwargs(make_inputs(get_config(shape), "cpu" if args.stub else "cuda"))
         for tier, how in itertools.product(args.tiers.split(","), args.launch.split(",")):
-            launch.CACHED = how == "cached"
+            launch.CACHED = how != "triton"
+            call_plan.ENABLED = how == "plan"
             with use_tier(tier, strict=True), torch.no_grad():
                 call = lambda: chunk_gated_delta_rule(**kw)  # noqa: E731
                 for _ in range(3):
@@ -81,26 +86,6 @@ def _eager_wall(call, calls: int) -> float:
     events[1].record()
     torch.cuda.synchronize()
     return events[0].elapsed_time(events[1]) / calls * 1e-3
-
-
-def _stub_launches() -> None:
-    """CPU tensors through the GPU tiers' host code: the tiers report that they can run, and a
-    launch does the cached launcher's work (key, argument list) but calls no driver."""
-    import fastla.backends.gluon.chunk_delta as gluon_chunk
-    import fastla.backends.triton as triton_backend
-
-    triton_backend.available = lambda device: None
-    gluon_chunk.available = lambda device: None
-    torch.cuda.current_device = lambda: 0
-
-    def launch_stub(self, grid, args, kwargs):
-        if not self._names:
-            return None
-        self.key(args, kwargs)
-        self.arguments(args, kwargs)
-        return None
-
-    launch.Launcher.launch = launch_stub
 
 
 if __name__ == "__main__":

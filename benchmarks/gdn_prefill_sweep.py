@@ -23,8 +23,11 @@ from fastla.backends.gluon import chunk_delta as gluon_chunk
 from fastla.backends.triton import chunk_delta, chunk_prepare
 from fastla.bench.inputs import call_kwargs, make_inputs
 from fastla.bench.registry import get_config
+from fastla.core import call_plan
 from fastla.core.dispatch import use_tier
 from fastla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+call_plan.ENABLED = False       # the sweeps change plan choices (tiles, prologues) between calls
 
 VARIANTS = {
     "default": None,                       # chunk_delta.default_config(p)

@@ -26,6 +26,10 @@ import tempfile
 
 import torch
 
+from fastla.core import call_plan
+
+call_plan.ENABLED = False       # the sweeps change plan choices (tiles, prologues) between calls
+
 GLUON = pathlib.Path(__file__).resolve().parents[1] / "fastla" / "backends" / "gluon"
 
 # (line of the kernel's step, phase that ends at it, read the clock before the line?)

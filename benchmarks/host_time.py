@@ -7,7 +7,8 @@ the host's (KDA 1x8k H64: ~850 us a call).
 
 A config prefixed ``pool:`` (a decode config) runs the serving form: a pool of 2N slots updated
 in place through ssm_state_indices. For an A/B of two trees, run it twice with PYTHONPATH
-pointing at each tree's ``fastla``."""
+pointing at each tree's ``fastla``; ``--plans off`` times fastla without its call plans
+(fastla/core/call_plan.py), ``--plans on,off`` both in one process."""
 from __future__ import annotations
 
 import argparse
@@ -18,6 +19,7 @@ import torch
 from fastla.bench.inputs import call_kwargs, make_inputs
 from fastla.bench.registry import get_config
 from fastla.bench.runner import load_op
+from fastla.core import call_plan
 
 CONFIGS = ("gdn-decode/h16-hv32/n1,kda-decode/h32-hv32/n16,pool:gdn-decode/h16-hv32/n16,"
            "gdn/h2-hv8/1x8192,gdn/h4-hv16/1x8192")
@@ -28,6 +30,7 @@ def main() -> int:
     ap.add_argument("--configs", default=CONFIGS)
     ap.add_argument("--libs", default="fastla,fla")
     ap.add_argument("--label", default="")
+    ap.add_argument("--plans", default="on", help="fastla's call plans: on, off or on,off")
     args = ap.parse_args()
     for name in args.configs.split(","):
         pool = name.startswith("pool:")
@@ -38,8 +41,11 @@ def main() -> int:
             kw["initial_state"] = torch.zeros(2 * N, *kw["initial_state"].shape[1:], device="cuda")
             kw["ssm_state_indices"] = torch.arange(0, 2 * N, 2, device="cuda", dtype=torch.int32)
             kw.pop("output_final_state", None)
-        for lib in args.libs.split(","):
+        runs = [(lib, plans) for lib in args.libs.split(",")
+                for plans in (args.plans.split(",") if lib == "fastla" else ["-"])]
+        for lib, plans in runs:
             op = load_op(lib, cfg)
+            call_plan.ENABLED = plans != "off"
             calls = 200 if "decode" in name else 60
             with torch.no_grad():
                 for _ in range(5):
@@ -52,7 +58,8 @@ def main() -> int:
                         op(**kw)
                     best = min(best, (time.perf_counter() - start) / calls)
                     torch.cuda.synchronize()
-            print(f"{args.label:8s} {name:34s} {lib:7s} host {best * 1e6:7.1f} us per call", flush=True)
+            tag = lib if plans == "-" else f"{lib}/plans-{plans}"
+            print(f"{args.label:8s} {name:34s} {tag:16s} host {best * 1e6:7.1f} us per call", flush=True)
     return 0
 
 

@@ -28,8 +28,11 @@ from fastla.backends.triton import chunk_delta
 from fastla.backends.triton import chunk_prepare_kda_wide as wide
 from fastla.bench.inputs import call_kwargs, make_inputs
 from fastla.bench.registry import get_config
+from fastla.core import call_plan
 from fastla.core.dispatch import use_tier
 from fastla.ops.kda import chunk_kda
+
+call_plan.ENABLED = False       # the sweeps change plan choices (tiles, prologues) between calls
 
 VARIANTS = {
     "default": None,

@@ -16,3 +16,15 @@ if not torch.cuda.is_available():
 def _seed_per_test(request):
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
     yield
+
+
+@pytest.fixture(autouse=True)
+def _no_call_plans(monkeypatch):
+    """Call plans (fastla/core/call_plan.py) off: tests patch plan choices between calls of one
+    signature; tests/core/test_call_plan.py turns them on where it checks them."""
+    from fastla.core import call_plan
+
+    monkeypatch.setattr(call_plan, "ENABLED", False)
+    call_plan.clear()
+    yield
+    call_plan.clear()

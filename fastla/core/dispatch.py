@@ -53,6 +53,11 @@ def requested_tier() -> str | None:
     return env or None
 
 
+def forced_state() -> tuple:
+    """What ``use_tier`` and ``FASTLA_BACKEND`` force now (part of a call plan's signature)."""
+    return (_forced[-1] if _forced else None), os.environ.get("FASTLA_BACKEND")
+
+
 @contextlib.contextmanager
 def use_tier(tier: str, strict: bool = False):
     """Within the block, try ``tier`` first (as ``FASTLA_BACKEND`` does). With ``strict``, a

@@ -84,7 +84,7 @@ def test_cached_launch_passes_triton_arguments(monkeypatch):
     from fastla.backends.triton import launch
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(launch, "_current_stream", lambda device: 1234)
+    monkeypatch.setattr(launch, "current_stream", lambda device: 1234)
     compiled, through_triton = _Compiled(), []
 
     class Triton:                                   # stands in for the kernel's own [grid](...) launch

@@ -55,6 +55,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from fastla.backends.triton.chunk_index import _chunk
 from fastla.backends.triton.chunk_prepare import _activate_beta
+from fastla.core import call_plan
 
 LOG2E = gl.constexpr(1.4426950408889634)
 BC = gl.constexpr(32)      # channels per slice
@@ -306,9 +307,9 @@ def launch(p, beta, beta_mode: int, total: int, tables, inverse, scores, kg, kd,
     cu, chunk_index = tables
     varlen = cu is not None
     NT = -(-p.T // 64)
-    a_kk = torch.empty(p.B, p.T, p.HV, 64, dtype=torch.float32, device=p.device)
+    a_kk = call_plan.empty((p.B, p.T, p.HV, 64), torch.float32, p.device)
     flag = not chunk_prepare_kda.bounded_spans(p)           # unbounded spans: flag the blocks past SPAN_LIMIT
-    flags = torch.empty(total, p.HV, dtype=torch.int32, device=p.device) if flag else decay
+    flags = call_plan.empty((total, p.HV), torch.int32, p.device) if flag else decay
     launcher(_kda_prologue_sm90_kernel, p.T, NT)[(total, p.HV)](
         desc(p.q, p.H), desc(p.k, p.H), desc(p.gk, p.HV), beta, p.A_log if p.A_log is not None else decay,
         p.dt_bias if p.dt_bias is not None else decay, float(p.lower_bound or 0.0), p.scale,

@@ -46,6 +46,7 @@ from fastla.backends.triton.chunk_index import BT, _sequence
 from fastla.backends.triton.chunk_prepare import _activate_beta
 from fastla.backends.triton.launch import launcher
 from fastla.backends.triton.recurrent import BETA_GIVEN, BETA_SIGMOID, BETA_SIGMOID2
+from fastla.core import call_plan
 from fastla.core.problem import Problem
 
 # T and NT stay runtime values: the variant compiled for T = 1 (the chunk loop folded into straight-
@@ -282,16 +283,17 @@ class _HostTables:
 
     def get(self, key, build, pin: bool = False):
         hit = self.pinned.get(key)
-        if hit is not None:
-            return hit
-        hit = self.cache.get(key)
         if hit is None:
-            hit = self.cache[key] = build()
-            if len(self.cache) > self.limit:
-                self.cache.popitem(last=False)
-        self.cache.move_to_end(key)
-        if pin:
-            self.pinned[key] = self.cache.pop(key)
+            hit = self.cache.get(key)
+            if hit is None:
+                with call_plan.building_constants():
+                    hit = self.cache[key] = build()
+                if len(self.cache) > self.limit:
+                    self.cache.popitem(last=False)
+            self.cache.move_to_end(key)
+            if pin:
+                self.pinned[key] = self.cache.pop(key)
+        call_plan.keep_constants(*hit)
         return hit
 
 
@@ -471,20 +473,20 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, kda_p
     bf16 = p.q.dtype == torch.bfloat16 and not interpreting()
     op_dtype = torch.bfloat16 if bf16 else torch.float32
     dot = tl.bfloat16 if bf16 else tl.float32
-    beta = p.beta if p.beta is not None else p.q.new_ones(B, T, HV, dtype=torch.float32)
+    beta = p.beta if p.beta is not None else call_plan.full((B, T, HV), 1.0, torch.float32, dev)
     if p.beta is None or not p.beta_sigmoid:
         beta_mode = BETA_GIVEN                                              # beta omitted: the ones above
     else:
         beta_mode = BETA_SIGMOID2 if p.allow_neg_eigval else BETA_SIGMOID
-    inverse = torch.empty(B, T, HV, BT, dtype=op_dtype, device=dev)
-    scores = torch.empty(B, T, HV, BT, dtype=op_dtype, device=dev)
+    inverse = call_plan.empty((B, T, HV, BT), op_dtype, dev)
+    scores = call_plan.empty((B, T, HV, BT), op_dtype, dev)
     BK, BVF = max(16, next_pow2(K)), max(16, next_pow2(V))   # tl.dot needs >= 16
     tables = (cu, chunk_index) if varlen else (None, None)
     channel_gate = p.gk is not None
     if channel_gate:
         # KDA: the scan reads the gated queries and keys of the prologue (per value head)
-        q, k, kd = (torch.empty(B, T, HV, K, dtype=op_dtype, device=dev) for _ in range(3))
-        decay = torch.empty(max(total, 1), HV, K, dtype=torch.float32, device=dev)
+        q, k, kd = (call_plan.empty((B, T, HV, K), op_dtype, dev) for _ in range(3))
+        decay = call_plan.empty((max(total, 1), HV, K), torch.float32, dev)
         gcum = rq = rk = None
         dummy = decay
         if total and kda_prologue is not None:
@@ -494,10 +496,10 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, kda_p
                                      dot, config.kda_prepare_block_k, config.kda_prepare_warps,
                                      config.kda_prepare_maxnreg)
     else:
-        g = p.g if p.g is not None else p.q.new_zeros(B, T, HV, dtype=torch.float32)
-        gcum = torch.empty(B, T, HV, dtype=torch.float32, device=dev)
+        g = p.g if p.g is not None else call_plan.full((B, T, HV), 0.0, torch.float32, dev)
+        gcum = call_plan.empty((B, T, HV), torch.float32, dev)
         # 1 / |q| and 1 / |k| only with the l2norm in the op (the kernels read them under L2NORM)
-        rq, rk = ((torch.empty(B, T, H, dtype=torch.float32, device=dev) for _ in range(2)) if p.use_qk_l2norm
+        rq, rk = ((call_plan.empty((B, T, H), torch.float32, dev) for _ in range(2)) if p.use_qk_l2norm
                   else (None, None))
         dummy = gcum
         kd = decay = None
@@ -506,12 +508,12 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, kda_p
             chunk_prepare.launch(p, g, beta, beta_mode, total, tables, gcum, inverse, dot, config)
             chunk_prepare.launch_scores(p, q, k, total, tables, gcum, scores, rq, rk, dot, config)
 
-    o = torch.empty(B, T, HV, V, dtype=p.o_dtype, device=dev)
+    o = call_plan.empty((B, T, HV, V), p.o_dtype, dev)
     state_shape = (HV, V, K) if p.state_v_first else (HV, K, V)
     SK, SV = (1, K) if p.state_v_first else (V, 1)
-    ht = torch.empty(N, *state_shape, dtype=torch.float32, device=dev) if p.output_final_state else None
+    ht = call_plan.empty((N, *state_shape), torch.float32, dev) if p.output_final_state else None
     store_states = p.return_intermediate_states
-    h_chunks = torch.empty(total, *state_shape, dtype=p.k.dtype, device=dev) if store_states else dummy
+    h_chunks = call_plan.empty((total, *state_shape), p.k.dtype, dev) if store_states else dummy
     BV = min(config.scan_block_v, BVF)
     h0 = p.initial_state
     counts = _chunk_counts(p)
@@ -532,8 +534,8 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, kda_p
                                 chunk_start if varlen else None, T, NT, dummy, kd, decay)
     if length:
         segments, seq_segments, n_seg = _segment_plan(p, counts, length)
-        summary = torch.empty(n_seg, HV, K, V + K, dtype=torch.float32, device=dev)
-        seg_start = torch.empty(n_seg, HV, K, V, dtype=torch.float32, device=dev)
+        summary = call_plan.empty((n_seg, HV, K, V + K), torch.float32, dev)
+        seg_start = call_plan.empty((n_seg, HV, K, V), torch.float32, dev)
         launcher(_scan_kernel, T, NT)[(n_seg * HV, cdiv(V + K, BV))](*args, segments, summary, T, NT, p.scale, BV=BV, SEG=1,
                                                              STORE_STATES=False, **common)
         launcher(_segment_combine_kernel)[(N * HV, cdiv(V, BV))](

@@ -45,6 +45,7 @@ from fastla.backends.triton.chunk_index import _chunk
 from fastla.backends.triton.chunk_prepare import _activate_beta
 from fastla.backends.triton.chunk_prepare_kda import _log_decay, gate_mode
 from fastla.backends.triton.launch import launcher
+from fastla.core import call_plan
 
 FLAGS_READ = tl.constexpr(256)    # flags a program reads at once
 
@@ -213,8 +214,8 @@ def launch(p, beta, beta_mode: int, total: int, tables, a_kk, scores, kg, kd, qg
     varlen = cu is not None
     NT = -(-p.T // 64)
     n_flags = total * p.HV
-    items = torch.empty(4 * n_flags, dtype=torch.int32, device=p.device)
-    count = torch.zeros(1, dtype=torch.int32, device=p.device)
+    items = call_plan.empty((4 * n_flags,), torch.int32, p.device)
+    count = call_plan.full((1,), 0, torch.int32, p.device)
     launcher(_list_blocks_kernel)[(triton.cdiv(n_flags, FLAGS_READ),)](flags, items, count, n_flags, num_warps=4)
     launcher(_kda_wide_blocks_kernel, p.T, NT)[(min(4 * n_flags, PROGRAMS_PER_SM * sm_count(p.device)),)](
         p.q, p.k, p.gk, beta, p.A_log if p.A_log is not None else flags,

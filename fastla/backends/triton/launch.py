@@ -13,7 +13,8 @@ Triton specializes on, computed cheaply:
 * floats, bools, None and anything else: their type (a TMA descriptor: dtype, box and layout).
 
 A key not seen yet launches through Triton (compiling as needed) and keeps the compiled kernel
-it returns; later launches with the key call that kernel's launcher directly. Under the
+it returns; later launches with the key call that kernel's launcher directly (each launch is
+reported to a call plan's recording, fastla/core/call_plan.py). Under the
 interpreter, with Triton's launch hooks set (profilers), its debug or instrumentation knobs on, a
 callable grid, or a runtime argument passed by keyword, every launch goes through Triton.
 ``tests/backends/test_launch.py`` checks the key against Triton's own specialization.
@@ -23,6 +24,8 @@ from __future__ import annotations
 import torch
 from triton import knobs
 from triton.runtime.jit import JITFunction
+
+from fastla.core.call_plan import recording
 
 _I32 = (-(2 ** 31), 2 ** 31)
 _Tensor = torch.Tensor
@@ -126,18 +129,24 @@ class Launcher:
         return tuple(k)
 
     def launch(self, grid, args, kwargs):
+        rec = recording()
         if (not CACHED or not self._names or callable(grid) or hooks_active()
                 or not self._runtime.isdisjoint(kwargs)):
+            if rec is not None:
+                rec.unplanned("a launch went through Triton's own launcher")
             return self.fn[grid](*args, **kwargs)
         key = self.key(args, kwargs)
         compiled = self._cache.get(key)
         if compiled is None:
             compiled = self.fn[grid](*args, **kwargs)
             self._cache[key] = compiled
+            if rec is not None:
+                rec.launches.append((compiled, grid, self.arguments(args, kwargs)))
             return compiled
-        g0, g1, g2 = (tuple(grid) + (1, 1))[:3]
-        compiled.run(g0, g1, g2, _current_stream(key[-1]), compiled.function, compiled.packed_metadata,
-                     None, None, None, *self.arguments(args, kwargs))
+        values = self.arguments(args, kwargs)
+        run_compiled(compiled, (tuple(grid) + (1, 1))[:3], current_stream(key[-1]), values)
+        if rec is not None:
+            rec.launches.append((compiled, grid, values))
         return compiled
 
     def arguments(self, args, kwargs) -> list:
@@ -159,8 +168,15 @@ def hooks_active() -> bool:
     return bool(rt.debug) or knobs.compilation.instrumentation_mode not in ("", None)
 
 
+def run_compiled(compiled, grid: tuple[int, int, int], stream: int, values) -> None:
+    """Launch a compiled kernel with every parameter's value (``Launcher.arguments``) as Triton's
+    own launch path does (no launch hooks)."""
+    compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata,
+                 None, None, None, *values)
+
+
 _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)     # Triton's own choice (CUDA builds)
 
 
-def _current_stream(device: int) -> int:
+def current_stream(device: int) -> int:
     return _RAW_STREAM(device) if _RAW_STREAM is not None else torch.cuda.current_stream(device).cuda_stream

@@ -35,6 +35,7 @@ import triton.language as tl
 
 from fastla.backends.triton import cdiv, next_pow2, sm_count
 from fastla.backends.triton.launch import launcher
+from fastla.core import call_plan
 from fastla.core.problem import Problem
 
 # Gate computed in the op.
@@ -275,7 +276,7 @@ def _strides(x: torch.Tensor | None) -> tuple[int, int, int]:
 def run(p: Problem, config: DecodeConfig | None = None):
     config = config or default_config(p)
     N, HV, K, V = p.N, p.HV, p.K, p.V
-    o = torch.empty(p.v.shape, dtype=p.o_dtype, device=p.device)     # contiguous [B, T, HV, V]
+    o = call_plan.empty(p.v.shape, p.o_dtype, p.device)               # contiguous [B, T, HV, V]
     pool = p.pool
     if pool is not None:
         ht = p.initial_state
@@ -285,7 +286,7 @@ def run(p: Problem, config: DecodeConfig | None = None):
         ht = None
         if p.output_final_state:
             shape = (N, HV, V, K) if p.state_v_first else (N, HV, K, V)
-            ht = p.q.new_empty(shape, dtype=torch.float32)
+            ht = call_plan.empty(shape, torch.float32, p.device)
         write = ht is not None
         mode = POOL_NONE
     if p.gate_in_op == "gdn":

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import torch
 
-from fastla.core import dispatch
+from fastla.core import call_plan, dispatch
 from fastla.core.validation import (
     build_problem, check_chunk_size, reject_cp_context, reject_head_first, resolve_state_layout,
 )
 
 
+@call_plan.planned
 def chunk_kda(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import torch
 
+from fastla.core import call_plan
 from fastla.core.custom_ops import run_recurrent
 from fastla.core.validation import resolve_state_layout
 
 
+@call_plan.planned
 def fused_recurrent_kda(
     q: torch.Tensor,
     k: torch.Tensor,

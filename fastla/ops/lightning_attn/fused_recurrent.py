@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import torch
 
+from fastla.core import call_plan
 from fastla.core.custom_ops import run_recurrent
 from fastla.core.gates import lightning_g_gamma
 from fastla.core.validation import check_lightning_layers, resolve_state_layout
 
 
+@call_plan.planned
 def fused_recurrent_lightning_attn(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -1,0 +1,184 @@
+"""The GPU tiers' host code on CPU tensors, with no GPU and no driver: the tiers report that they
+can run, Triton's compile is replaced by a stand-in compiled kernel whose launcher records its
+calls, and call plans treat floating-point and multi-dimensional CPU tensors as device tensors.
+Validation, dispatch, launch planning, the launch keys, TMA descriptors and call plans run as
+they do on the GPU. Used by ``benchmarks/gdn_host_overhead.py --stub`` (host time) and
+tests/core/test_call_plan.py (the plans' replays against the full path).
+
+``install(monkeypatch)`` patches through a pytest monkeypatch (undone after the test);
+``install()`` patches for the rest of the process. Must run before the kernels are launched and
+without ``TRITON_INTERPRET`` (the interpreter's kernels bypass the cached launcher)."""
+from __future__ import annotations
+
+import torch
+from triton.runtime.jit import JITFunction
+
+
+LAUNCHES: list = []     # (StubCompiled, grid, values) of every launch through a compiled kernel, in order
+
+
+class StubCompiled:
+    """A compiled kernel's stand-in: its launcher ``run`` appends each launch to ``LAUNCHES``."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.function = None
+        self.packed_metadata = None
+
+    def run(self, g0, g1, g2, stream, function, metadata, launch_metadata, enter, exit_, *values):
+        LAUNCHES.append((self, (g0, g1, g2), values))
+
+
+def _compile_stub(self, *args, grid, warmup, **kwargs):
+    """``JITFunction.run``'s stand-in (a first launch with a key): a new stub, not launched."""
+    return StubCompiled(self.fn.__name__)
+
+
+def install(monkeypatch=None) -> None:
+    import fastla.backends.gluon.chunk_delta as gluon_chunk
+    import fastla.backends.triton as triton_backend
+    from fastla.backends.triton import launch
+    from fastla.core import call_plan
+
+    patches = [
+        (triton_backend, "available", lambda device: None),
+        (gluon_chunk, "available", lambda device: None),
+        (torch.cuda, "current_device", lambda: 0),
+        (launch, "current_stream", lambda device: 0),
+        (JITFunction, "run", _compile_stub),
+        (call_plan, "_on_device", lambda x: x.is_floating_point() or x.dim() > 1),
+    ]
+    for obj, name, value in patches:
+        if monkeypatch is not None:
+            monkeypatch.setattr(obj, name, value)
+        else:
+            setattr(obj, name, value)
+    launch._LAUNCHERS.clear()
+    call_plan.clear()
+
+
+# --- the plans' replays against the full path (python -m fastla.bench.host_stub) ----------------
+
+def _gdn_case(T=200, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16, **opts):
+    def make(seed):
+        gen = torch.Generator().manual_seed(seed)
+        r = lambda *s: torch.randn(*s, generator=gen).to(dtype)  # noqa: E731
+        B = 1
+        kw = dict(q=r(B, T, H, K), k=r(B, T, H, K), v=r(B, T, HV, V), g=-torch.rand(B, T, HV, generator=gen),
+                  beta=torch.rand(B, T, HV, generator=gen))
+        if opts.get("use_gate_in_kernel"):
+            kw.update(A_log=torch.randn(HV, generator=gen), dt_bias=torch.randn(HV, generator=gen))
+        if opts.pop("h0", False) or "h0" in opts:
+            shape = (len(opts["cu_seqlens_cpu"]) - 1 if "cu_seqlens_cpu" in opts else B, HV, K, V)
+            kw["initial_state"] = torch.randn(*shape, generator=gen)
+        kw.update({k: v for k, v in opts.items() if k != "h0"})
+        return kw
+    return make
+
+
+def _kda_case(T=200, H=2, K=128, V=128, **opts):
+    def make(seed):
+        kw = _gdn_case(T=T, H=H, HV=H, K=K, V=V)(seed)
+        gen = torch.Generator().manual_seed(seed + 1)
+        kw["g"] = -torch.rand(1, T, H, K, generator=gen)
+        if opts.get("use_gate_in_kernel"):
+            kw.update(A_log=torch.randn(H, generator=gen), dt_bias=torch.randn(H * K, generator=gen))
+        kw.update(opts)
+        return kw
+    return make
+
+
+def cases():
+    """(name, op, input maker, tier, whether the call must be planned)."""
+    from fastla.ops import chunk_gated_delta_rule as gdn
+    from fastla.ops import chunk_kda as kda
+    from fastla.ops import fused_recurrent_gated_delta_rule as gdn_decode
+    from fastla.ops import fused_recurrent_kda as kda_decode
+
+    cu = torch.tensor([0, 70, 71, 200])
+    out = []
+    for tier in ("gluon", "triton"):
+        out += [
+            (f"gdn-{tier}", gdn, _gdn_case(output_final_state=True, use_qk_l2norm_in_kernel=True), tier, True),
+            (f"gdn-{tier}-h0-vfirst", gdn, _gdn_case(h0=True, state_v_first=True, output_final_state=True), tier,
+             True),
+            (f"gdn-{tier}-varlen-gate", gdn, _gdn_case(cu_seqlens_cpu=cu, cu_seqlens=cu.clone(), use_gate_in_kernel=True,
+                                                       use_beta_sigmoid_in_kernel=True, h0=True), tier, True),
+            (f"gdn-{tier}-split-states", gdn, _gdn_case(T=8192, H=1, HV=2, return_intermediate_states=True,
+                                                        output_final_state=True), tier, True),
+            (f"kda-{tier}-safe-gate", kda, _kda_case(use_gate_in_kernel=True, safe_gate=True, lower_bound=-5.0,
+                                                     use_qk_l2norm_in_kernel=True, output_final_state=True), tier,
+             True),
+            (f"kda-{tier}-given-gate-varlen", kda, _kda_case(cu_seqlens_cpu=cu, cu_seqlens=cu.clone()), tier, True),
+        ]
+    out += [
+        ("gdn-fp16-inputs", gdn, _gdn_case(dtype=torch.float16), "triton", False),      # cast to fp32 first
+        ("gdn-decode", gdn_decode, _gdn_case(T=1, h0=True, output_final_state=True, use_qk_l2norm_in_kernel=True),
+         "triton", True),
+        ("kda-decode", kda_decode, _kda_case(T=1, output_final_state=True), "triton", True),
+    ]
+    return out
+
+
+def _canonical(launches, inputs: dict, result):
+    """Launches and result with every address named: an input by its argument name, anything
+    else by its order of first appearance."""
+    names = {x.data_ptr(): n for n, x in inputs.items() if isinstance(x, torch.Tensor)}
+    seen: dict = {}
+
+    def addr(a):
+        return names.get(a) or ("buffer", seen.setdefault(a, len(seen)))
+
+    def canon(v):
+        if isinstance(v, torch.Tensor) or type(v).__name__ == "_Address":
+            return addr(v.data_ptr())
+        if hasattr(v, "block_shape") and hasattr(v, "base"):
+            return ("desc", addr(v.base.data_ptr()), tuple(v.shape), tuple(v.strides), tuple(v.block_shape),
+                    v.layout, v.padding)
+        return v
+
+    calls = [(c.name, grid, [canon(v) for v in values]) for c, grid, values in launches]
+    outs = [None if x is None else (canon(x), tuple(x.shape), x.stride(), x.dtype) for x in result]
+    return calls, outs
+
+
+def check_plans() -> list[str]:
+    """For each case: the launches and result of a replayed plan against the full path's on the
+    same inputs. Returns the failures."""
+    from fastla.core import call_plan
+    from fastla.core.dispatch import use_tier
+
+    failures = []
+    for name, op, make, tier, must_plan in cases():
+        x, y = make(0), make(1)
+        with use_tier(tier, strict=True), torch.no_grad():
+            call_plan.ENABLED = False
+            op(**x)
+            LAUNCHES.clear()
+            full = _canonical(LAUNCHES, x, op(**x))
+            call_plan.ENABLED = True
+            call_plan.clear()
+            op(**y)                                 # records
+            plan = op.plan_of(**y)
+            planned = plan is not None and not isinstance(plan, str)
+            LAUNCHES.clear()
+            replay = _canonical(LAUNCHES, x, op(**x))
+        if planned != must_plan:
+            failures.append(f"{name}: planned {planned}, expected {must_plan} ({plan})")
+        elif full != replay:
+            failures.append(f"{name}: the replay differs from the full path:\n  {full}\n  {replay}")
+        else:
+            print(f"{name}: {'planned, replay matches' if planned else 'not planned'} ({len(full[0])} launches)")
+    return failures
+
+
+if __name__ == "__main__":
+    import os
+    import sys
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("host_stub needs compiled-kernel launches: unset TRITON_INTERPRET")
+    install()
+    problems = check_plans()
+    print("\n".join(problems) or "all replays match")
+    sys.exit(1 if problems else 0)

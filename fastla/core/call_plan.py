@@ -1,0 +1,377 @@
+"""Whole-call plans: a public op's kernel launches recorded at its first call with a signature, and
+replayed by later calls with that signature, which then skip validation, tier selection, launch
+planning and the launch keys (the host path of one GDN prefill call took 180-230 us on the H200
+machine's host; docs/notes/gdn-prefill.md).
+
+Signature (the plan's key): for each argument, a CUDA tensor's shape, strides, dtype, device and
+16-byte alignment; a CPU tensor's values (``cu_seqlens_cpu``; up to ``CPU_VALUES`` elements); a
+number, bool, string or None by type and value; plus the grad mode, the tier forced by
+``use_tier`` / ``FASTLA_BACKEND`` and the current CUDA device. Anything else (another object, a
+tensor subclass, a tensor that requires grad while grad is enabled) leaves the call unplanned.
+
+Recording (the first call with a signature) runs the call's full path with a recorder set:
+``Launcher`` (backends/triton/launch.py) reports each launch (compiled kernel, grid, every
+argument); ``empty`` and ``full`` below note the allocations; ``keep_constants`` notes the
+host-built index tables (kept alive by the plan); a TorchDispatchMode watches every aten op. The call is
+left unplanned (and takes its full path every time) when an aten op reads or writes a CUDA
+tensor's data outside ``full`` and ``building_constants`` (a copy, a cast, a reduction, a device-to-host
+read for a value check), when a launch bypasses the cached launcher (the interpreter, launch
+hooks), when a launch argument is a tensor that is none of the call's inputs (by identity),
+allocations and constants, or when the result holds anything but those, views of them and None.
+Plain launch arguments (ints, floats, constexprs) are kept as recorded: the full path derives
+them from the signature.
+
+Replay allocates, rebuilds each launch's arguments (the new call's tensors in the recorded slots,
+TMA descriptors re-made over them), calls each compiled kernel's launcher as ``Launcher`` does on
+a hit, and returns the result. Calls during CUDA-graph capture (the full path pins the tables the
+graph keeps), under ``torch.compile`` tracing, with launch hooks on or ``launch.CACHED`` off take
+the full path. Code that changes fastla's plan choices between calls (tests patching module
+attributes, sweeps setting tile knobs) must ``clear()`` the plans or set ``ENABLED = False``.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fastla.core import dispatch
+
+ENABLED = True
+LIMIT = 512                 # plans kept (the oldest dropped first)
+CPU_VALUES = 4096           # a CPU tensor argument's values enter the key up to this many elements
+_PLANS: dict = {}
+_local = threading.local()
+_Tensor = torch.Tensor
+_TENSOR_CLASSES = (torch.Tensor, torch.nn.Parameter)
+_PLAIN = (type(None), bool, int, float, str)
+_aten = torch.ops.aten
+# aten ops that touch no tensor data: allocations and views
+_METADATA_OPS = {
+    _aten.empty.memory_format, _aten.empty_strided.default, _aten.new_empty.default,
+    _aten.new_empty_strided.default, _aten.view.default, _aten._unsafe_view.default, _aten.as_strided.default,
+    _aten.alias.default, _aten.slice.Tensor, _aten.select.int, _aten.unsqueeze.default, _aten.squeeze.dim,
+    _aten.squeeze.default, _aten.t.default, _aten.transpose.int, _aten.permute.default, _aten.expand.default,
+    _aten.detach.default, _aten.split.Tensor, _aten.unbind.int,
+}
+_FILL_OPS = {_aten.fill_.Scalar, _aten.zero_.default}
+
+
+class _Unplanned(Exception):
+    """Raised while building a key: the call takes its full path."""
+
+
+def clear() -> None:
+    """Drop every plan (after changing module-level plan choices)."""
+    _PLANS.clear()
+
+
+def planned(fn):
+    """Decorator for a public op: calls with a signature seen before replay its recorded plan."""
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if not ENABLED or getattr(_local, "recording", None) is not None or torch.compiler.is_compiling():
+            return fn(*args, **kwargs)
+        try:
+            key = (fn, _signature(args, kwargs))
+        except _Unplanned:
+            return fn(*args, **kwargs)
+        plan = _PLANS.get(key, _MISSING)
+        if plan.__class__ is str or _full_path_only():       # a string: why the call is not planned
+            return fn(*args, **kwargs)
+        if plan is _MISSING:
+            return _record(fn, key, args, kwargs)
+        return plan.run(args, kwargs)
+
+    # the plan of a signature: None if not recorded yet, a string saying why it is not planned
+    call.plan_of = lambda *args, **kwargs: _PLANS.get((fn, _signature(args, kwargs)))
+    return call
+
+
+_MISSING = object()
+
+
+def _signature(args, kwargs) -> tuple:
+    grad = torch.is_grad_enabled()
+    parts = [grad, dispatch.forced_state(), torch.cuda.is_initialized() and torch.cuda.current_device()]
+    for a in args:
+        parts.append(_part(a, grad))
+    for name, a in kwargs.items():
+        parts.append(name)
+        parts.append(_part(a, grad))
+    return tuple(parts)
+
+
+def _part(a, grad: bool):
+    c = a.__class__
+    if c in _PLAIN:
+        return c, a
+    if c not in _TENSOR_CLASSES:
+        raise _Unplanned
+    if grad and a.requires_grad:
+        raise _Unplanned
+    if _on_device(a):
+        return a.shape, a.stride(), a.dtype, a.get_device(), a.data_ptr() & 15
+    if a.device.type != "cpu" or a.numel() > CPU_VALUES:
+        raise _Unplanned
+    return a.shape, a.dtype, tuple(a.reshape(-1).tolist())
+
+
+def _on_device(x: torch.Tensor) -> bool:
+    """Whether a tensor's data lives on the GPU (its values never enter a key; benchmarks/
+    gdn_host_overhead.py --stub redefines this to run the plans on CPU tensors)."""
+    return x.is_cuda
+
+
+def _full_path_only() -> bool:
+    from fastla.backends.triton import launch
+
+    if not launch.CACHED or launch.hooks_active():
+        return True
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
+# --- recording -------------------------------------------------------------------------------
+
+class _Recording:
+    def __init__(self):
+        self.launches = []          # (compiled kernel, grid, argument values)
+        self.allocations = {}       # id -> (tensor, fill value or None), in allocation order
+        self.constants = {}         # id -> tensor
+        self.paused = 0
+        self.why_not = None
+
+    def unplanned(self, why: str) -> None:
+        if self.why_not is None:
+            self.why_not = why
+
+
+def recording() -> _Recording | None:
+    """The recording in progress on this thread (Launcher reports its launches to it)."""
+    return getattr(_local, "recording", None)
+
+
+def empty(shape, dtype, device) -> torch.Tensor:
+    """``torch.empty`` for a kernel's output or scratch, noted by a recording."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    rec = recording()
+    if rec is not None:
+        rec.allocations[id(t)] = (t, None)
+    return t
+
+
+def full(shape, value: float, dtype, device) -> torch.Tensor:
+    """``torch.full``, noted by a recording (the fill is replayed)."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    rec = recording()
+    if rec is not None:
+        rec.allocations[id(t)] = (t, value)
+    t.fill_(value)
+    return t
+
+
+@contextlib.contextmanager
+def building_constants():
+    """Around the build of host-made index tables: their copies to the device are not flagged."""
+    rec = recording()
+    if rec is not None:
+        rec.paused += 1
+    try:
+        yield
+    finally:
+        if rec is not None:
+            rec.paused -= 1
+
+
+def keep_constants(*tensors) -> None:
+    """Note index tables (built once per key, cached) as constants of a recording in progress:
+    the plan passes them as they are (and keeps them alive)."""
+    rec = recording()
+    if rec is not None:
+        rec.constants.update((id(t), t) for t in tensors if isinstance(t, _Tensor))
+
+
+class _Watch(TorchDispatchMode):
+    """Flags aten ops that touch a CUDA tensor's data during a recording."""
+
+    def __init__(self, rec: _Recording):
+        super().__init__()
+        self.rec = rec
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        rec = self.rec
+        if rec.paused or func in _METADATA_OPS or rec.why_not is not None:
+            return out
+        if func in _FILL_OPS and id(args[0]) in rec.allocations:
+            return out
+        tensors = [x for x in (*args, *kwargs.values()) if isinstance(x, _Tensor)]
+        tensors += out if isinstance(out, (tuple, list)) else [out]
+        if any(isinstance(x, _Tensor) and _on_device(x) for x in tensors):
+            rec.unplanned(f"the aten op {func} touches a device tensor's data")
+        return out
+
+
+def _record(fn, key, args, kwargs):
+    rec = _Recording()
+    _local.recording = rec
+    try:
+        with _Watch(rec):
+            result = fn(*args, **kwargs)
+    finally:
+        _local.recording = None
+    plan = rec.why_not
+    if plan is None:
+        try:
+            plan = _Plan(rec, args, kwargs, result)
+        except _Unplanned as exc:
+            plan = str(exc)
+    if len(_PLANS) >= LIMIT:
+        _PLANS.pop(next(iter(_PLANS)))
+    _PLANS[key] = plan
+    return result
+
+
+# --- the plan ----------------------------------------------------------------------------------
+
+_SAME, _VIEW = 0, 1          # a result item: a tensor of the call as it is, or a view of an allocation
+WORKSPACE_ALIGN = 256        # bytes; each scratch buffer's offset in the call's workspace
+
+
+class _Address(int):
+    """A device address standing for a tensor: the launchers take ints for pointer arguments, and
+    a TMA descriptor's base needs only ``data_ptr``."""
+
+    def data_ptr(self) -> int:
+        return self
+
+
+class _Plan:
+    """The launches of one call signature, with the slots the next call's tensors fill.
+
+    Slot numbering: the call's input tensors (``paths``: argument positions or keyword names),
+    then the allocations in the order the full path made them. Allocations that the result holds
+    (or that are filled) are tensors of their own; the rest, scratch read only by the launches,
+    share one byte workspace (one allocation per call instead of one per buffer)."""
+
+    def __init__(self, rec: _Recording, args, kwargs, result):
+        from fastla.backends.triton import launch
+
+        if not rec.launches:
+            raise _Unplanned("no kernel launch was recorded")
+        inputs = {}
+        for path, a in [*enumerate(args), *kwargs.items()]:
+            if isinstance(a, _Tensor):
+                if id(a) in inputs:
+                    raise _Unplanned("one tensor passed as two arguments")
+                inputs[id(a)] = path
+        self.paths = list(inputs.values())
+        n_in = len(self.paths)
+        sources = {obj: i for i, obj in enumerate(inputs)}
+        allocs = list(rec.allocations.values())
+        sources.update((id(t), n_in + j) for j, (t, _) in enumerate(allocs))
+        self.result = self._result_spec(result, sources, allocs, n_in)
+        kept = {s[1] for s in self.result[1] if s is not None}
+        # per allocation: (shape, dtype, fill) for a tensor of its own, or its workspace offset
+        self.allocations, offset = [], 0
+        for j, (t, fill) in enumerate(allocs):
+            if fill is not None or n_in + j in kept:
+                self.allocations.append((tuple(t.shape), t.dtype, fill))
+            else:
+                self.allocations.append(offset)
+                offset += -(-t.numel() * t.element_size() // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
+        self.workspace = offset
+        self.device = None
+        self.launches = []
+        for compiled, grid, values in rec.launches:
+            template, slots = list(values), []
+            for pos, v in enumerate(values):
+                if isinstance(v, _Tensor):
+                    if id(v) in rec.constants:
+                        continue
+                    if id(v) not in sources:
+                        raise _Unplanned(f"launch argument {pos} is a tensor the plan cannot rebuild")
+                    slots.append((pos, sources[id(v)], None))
+                    template[pos] = None
+                    self.device = v.device if _on_device(v) else self.device
+                elif hasattr(v, "block_shape") and hasattr(v, "base"):       # a TMA descriptor
+                    if id(v.base) not in sources:
+                        raise _Unplanned(f"launch argument {pos} is a TMA descriptor over an unknown tensor")
+                    fields = {n: x for n, x in vars(v).items() if n != "base"}
+                    slots.append((pos, sources[id(v.base)], (v.__class__, fields)))
+                    template[pos] = None
+            self.launches.append((compiled, (tuple(grid) + (1, 1))[:3], template, slots))
+        if self.device is None:
+            raise _Unplanned("no CUDA tensor among the launch arguments")
+        self.run_compiled = launch.run_compiled
+        self.stream = launch.current_stream
+        self.current_device = torch.cuda.current_device()          # whose stream Launcher launches on
+
+    @staticmethod
+    def _result_spec(result, sources, allocs, n_in):
+        storages = {t.untyped_storage().data_ptr(): j for j, (t, _) in enumerate(allocs)}
+
+        def spec(x):
+            if x is None:
+                return None
+            if not isinstance(x, _Tensor):
+                raise _Unplanned(f"the result holds a {type(x).__name__}")
+            if id(x) in sources:
+                return _SAME, sources[id(x)]
+            j = storages.get(x.untyped_storage().data_ptr())
+            if j is None:
+                raise _Unplanned("the result holds a tensor that is no input or allocation")
+            return _VIEW, n_in + j, tuple(x.shape), x.stride(), x.storage_offset()
+
+        if isinstance(result, tuple):
+            return tuple, [spec(x) for x in result]
+        return None, [spec(result)]
+
+    def run(self, args, kwargs):
+        tensors = [args[p] if p.__class__ is int else kwargs[p] for p in self.paths]
+        # the launches take addresses (ints skip the launcher's per-pointer driver query)
+        addresses = [_Address(t.data_ptr()) for t in tensors]
+        device = self.device
+        if self.workspace:
+            workspace = torch.empty(self.workspace, dtype=torch.uint8, device=device)
+            base = workspace.data_ptr()
+        for a in self.allocations:
+            if a.__class__ is int:
+                addresses.append(_Address(base + a))
+                tensors.append(None)
+                continue
+            t = torch.empty(a[0], dtype=a[1], device=device)
+            if a[2] is not None:
+                t.fill_(a[2])
+            tensors.append(t)
+            addresses.append(_Address(t.data_ptr()))
+        stream = self.stream(self.current_device)
+        for compiled, grid, template, slots in self.launches:
+            values = template.copy()
+            for pos, src, desc in slots:
+                if desc is None:
+                    values[pos] = addresses[src]
+                else:
+                    cls, fields = desc
+                    d = cls.__new__(cls)
+                    d.__dict__.update(fields)
+                    d.base = addresses[src]
+                    values[pos] = d
+            self.run_compiled(compiled, grid, stream, values)
+        kind, spec = self.result
+        out = [None if s is None else self._value(s, tensors) for s in spec]
+        return tuple(out) if kind is tuple else out[0]
+
+    @staticmethod
+    def _value(s, tensors):
+        if s[0] == _SAME:
+            return tensors[s[1]]
+        _, j, shape, stride, offset = s
+        t = tensors[j]
+        if t.shape == shape and offset == 0 and t.stride() == stride:
+            return t
+        return t.as_strided(shape, stride, offset)
