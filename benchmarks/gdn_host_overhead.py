@@ -40,6 +40,8 @@ def main() -> int:
                     help="plan: call plans; cached: fastla's launcher, no plans; triton: Triton's launcher every time")
     ap.add_argument("--stub", action="store_true", help="CPU tensors, launches stubbed (no GPU needed)")
     ap.add_argument("--top", type=int, default=12, help="profile lines printed (by own time)")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="with plans (GPU): time the replay's parts (signature, binding, each launch, allocations)")
     args = ap.parse_args()
     if args.stub:
         host_stub.install()
@@ -69,7 +71,47 @@ def main() -> int:
             pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(args.top)
             print(f"{shape:28s} {tier:7s} {how:6s} host {host * 1e6:7.1f} us per call, eager wall {gpu * 1e6:7.1f} us")
             print("\n".join(line for line in out.getvalue().splitlines()[6:] if line.strip()))
+            if args.breakdown and how == "plan" and not args.stub:
+                with use_tier(tier, strict=True), torch.no_grad():
+                    _breakdown(call, kw)
     return 0
+
+
+def _best(fn, calls: int = 20) -> float:
+    """Host time per call of ``fn`` (us): the best of five loops, synchronised between loops."""
+    best = float("inf")
+    for _ in range(5):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls)
+    torch.cuda.synchronize()
+    return best * 1e6
+
+
+def _breakdown(call, kw) -> None:
+    """The parts of a replayed call, each timed alone (us)."""
+    plan = chunk_gated_delta_rule.plan_of(**kw)
+    if plan is None or isinstance(plan, str):
+        print(f"  not planned: {plan}")
+        return
+    stream = launch.current_stream(torch.cuda.current_device())
+    _, launches, _ = plan.bind((), kw)
+    parts = [("whole call", _best(call)), ("signature", _best(lambda: call_plan._signature((), kw))),
+             ("bind (allocations, arguments)", _best(lambda: plan.bind((), kw)))]
+    for compiled, grid, values in launches:
+        runner = compiled.run
+        direct = lambda: runner.launch(*grid, stream, compiled.function, runner.launch_cooperative_grid,  # noqa: E731
+                                       runner.launch_pdl, None, None, compiled.packed_metadata, None, None, None,
+                                       *values)
+        parts.append((f"launch {compiled.name}", _best(lambda: launch.run_compiled(compiled, grid, stream, values))))
+        parts.append(("  its launcher without __call__", _best(direct)))
+    for a in plan.allocations:
+        if a.__class__ is not int:
+            parts.append((f"torch.empty {a[0]}", _best(lambda: torch.empty(a[0], dtype=a[1], device="cuda"))))
+    parts.append(("torch.empty (workspace)", _best(lambda: torch.empty(plan.workspace, dtype=torch.uint8, device="cuda"))))
+    print("\n".join(f"  {name:44s} {us:7.1f} us" for name, us in parts))
 
 
 def _sync(stub: bool) -> None:

@@ -332,10 +332,23 @@ class _Plan:
         return None, [spec(result)]
 
     def run(self, args, kwargs):
+        tensors, launches, workspace = self.bind(args, kwargs)    # noqa: F841 (alive until launched)
+        stream = self.stream(self.current_device)
+        for compiled, grid, values in launches:
+            self.run_compiled(compiled, grid, stream, values)
+        kind, spec = self.result
+        out = [None if s is None else self._value(s, tensors) for s in spec]
+        return tuple(out) if kind is tuple else out[0]
+
+    def bind(self, args, kwargs):
+        """(the call's tensors by slot, [(compiled kernel, grid, argument values)] of its launches,
+        the scratch workspace: to be kept until the launches are issued; after that its memory is
+        reused in stream order, as any temporary's)."""
         tensors = [args[p] if p.__class__ is int else kwargs[p] for p in self.paths]
         # the launches take addresses (ints skip the launcher's per-pointer driver query)
         addresses = [_Address(t.data_ptr()) for t in tensors]
         device = self.device
+        workspace = None
         if self.workspace:
             workspace = torch.empty(self.workspace, dtype=torch.uint8, device=device)
             base = workspace.data_ptr()
@@ -349,7 +362,7 @@ class _Plan:
                 t.fill_(a[2])
             tensors.append(t)
             addresses.append(_Address(t.data_ptr()))
-        stream = self.stream(self.current_device)
+        launches = []
         for compiled, grid, template, slots in self.launches:
             values = template.copy()
             for pos, src, desc in slots:
@@ -361,10 +374,8 @@ class _Plan:
                     d.__dict__.update(fields)
                     d.base = addresses[src]
                     values[pos] = d
-            self.run_compiled(compiled, grid, stream, values)
-        kind, spec = self.result
-        out = [None if s is None else self._value(s, tensors) for s in spec]
-        return tuple(out) if kind is tuple else out[0]
+            launches.append((compiled, grid, values))
+        return tensors, launches, workspace
 
     @staticmethod
     def _value(s, tensors):
