@@ -96,17 +96,11 @@ def _breakdown(call, kw) -> None:
     if plan is None or isinstance(plan, str):
         print(f"  not planned: {plan}")
         return
-    stream = launch.current_stream(torch.cuda.current_device())
-    _, launches, _ = plan.bind((), kw)
+    _, calls, workspace = plan.bind((), kw)           # noqa: F841 (the launches below use it)
     parts = [("whole call", _best(call)), ("signature", _best(lambda: call_plan._signature((), kw))),
              ("bind (allocations, arguments)", _best(lambda: plan.bind((), kw)))]
-    for compiled, grid, values in launches:
-        runner = compiled.run
-        direct = lambda: runner.launch(*grid, stream, compiled.function, runner.launch_cooperative_grid,  # noqa: E731
-                                       runner.launch_pdl, None, None, compiled.packed_metadata, None, None, None,
-                                       *values)
-        parts.append((f"launch {compiled.name}", _best(lambda: launch.run_compiled(compiled, grid, stream, values))))
-        parts.append(("  its launcher without __call__", _best(direct)))
+    for name, (fn, values) in zip(plan.kernels, calls):
+        parts.append((f"launch {name} ({type(fn).__name__})", _best(lambda: fn(*values))))
     for a in plan.allocations:
         if a.__class__ is not int:
             parts.append((f"torch.empty {a[0]}", _best(lambda: torch.empty(a[0], dtype=a[1], device="cuda"))))

@@ -14,24 +14,49 @@ import torch
 from triton.runtime.jit import JITFunction
 
 
-LAUNCHES: list = []     # (StubCompiled, grid, values) of every launch through a compiled kernel, in order
+LAUNCHES: list = []     # (StubCompiled, grid, arguments) of every launch that reached a C launcher, in order
 
 
 class StubCompiled:
-    """A compiled kernel's stand-in: its launcher ``run`` appends each launch to ``LAUNCHES``."""
+    """A compiled kernel's stand-in, with a launcher laid out as Triton 3.6's ``CudaLauncher``:
+    ``run.launch`` is Triton's own descriptor-expanding wrapper (``wrap_handle_tensordesc``, no
+    descriptor metadata, so no driver call) around a C launcher's stand-in that appends each
+    launch, descriptors expanded, to ``LAUNCHES``."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, signature: dict):
         self.name = name
         self.function = None
         self.packed_metadata = None
+        self.run = _StubLauncher(self, signature)
 
-    def run(self, g0, g1, g2, stream, function, metadata, launch_metadata, enter, exit_, *values):
-        LAUNCHES.append((self, (g0, g1, g2), values))
+
+class _RawLaunch:
+    def __init__(self, compiled: StubCompiled):
+        self.compiled = compiled
+
+    def __call__(self, gx, gy, gz, stream, function, coop, pdl, scratch, profile, metadata, launch_meta, enter,
+                 exit_, *arguments):
+        LAUNCHES.append((self.compiled, (gx, gy, gz), arguments))
+
+
+class _StubLauncher:
+    global_scratch_size = profile_scratch_size = 0
+    launch_cooperative_grid = launch_pdl = False
+
+    def __init__(self, compiled: StubCompiled, signature: dict):
+        from triton.backends.nvidia.driver import wrap_handle_tensordesc
+
+        self.launch = wrap_handle_tensordesc(_RawLaunch(compiled), signature, None)
+
+    def __call__(self, gx, gy, gz, stream, function, *args):
+        self.launch(gx, gy, gz, stream, function, False, False, None, None, *args)
 
 
 def _compile_stub(self, *args, grid, warmup, **kwargs):
     """``JITFunction.run``'s stand-in (a first launch with a key): a new stub, not launched."""
-    return StubCompiled(self.fn.__name__)
+    signature = {p.name: "tensordesc" if i < len(args) and hasattr(args[i], "block_shape") else "i32"
+                 for i, p in enumerate(self.params)}
+    return StubCompiled(self.fn.__name__, signature)
 
 
 def install(monkeypatch=None) -> None:
@@ -132,6 +157,8 @@ def _canonical(launches, inputs: dict, result):
     def canon(v):
         if isinstance(v, torch.Tensor) or type(v).__name__ == "_Address":
             return addr(v.data_ptr())
+        if type(v) is int and v in names or v in seen:      # a descriptor's base address, expanded
+            return addr(v)
         if hasattr(v, "block_shape") and hasattr(v, "base"):
             return ("desc", addr(v.base.data_ptr()), tuple(v.shape), tuple(v.strides), tuple(v.block_shape),
                     v.layout, v.padding)

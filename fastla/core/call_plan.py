@@ -240,6 +240,14 @@ def _record(fn, key, args, kwargs):
 
 _SAME, _VIEW = 0, 1          # a result item: a tensor of the call as it is, or a view of an allocation
 WORKSPACE_ALIGN = 256        # bytes; each scratch buffer's offset in the call's workspace
+ENCODED_LIMIT = 4096         # encoded TMA maps kept per plan (by slot and address)
+_GENERIC = object()          # a descriptor passed as an object (the launch goes through run_compiled)
+
+
+def _run_compiled(compiled, grid, stream, *values):
+    from fastla.backends.triton.launch import run_compiled
+
+    run_compiled(compiled, grid, stream, values)
 
 
 class _Address(int):
@@ -286,30 +294,52 @@ class _Plan:
                 offset += -(-t.numel() * t.element_size() // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
         self.workspace = offset
         self.device = None
-        self.launches = []
-        for compiled, grid, values in rec.launches:
-            template, slots = list(values), []
-            for pos, v in enumerate(values):
-                if isinstance(v, _Tensor):
-                    if id(v) in rec.constants:
-                        continue
-                    if id(v) not in sources:
-                        raise _Unplanned(f"launch argument {pos} is a tensor the plan cannot rebuild")
-                    slots.append((pos, sources[id(v)], None))
-                    template[pos] = None
-                    self.device = v.device if _on_device(v) else self.device
-                elif hasattr(v, "block_shape") and hasattr(v, "base"):       # a TMA descriptor
-                    if id(v.base) not in sources:
-                        raise _Unplanned(f"launch argument {pos} is a TMA descriptor over an unknown tensor")
-                    fields = {n: x for n, x in vars(v).items() if n != "base"}
-                    slots.append((pos, sources[id(v.base)], (v.__class__, fields)))
-                    template[pos] = None
-            self.launches.append((compiled, (tuple(grid) + (1, 1))[:3], template, slots))
+        self.launches = [self._launch(launch, compiled, grid, values, rec.constants, sources)
+                         for compiled, grid, values in rec.launches]
+        self.kernels = [getattr(compiled, "name", "?") for compiled, _, _ in rec.launches]
         if self.device is None:
             raise _Unplanned("no CUDA tensor among the launch arguments")
-        self.run_compiled = launch.run_compiled
         self.stream = launch.current_stream
         self.current_device = torch.cuda.current_device()          # whose stream Launcher launches on
+        self.encoded = {}                   # (launch, argument position, address) -> encoded TMA map
+
+    def _launch(self, launch, compiled, grid, values, constants, sources):
+        """One launch as (function, argument template, slots, where the stream goes, TMA metadata):
+        the compiled kernel's C launcher with descriptors expanded (``launch.direct_launch``),
+        or else ``launch.run_compiled``. A slot is (position, source slot, descriptor fields)."""
+        grid = (tuple(grid) + (1, 1))[:3]
+        direct = launch.direct_launch(compiled)
+        if direct is None:
+            fn, template, stream_at, metas = _run_compiled, [compiled, grid, None, *values], 2, {}
+            offset = 3
+        else:
+            fn, metas = direct
+            template = [*grid, None, compiled.function, compiled.run.launch_cooperative_grid,
+                        compiled.run.launch_pdl, None, None, compiled.packed_metadata, None, None, None]
+            stream_at, offset = 3, None
+        slots = []
+        for pos, v in enumerate(values):
+            at = offset + pos if offset is not None else len(template)
+            if isinstance(v, _Tensor) and id(v) not in constants:
+                if id(v) not in sources:
+                    raise _Unplanned(f"launch argument {pos} is a tensor the plan cannot rebuild")
+                slots.append((at, sources[id(v)], None))
+                self.device = v.device if _on_device(v) else self.device
+                v = None
+            elif hasattr(v, "block_shape") and hasattr(v, "base"):          # a TMA descriptor
+                if id(v.base) not in sources:
+                    raise _Unplanned(f"launch argument {pos} is a TMA descriptor over an unknown tensor")
+                fields = {n: x for n, x in vars(v).items() if n != "base"}
+                slots.append((at, sources[id(v.base)], (v.__class__, fields, metas.get(pos, _GENERIC))))
+                if pos in metas:                                # [map, *shape, *strides]: the map per call
+                    template += [None, *launch.descriptor_arguments(v, metas[pos])[1:]]
+                    continue
+                v = None
+            if offset is None:
+                template.append(v)
+            else:
+                template[at] = v
+        return fn, template, slots, stream_at
 
     @staticmethod
     def _result_spec(result, sources, allocs, n_in):
@@ -332,18 +362,17 @@ class _Plan:
         return None, [spec(result)]
 
     def run(self, args, kwargs):
-        tensors, launches, workspace = self.bind(args, kwargs)    # noqa: F841 (alive until launched)
-        stream = self.stream(self.current_device)
-        for compiled, grid, values in launches:
-            self.run_compiled(compiled, grid, stream, values)
+        tensors, calls, workspace = self.bind(args, kwargs)        # noqa: F841 (alive until launched)
+        for fn, values in calls:
+            fn(*values)
         kind, spec = self.result
         out = [None if s is None else self._value(s, tensors) for s in spec]
         return tuple(out) if kind is tuple else out[0]
 
     def bind(self, args, kwargs):
-        """(the call's tensors by slot, [(compiled kernel, grid, argument values)] of its launches,
-        the scratch workspace: to be kept until the launches are issued; after that its memory is
-        reused in stream order, as any temporary's)."""
+        """(the call's tensors by slot, [(launch function, its arguments)], the scratch workspace:
+        to be kept until the launches are issued; after that its memory is reused in stream order,
+        as any temporary's)."""
         tensors = [args[p] if p.__class__ is int else kwargs[p] for p in self.paths]
         # the launches take addresses (ints skip the launcher's per-pointer driver query)
         addresses = [_Address(t.data_ptr()) for t in tensors]
@@ -362,20 +391,36 @@ class _Plan:
                 t.fill_(a[2])
             tensors.append(t)
             addresses.append(_Address(t.data_ptr()))
-        launches = []
-        for compiled, grid, template, slots in self.launches:
+        stream = self.stream(self.current_device)
+        calls = []
+        for i, (fn, template, slots, stream_at) in enumerate(self.launches):
             values = template.copy()
-            for pos, src, desc in slots:
-                if desc is None:
-                    values[pos] = addresses[src]
-                else:
-                    cls, fields = desc
-                    d = cls.__new__(cls)
-                    d.__dict__.update(fields)
-                    d.base = addresses[src]
-                    values[pos] = d
-            launches.append((compiled, grid, values))
-        return tensors, launches, workspace
+            values[stream_at] = stream
+            for at, src, desc in slots:
+                values[at] = addresses[src] if desc is None else self._descriptor(i, at, addresses[src], desc)
+            calls.append((fn, values))
+        return tensors, calls, workspace
+
+    def _descriptor(self, launch: int, at: int, address: int, desc):
+        """A TMA descriptor over ``address``: the object, or for a direct launch its encoded map
+        (kept per address: the same slot over the same address encodes the same map)."""
+        cls, fields, meta = desc
+        if meta is not _GENERIC:
+            key = (launch, at, address)
+            encoded = self.encoded.get(key)
+            if encoded is not None:
+                return encoded
+        d = cls.__new__(cls)
+        d.__dict__.update(fields)
+        d.base = address
+        if meta is _GENERIC:
+            return d
+        from fastla.backends.triton.launch import descriptor_arguments
+
+        if len(self.encoded) >= ENCODED_LIMIT:
+            self.encoded.clear()
+        encoded = self.encoded[key] = descriptor_arguments(d, meta)[0]
+        return encoded
 
     @staticmethod
     def _value(s, tensors):

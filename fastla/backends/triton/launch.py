@@ -175,6 +175,36 @@ def run_compiled(compiled, grid: tuple[int, int, int], stream: int, values) -> N
                  None, None, None, *values)
 
 
+def direct_launch(compiled):
+    """``(launch, descriptor metadata by argument index)`` for calling a compiled kernel's C launcher
+    without Triton 3.6's Python layers (``CudaLauncher.__call__``, and for kernels taking TMA
+    descriptors the wrapper that encodes each descriptor at every launch); ``launch`` takes
+    ``(grid x, y, z, stream, function, cooperative, pdl, None, None, packed metadata, None, None,
+    None, *arguments)`` with each descriptor argument expanded as ``descriptor_arguments`` gives.
+    None when the kernel needs launch scratch or its launcher is not laid out as in Triton 3.6
+    (then ``run_compiled``)."""
+    runner = getattr(compiled, "run", None)
+    wrapped = getattr(runner, "launch", None)
+    if wrapped is None or getattr(runner, "global_scratch_size", 1) or getattr(runner, "profile_scratch_size", 1):
+        return None
+    code = getattr(wrapped, "__code__", None)
+    if code is None:                                    # the C function itself: no descriptors
+        return wrapped, {}
+    cells = dict(zip(code.co_freevars, (c.cell_contents for c in wrapped.__closure__ or ())))
+    if not {"launcher", "tensordesc_indices", "tensordesc_meta"} <= cells.keys():
+        return None
+    indices = sorted(cells["tensordesc_indices"])
+    return cells["launcher"], dict(zip(indices, cells["tensordesc_meta"]))
+
+
+def descriptor_arguments(descriptor, meta) -> list:
+    """A TMA descriptor argument as the C launcher takes it: ``[encoded map, *shape, *strides]``
+    (Triton 3.6's ``make_tensordesc_arg``; the map is a driver call of ~1.5 us on the H200 host)."""
+    from triton.backends.nvidia.driver import make_tensordesc_arg
+
+    return make_tensordesc_arg(descriptor, meta)
+
+
 _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)     # Triton's own choice (CUDA builds)
 
 
