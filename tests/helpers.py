@@ -20,8 +20,13 @@ from fastla.ops.lightning_attn import (
 from fastla.ops.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla, naive_recurrent_simple_gla
 
 HAS_CUDA = torch.cuda.is_available()
-gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, gpu])]
+_needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, _needs_cuda])]
+
+
+def gpu(test):
+    """A test that needs a CUDA device: skipped without one, selected by ``-m gpu``."""
+    return pytest.mark.gpu(_needs_cuda(test))
 
 # relative RMS thresholds vs the fp64 reference, by input dtype: (outputs/states, gradients)
 TOLERANCE = {torch.float32: (2e-5, 2e-4), torch.bfloat16: (5e-3, 5e-3)}

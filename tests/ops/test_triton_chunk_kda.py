@@ -8,11 +8,10 @@ import torch
 from fastla.backends.triton import interpreting
 from fastla.core.dispatch import use_tier
 from fastla.ops.kda import chunk_kda, naive_recurrent_kda
-from tests.helpers import DEVICES, OPS, assert_close, call_chunk, call_reference, make_inputs
+from tests.helpers import DEVICES, OPS, assert_close, call_chunk, call_reference, gpu, make_inputs
 
 SPEC = OPS["kda"]
 TOL = 2e-5 if interpreting() else 1e-2          # fp32 operands in the interpreter; bf16 / tf32 on a GPU
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 def on_tier(fn, *args, tier="triton", **kwargs):
