@@ -102,7 +102,10 @@ def test_replay_equals_full_path_on_gpu(case, monkeypatch):
         poison = [torch.full((1 << 22,), float("nan"), device="cuda") for _ in range(8)]
         del poison                                  # the replay's buffers come from this memory
         replay = op(**x)
-    for a, b in zip(full, replay):
+    for i, (a, b) in enumerate(zip(full, replay)):
         if a is not None:
-            assert not a.isnan().any()
-            assert torch.equal(a, b)
+            assert not a.isnan().any(), f"output {i} of the full path has NaN"
+            both = a.isfinite() & b.isfinite()
+            assert torch.equal(a, b), (f"output {i} {list(a.shape)}: {int((~b.isfinite()).sum())} non-finite in the "
+                                       f"replay at {(~b.isfinite()).nonzero()[:4].tolist()}, max difference where "
+                                       f"finite {float((a - b)[both].abs().max()) if both.any() else 0}")
