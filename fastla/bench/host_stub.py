@@ -88,8 +88,10 @@ def _gdn_case(T=200, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16, **opts):
     def make(seed):
         gen = torch.Generator().manual_seed(seed)
         r = lambda *s: torch.randn(*s, generator=gen).to(dtype)  # noqa: E731
+        unit = lambda *s: torch.nn.functional.normalize(torch.randn(*s, generator=gen), dim=-1).to(dtype)  # noqa: E731
         B = 1
-        kw = dict(q=r(B, T, H, K), k=r(B, T, H, K), v=r(B, T, HV, V), g=-torch.rand(B, T, HV, generator=gen),
+        # unit keys: the delta rule stays bounded with or without the l2norm in the op
+        kw = dict(q=unit(B, T, H, K), k=unit(B, T, H, K), v=r(B, T, HV, V), g=-torch.rand(B, T, HV, generator=gen),
                   beta=torch.rand(B, T, HV, generator=gen))
         if opts.get("use_gate_in_kernel"):
             kw.update(A_log=torch.randn(HV, generator=gen), dt_bias=torch.randn(HV, generator=gen))
