@@ -67,7 +67,7 @@ def _recurrent_fwd_kernel(
     GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr,
     L2NORM: tl.constexpr, BETA: tl.constexpr,
     VARLEN: tl.constexpr, POOL: tl.constexpr, ACCEPTED: tl.constexpr,
-    HAS_H0: tl.constexpr, WRITE: tl.constexpr, EVICT: tl.constexpr,
+    HAS_H0: tl.constexpr, WRITE: tl.constexpr,
 ):
     NV: tl.constexpr = (V + BV - 1) // BV
     i_p = tl.program_id(0).to(tl.int64)                                     # up to 2^31 - 1 programs
@@ -124,10 +124,7 @@ def _recurrent_fwd_kernel(
         src = h0 + i_n * (HV * K * V)
     b_h = tl.zeros([BK, BV], dtype=tl.float32)                           # [BK, BV]
     if HAS_H0:
-        if EVICT:
-            b_h = tl.load(src + head + p_tile, mask=m_h & live, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        else:
-            b_h = tl.load(src + head + p_tile, mask=m_h & live, other=0.0).to(tl.float32)
+        b_h = tl.load(src + head + p_tile, mask=m_h & live, other=0.0).to(tl.float32)
 
     if HAS_A:
         b_A = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
@@ -207,10 +204,7 @@ def _recurrent_fwd_kernel(
     if WRITE:
         if POOL == 1:
             dst = ht + tl.maximum(slot, 0) * (HV * K * V)
-            if EVICT:
-                tl.store(dst + head + p_tile, b_h.to(ht.dtype.element_ty), mask=m_h & live, eviction_policy="evict_first")
-            else:
-                tl.store(dst + head + p_tile, b_h.to(ht.dtype.element_ty), mask=m_h & live)
+            tl.store(dst + head + p_tile, b_h.to(ht.dtype.element_ty), mask=m_h & live)
         elif POOL == 0:
             tl.store(ht + i_n * (HV * K * V) + head + p_tile, b_h.to(ht.dtype.element_ty), mask=m_h)
 
@@ -221,7 +215,6 @@ class DecodeConfig:
 
     block_v: int
     num_warps: int
-    evict_first: bool = False       # the state's loads and stores marked streaming (evict first)
 
 
 def default_config(p: Problem) -> DecodeConfig:
@@ -337,7 +330,7 @@ def run(p: Problem, config: DecodeConfig | None = None):
         L2NORM=p.use_qk_l2norm, BETA=beta_mode,
         VARLEN=cu is not None, POOL=mode,
         ACCEPTED=pool is not None and pool.num_accepted_tokens is not None,
-        HAS_H0=p.initial_state is not None, WRITE=write, EVICT=config.evict_first,
+        HAS_H0=p.initial_state is not None, WRITE=write,
         num_warps=config.num_warps,
     )
     if pool is not None:
