@@ -7,7 +7,8 @@ Signature (the plan's key): for each argument, a CUDA tensor's shape, strides, d
 16-byte alignment; a CPU tensor's values (``cu_seqlens_cpu``; up to ``CPU_VALUES`` elements); a
 number, bool, string or None by type and value; plus the grad mode, the tier forced by
 ``use_tier`` / ``FASTLA_BACKEND`` and the current CUDA device. Anything else (another object, a
-tensor subclass, a tensor that requires grad while grad is enabled) leaves the call unplanned.
+tensor subclass, a tensor that requires grad while grad is enabled) leaves the call unplanned, as
+does a call without a CUDA tensor. ``FASTLA_CALL_PLANS=0`` (or ``ENABLED = False``) turns plans off.
 
 Recording (the first call with a signature) runs the call's full path with a recorder set:
 ``Launcher`` (backends/triton/launch.py) reports each launch (compiled kernel, grid, every
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import threading
 
 import torch
@@ -39,7 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fastla.core import dispatch
 
-ENABLED = True
+ENABLED = os.environ.get("FASTLA_CALL_PLANS", "1") != "0"
 LIMIT = 512                 # plans kept (the oldest dropped first)
 CPU_VALUES = 4096           # a CPU tensor argument's values enter the key up to this many elements
 _PLANS: dict = {}
@@ -57,6 +59,13 @@ _METADATA_OPS = {
     _aten.detach.default, _aten.split.Tensor, _aten.unbind.int,
 }
 _FILL_OPS = {_aten.fill_.Scalar, _aten.zero_.default}
+
+
+class _DevicePart:
+    """Marks a device tensor's part of a signature (equal to itself only)."""
+
+
+_DEVICE_PART = _DevicePart()
 
 
 class _Unplanned(Exception):
@@ -97,11 +106,17 @@ _MISSING = object()
 def _signature(args, kwargs) -> tuple:
     grad = torch.is_grad_enabled()
     parts = [grad, dispatch.forced_state(), torch.cuda.is_initialized() and torch.cuda.current_device()]
+    device = False
     for a in args:
-        parts.append(_part(a, grad))
+        part = _part(a, grad)
+        device = device or part[0] is _DEVICE_PART
+        parts.append(part)
     for name, a in kwargs.items():
-        parts.append(name)
-        parts.append(_part(a, grad))
+        part = _part(a, grad)
+        device = device or part[0] is _DEVICE_PART
+        parts += (name, part)
+    if not device:                      # a call on CPU tensors (the torch tier): nothing to replay
+        raise _Unplanned
     return tuple(parts)
 
 
@@ -114,7 +129,7 @@ def _part(a, grad: bool):
     if grad and a.requires_grad:
         raise _Unplanned
     if _on_device(a):
-        return a.shape, a.stride(), a.dtype, a.get_device(), a.data_ptr() & 15
+        return _DEVICE_PART, a.shape, a.stride(), a.dtype, a.get_device(), a.data_ptr() & 15
     if a.device.type != "cpu" or a.numel() > CPU_VALUES:
         raise _Unplanned
     return a.shape, a.dtype, tuple(a.reshape(-1).tolist())

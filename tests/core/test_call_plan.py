@@ -39,10 +39,17 @@ def test_signature_separates_what_the_host_path_reads(monkeypatch):
     assert len({base, *different}) == len(different) + 1
 
 
-@pytest.mark.parametrize("arg", [object(), [1, 2], torch.zeros(2, requires_grad=True)])
-def test_signature_refuses_what_it_cannot_key(arg):
+@pytest.mark.parametrize("arg", [object(), [1, 2], torch.zeros(2, requires_grad=True), torch.zeros(5000, dtype=torch.int32)])
+def test_signature_refuses_what_it_cannot_key(arg, monkeypatch):
+    monkeypatch.setattr(call_plan, "_on_device", lambda x: x.is_floating_point())
+    _sig(torch.zeros(2), 3)
     with pytest.raises(call_plan._Unplanned):
         _sig(torch.zeros(2), arg)
+
+
+def test_calls_without_device_tensors_are_not_planned():
+    with pytest.raises(call_plan._Unplanned):
+        _sig(torch.zeros(2), cu_seqlens_cpu=torch.tensor([0, 2]))
 
 
 def test_recording_flags_device_data_and_unknown_tensors(monkeypatch):
