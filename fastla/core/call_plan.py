@@ -136,8 +136,8 @@ def _part(a, grad: bool):
 
 
 def _on_device(x: torch.Tensor) -> bool:
-    """Whether a tensor's data lives on the GPU (its values never enter a key; benchmarks/
-    gdn_host_overhead.py --stub redefines this to run the plans on CPU tensors)."""
+    """Whether a tensor's data lives on the GPU (its values never enter a key; fastla/bench/
+    host_stub.py redefines this to run the plans on CPU tensors)."""
     return x.is_cuda
 
 
