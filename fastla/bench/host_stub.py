@@ -115,6 +115,19 @@ def _kda_case(T=200, H=2, K=128, V=128, **opts):
     return make
 
 
+def _pool_case(N=3, T=4, H=2, HV=4, K=128, V=128):
+    """Speculative verify on a state pool: 2-D slots (a slot per token), accepted counts."""
+    def make(seed):
+        gen = torch.Generator().manual_seed(seed)
+        kw = _gdn_case(T=N * T, H=H, HV=HV, K=K, V=V)(seed)
+        kw.update(initial_state=torch.randn(2 * N * T, HV, K, V, generator=gen),
+                  cu_seqlens=torch.arange(0, N * T + 1, T), cu_seqlens_cpu=torch.arange(0, N * T + 1, T),
+                  ssm_state_indices=torch.randperm(2 * N * T, generator=gen)[:N * T].view(N, T).int(),
+                  num_accepted_tokens=torch.randint(1, T + 1, (N,), generator=gen).int())
+        return kw
+    return make
+
+
 def cases():
     """(name, op, input maker, tier, whether the call must be planned)."""
     from fastla.ops import chunk_gated_delta_rule as gdn
@@ -143,6 +156,7 @@ def cases():
         ("gdn-decode", gdn_decode, _gdn_case(T=1, h0=True, output_final_state=True, use_qk_l2norm_in_kernel=True),
          "triton", True),
         ("kda-decode", kda_decode, _kda_case(T=1, output_final_state=True), "triton", True),
+        ("gdn-verify-pool", gdn_decode, _pool_case(), "triton", True),
     ]
     return out
 
@@ -198,7 +212,27 @@ def check_plans() -> list[str]:
             failures.append(f"{name}: the replay differs from the full path:\n  {full}\n  {replay}")
         else:
             print(f"{name}: {'planned, replay matches' if planned else 'not planned'} ({len(full[0])} launches)")
+    failures += _check_replayed_validation()
     return failures
+
+
+def _check_replayed_validation() -> list[str]:
+    """A replayed pool call still refuses an out-of-range slot (its value check runs again)."""
+    from fastla.core import call_plan
+    from fastla.ops import fused_recurrent_gated_delta_rule as op
+
+    x = _pool_case()(0)
+    with torch.no_grad():
+        op(**x)
+        plan = op.plan_of(**x)
+        x["ssm_state_indices"][0, 0] = x["initial_state"].shape[0]
+        try:
+            op(**x)
+        except ValueError as exc:
+            if "out of range" in str(exc) and not isinstance(plan, str) and call_plan.ENABLED:
+                print("gdn-verify-pool: the replay refuses an out-of-range slot")
+                return []
+        return [f"gdn-verify-pool: a replay with an out-of-range slot did not raise (plan: {plan})"]
 
 
 if __name__ == "__main__":

@@ -13,18 +13,20 @@ does a call without a CUDA tensor. ``FASTLA_CALL_PLANS=0`` (or ``ENABLED = False
 Recording (the first call with a signature) runs the call's full path with a recorder set:
 ``Launcher`` (backends/triton/launch.py) reports each launch (compiled kernel, grid, every
 argument); ``empty`` and ``full`` below note the allocations; ``keep_constants`` notes the
-host-built index tables (kept alive by the plan); a TorchDispatchMode watches every aten op. The call is
-left unplanned (and takes its full path every time) when an aten op reads or writes a CUDA
-tensor's data outside ``full`` and ``building_constants`` (a copy, a cast, a reduction, a device-to-host
-read for a value check), when a launch bypasses the cached launcher (the interpreter, launch
-hooks), when a launch argument is a tensor that is none of the call's inputs (by identity),
-allocations and constants, or when the result holds anything but those, views of them and None.
+host-built index tables (kept alive by the plan); ``value_check`` runs validations that read input
+values on the host (the plan runs them again at every replay); a TorchDispatchMode watches every
+aten op. The call is left unplanned (and takes its full path every time) when an aten op reads or
+writes a CUDA tensor's data outside ``full``, ``building_constants`` and ``value_check`` (a copy,
+a cast, a reduction), when a launch bypasses the cached launcher (the interpreter, launch hooks),
+when a launch argument is a tensor that is none of the call's inputs (by identity), allocations
+and constants, or when the result holds anything but those, views of them and None.
 Plain launch arguments (ints, floats, constexprs) are kept as recorded: the full path derives
 them from the signature.
 
-Replay allocates, rebuilds each launch's arguments (the new call's tensors in the recorded slots,
-TMA descriptors re-made over them), calls each compiled kernel's launcher as ``Launcher`` does on
-a hit, and returns the result. Calls during CUDA-graph capture (the full path pins the tables the
+Replay runs the kept value checks, allocates (the result's tensors, and one workspace for all
+scratch), fills each launch's recorded arguments with the new call's addresses, calls each
+compiled kernel's C launcher directly (``launch.direct_launch``; TMA maps encoded once per slot and
+address, then kept) and returns the result. Calls during CUDA-graph capture (the full path pins the tables the
 graph keeps), under ``torch.compile`` tracing, with launch hooks on or ``launch.CACHED`` off take
 the full path. Code that changes fastla's plan choices between calls (tests patching module
 attributes, sweeps setting tile knobs) must ``clear()`` the plans or set ``ENABLED = False``.
@@ -156,6 +158,7 @@ class _Recording:
         self.launches = []          # (compiled kernel, grid, argument values)
         self.allocations = {}       # id -> (tensor, fill value or None), in allocation order
         self.constants = {}         # id -> tensor
+        self.checks = []            # (value check, ids of its tensors, constants)
         self.paused = 0
         self.why_not = None
 
@@ -199,6 +202,22 @@ def building_constants():
     finally:
         if rec is not None:
             rec.paused -= 1
+
+
+def value_check(check, tensors: tuple, **constants) -> None:
+    """Run ``check(*tensors, **constants)``, a validation that reads the tensors' values on the
+    host and raises ValueError; a recording keeps it (its reads are not flagged) and the plan runs
+    it again at every replay on that call's tensors, which must be the call's inputs."""
+    rec = recording()
+    if rec is not None:
+        rec.paused += 1
+    try:
+        check(*tensors, **constants)
+    finally:
+        if rec is not None:
+            rec.paused -= 1
+    if rec is not None:
+        rec.checks.append((check, [id(t) for t in tensors], constants))
 
 
 def keep_constants(*tensors) -> None:
@@ -296,6 +315,9 @@ class _Plan:
         n_in = len(self.paths)
         sources = {obj: i for i, obj in enumerate(inputs)}
         allocs = list(rec.allocations.values())
+        if any(i not in sources for _, ids, _ in rec.checks for i in ids):
+            raise _Unplanned("a value check reads a tensor that is not an input")
+        self.checks = [(check, [sources[i] for i in ids], constants) for check, ids, constants in rec.checks]
         sources.update((id(t), n_in + j) for j, (t, _) in enumerate(allocs))
         self.result = self._result_spec(result, sources, allocs, n_in)
         kept = {s[1] for s in self.result[1] if s is not None}
@@ -377,6 +399,9 @@ class _Plan:
         return None, [spec(result)]
 
     def run(self, args, kwargs):
+        for check, slots, constants in self.checks:
+            paths = [self.paths[i] for i in slots]
+            check(*[args[p] if p.__class__ is int else kwargs[p] for p in paths], **constants)
         tensors, calls, workspace = self.bind(args, kwargs)        # noqa: F841 (alive until launched)
         for fn, values in calls:
             fn(*values)

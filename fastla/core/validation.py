@@ -18,6 +18,7 @@ import warnings
 
 import torch
 
+from fastla.core.call_plan import value_check
 from fastla.core.problem import Pool, Problem
 
 MAX_HEAD_DIM = 256
@@ -169,16 +170,21 @@ def _check_pool(ssm_state_indices, num_accepted_tokens, disable_state_update, in
         if idx.dim() != 2:
             raise ValueError("num_accepted_tokens requires 2-D ssm_state_indices [N, T] (a slot per token)")
     if _can_read(idx) and idx.numel():
-        # the value checks in one device-to-host read (one sync on a GPU, not one per check)
-        if nat is None:
-            top, accepted = int(idx.max()), ()
-        else:
-            top, *accepted = torch.stack([x.to(torch.int64) for x in (idx.max(), nat.min(), nat.max())]).tolist()
-        if top >= slots:
-            raise ValueError(f"ssm_state_indices out of range: max index {top} but the pool has {slots} slots")
-        if accepted and (accepted[0] < 1 or accepted[1] > idx.shape[1]):
-            raise ValueError(f"num_accepted_tokens must lie in [1, {idx.shape[1]}], got [{accepted[0]}, {accepted[1]}]")
+        # a call plan runs this check again at every replay (fastla/core/call_plan.py)
+        value_check(_check_pool_values, (idx,) if nat is None else (idx, nat), slots=slots)
     return Pool(idx, num_accepted_tokens, bool(disable_state_update))
+
+
+def _check_pool_values(idx, nat=None, *, slots: int) -> None:
+    """The pool's value checks in one device-to-host read (one sync on a GPU, not one per check)."""
+    if nat is None:
+        top, accepted = int(idx.max()), ()
+    else:
+        top, *accepted = torch.stack([x.to(torch.int64) for x in (idx.max(), nat.min(), nat.max())]).tolist()
+    if top >= slots:
+        raise ValueError(f"ssm_state_indices out of range: max index {top} but the pool has {slots} slots")
+    if accepted and (accepted[0] < 1 or accepted[1] > idx.shape[1]):
+        raise ValueError(f"num_accepted_tokens must lie in [1, {idx.shape[1]}], got [{accepted[0]}, {accepted[1]}]")
 
 
 def build_problem(

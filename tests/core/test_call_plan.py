@@ -85,15 +85,16 @@ def test_replays_match_the_full_path():
 
 
 @gpu
-@pytest.mark.parametrize("case", ["gdn", "gdn-split", "gdn-varlen", "kda", "kda-varlen", "gdn-decode"])
+@pytest.mark.parametrize("case", ["gdn", "gdn-split", "gdn-varlen", "kda", "kda-varlen", "gdn-decode", "gdn-pool"])
 def test_replay_equals_full_path_on_gpu(case, monkeypatch):
-    """On the GPU: a replayed call's output and final state equal the full path's bit for bit
-    (same kernels, same inputs); the outputs are poisoned first."""
+    """On the GPU: a replayed call's output and final state (or pool) equal the full path's bit for
+    bit (same kernels, same inputs); the outputs are poisoned first."""
     from fastla.bench.host_stub import cases
 
     named = {name: (op, make, tier) for name, op, make, tier, _ in cases()}
     key = {"gdn": "gdn-gluon", "gdn-split": "gdn-gluon-split-states", "gdn-varlen": "gdn-gluon-varlen-gate",
-           "kda": "kda-gluon-safe-gate", "kda-varlen": "kda-gluon-given-gate-varlen", "gdn-decode": "gdn-decode"}[case]
+           "kda": "kda-gluon-safe-gate", "kda-varlen": "kda-gluon-given-gate-varlen", "gdn-decode": "gdn-decode",
+           "gdn-pool": "gdn-verify-pool"}[case]
     op, make, _ = named[key]
 
     def on_gpu(kw):
@@ -101,7 +102,7 @@ def test_replay_equals_full_path_on_gpu(case, monkeypatch):
 
     x, y = on_gpu(make(0)), on_gpu(make(1))
     with torch.no_grad():
-        full = op(**x)
+        full = op(**on_gpu(make(0)))                # a copy of x: a pool is updated in place
         monkeypatch.setattr(call_plan, "ENABLED", True)
         op(**y)
         plan = op.plan_of(**y)
