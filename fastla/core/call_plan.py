@@ -1,7 +1,9 @@
-"""Whole-call plans: a public op's kernel launches recorded at its first call with a signature, and
-replayed by later calls with that signature, which then skip validation, tier selection, launch
-planning and the launch keys (the host path of one GDN prefill call took 180-230 us on the H200
-machine's host; docs/notes/gdn-prefill.md).
+"""Whole-call plans: a public op's kernel launches recorded at the second call with a signature,
+and replayed by later calls with that signature, which then skip validation, tier selection,
+launch planning and the launch keys (the host path of one GDN prefill call took 180-230 us on the
+H200 machine's host; docs/notes/gdn-prefill.md). A recording costs ~2.5x the full path (517 vs
+209 us on the CPU stub, 1x8k HV8), so a signature seen once is only noted: a stream of calls
+whose signatures never repeat (varlen batches of new lengths) pays the signature alone.
 
 Signature (the plan's key): for each argument, a CUDA tensor's shape, strides, dtype, device and
 16-byte alignment; a CPU tensor's values (``cu_seqlens_cpu``; up to ``CPU_VALUES`` elements); a
@@ -10,7 +12,7 @@ number, bool, string or None by type and value; plus the grad mode, the tier for
 tensor subclass, a tensor that requires grad while grad is enabled) leaves the call unplanned, as
 does a call without a CUDA tensor. ``FASTLA_CALL_PLANS=0`` (or ``ENABLED = False``) turns plans off.
 
-Recording (the first call with a signature) runs the call's full path with a recorder set:
+Recording (the second call with a signature) runs the call's full path with a recorder set:
 ``Launcher`` (backends/triton/launch.py) reports each launch (compiled kernel, grid, every
 argument); ``empty`` and ``full`` below note the allocations; ``keep_constants`` notes the
 host-built index tables (kept alive by the plan); ``value_check`` runs validations that read input
@@ -44,9 +46,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fastla.core import dispatch
 
 ENABLED = os.environ.get("FASTLA_CALL_PLANS", "1") != "0"
-LIMIT = 512                 # plans kept (the oldest dropped first)
+LIMIT = 512                 # plans (and signatures seen once) kept, the oldest dropped first
 CPU_VALUES = 4096           # a CPU tensor argument's values enter the key up to this many elements
-_PLANS: dict = {}
+_PLANS: dict = {}           # signature -> plan, or a string saying why it is not planned
+_SEEN: dict = {}            # signatures called once (recorded at their second call)
 _local = threading.local()
 _Tensor = torch.Tensor
 _TENSOR_CLASSES = (torch.Tensor, torch.nn.Parameter)
@@ -77,6 +80,7 @@ class _Unplanned(Exception):
 def clear() -> None:
     """Drop every plan (after changing module-level plan choices)."""
     _PLANS.clear()
+    _SEEN.clear()
 
 
 def planned(fn):
@@ -94,6 +98,9 @@ def planned(fn):
         if plan.__class__ is str or _full_path_only():       # a string: why the call is not planned
             return fn(*args, **kwargs)
         if plan is _MISSING:
+            if _SEEN.pop(key, _MISSING) is _MISSING:        # a first sighting: note it, no recording
+                _bounded_insert(_SEEN, key, None)
+                return fn(*args, **kwargs)
             return _record(fn, key, args, kwargs)
         return plan.run(args, kwargs)
 
@@ -103,6 +110,12 @@ def planned(fn):
 
 
 _MISSING = object()
+
+
+def _bounded_insert(table: dict, key, value) -> None:
+    if len(table) >= LIMIT:
+        table.pop(next(iter(table)))                # the oldest
+    table[key] = value
 
 
 def _signature(args, kwargs) -> tuple:
@@ -235,6 +248,12 @@ class _Watch(TorchDispatchMode):
         super().__init__()
         self.rec = rec
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ in torch._disable_dynamo by default, whose first
+        # call imports torch._dynamo (~0.9 s); recordings never run under torch.compile
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
@@ -264,9 +283,7 @@ def _record(fn, key, args, kwargs):
             plan = _Plan(rec, args, kwargs, result)
         except _Unplanned as exc:
             plan = str(exc)
-    if len(_PLANS) >= LIMIT:
-        _PLANS.pop(next(iter(_PLANS)))
-    _PLANS[key] = plan
+    _bounded_insert(_PLANS, key, plan)
     return result
 
 

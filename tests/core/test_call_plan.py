@@ -66,9 +66,11 @@ def test_recording_flags_device_data_and_unknown_tensors(monkeypatch):
 
     x = torch.ones(4)
     reads_values(x)
+    assert reads_values.plan_of(x) is None                  # seen once: noted, not recorded
+    reads_values(x)
     assert "aten op" in reads_values.plan_of(x)
     reads_values(torch.ones(4))
-    assert len(calls) == 2
+    assert len(calls) == 3
 
 
 def test_replays_match_the_full_path():
@@ -104,7 +106,8 @@ def test_replay_equals_full_path_on_gpu(case, monkeypatch):
     with torch.no_grad():
         full = op(**on_gpu(make(0)))                # a copy of x: a pool is updated in place
         monkeypatch.setattr(call_plan, "ENABLED", True)
-        op(**y)
+        op(**on_gpu(make(1)))                       # noted
+        op(**y)                                     # recorded
         plan = op.plan_of(**y)
         assert plan is not None and not isinstance(plan, str), plan
         poison = [torch.full((1 << 22,), float("nan"), device="cuda") for _ in range(8)]
