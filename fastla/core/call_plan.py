@@ -383,6 +383,8 @@ class _Plan:
             elif hasattr(v, "block_shape") and hasattr(v, "base"):          # a TMA descriptor
                 if id(v.base) not in sources:
                     raise _Unplanned(f"launch argument {pos} is a TMA descriptor over an unknown tensor")
+                if direct is not None and pos not in metas:
+                    raise _Unplanned(f"launch argument {pos} is a descriptor the C launcher does not expand")
                 fields = {n: x for n, x in vars(v).items() if n != "base"}
                 slots.append((at, sources[id(v.base)], (v.__class__, fields, metas.get(pos, _GENERIC))))
                 if pos in metas:                                # [map, *shape, *strides]: the map per call
