@@ -157,6 +157,7 @@ def cases():
         ]
     out += [
         ("gdn-fp16-inputs", gdn, _gdn_case(dtype=torch.float16), "triton", False),      # cast to fp32 first
+        ("gdn-no-gate-no-beta", gdn, _gdn_case(g=None, beta=None, use_qk_l2norm_in_kernel=True), "gluon", True),
         ("gdn-decode", gdn_decode, _gdn_case(T=1, h0=True, output_final_state=True, use_qk_l2norm_in_kernel=True),
          "triton", True),
         ("kda-decode", kda_decode, _kda_case(T=1, output_final_state=True), "triton", True),
