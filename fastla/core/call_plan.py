@@ -39,6 +39,7 @@ import contextlib
 import functools
 import os
 import threading
+from collections import OrderedDict
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -48,8 +49,8 @@ from fastla.core import dispatch
 ENABLED = os.environ.get("FASTLA_CALL_PLANS", "1") != "0"
 LIMIT = 512                 # plans (and signatures seen once) kept, the oldest dropped first
 CPU_VALUES = 4096           # a CPU tensor argument's values enter the key up to this many elements
-_PLANS: dict = {}           # signature -> plan, or a string saying why it is not planned
-_SEEN: dict = {}            # signatures called once (recorded at their second call)
+_PLANS: OrderedDict = OrderedDict()     # signature -> plan, or a string saying why it is not planned
+_SEEN: OrderedDict = OrderedDict()      # signatures called once (recorded at their second call)
 _local = threading.local()
 _Tensor = torch.Tensor
 _TENSOR_CLASSES = (torch.Tensor, torch.nn.Parameter)
@@ -95,12 +96,12 @@ def planned(fn):
         except _Unplanned:
             return fn(*args, **kwargs)
         plan = _PLANS.get(key, _MISSING)
+        if plan is _MISSING and _SEEN.pop(key, _MISSING) is _MISSING:   # a first sighting: noted
+            _bounded_insert(_SEEN, key, None)
+            return fn(*args, **kwargs)
         if plan.__class__ is str or _full_path_only():       # a string: why the call is not planned
             return fn(*args, **kwargs)
         if plan is _MISSING:
-            if _SEEN.pop(key, _MISSING) is _MISSING:        # a first sighting: note it, no recording
-                _bounded_insert(_SEEN, key, None)
-                return fn(*args, **kwargs)
             return _record(fn, key, args, kwargs)
         return plan.run(args, kwargs)
 
@@ -112,9 +113,9 @@ def planned(fn):
 _MISSING = object()
 
 
-def _bounded_insert(table: dict, key, value) -> None:
+def _bounded_insert(table: OrderedDict, key, value) -> None:
     if len(table) >= LIMIT:
-        table.pop(next(iter(table)))                # the oldest
+        table.popitem(last=False)                   # the oldest
     table[key] = value
 
 
@@ -147,7 +148,7 @@ def _part(a, grad: bool):
         return _DEVICE_PART, a.shape, a.stride(), a.dtype, a.get_device(), a.data_ptr() & 15
     if a.device.type != "cpu" or a.numel() > CPU_VALUES:
         raise _Unplanned
-    return a.shape, a.dtype, tuple(a.reshape(-1).tolist())
+    return a.shape, a.dtype, tuple(a.tolist() if a.dim() == 1 else a.reshape(-1).tolist())
 
 
 def _on_device(x: torch.Tensor) -> bool:
