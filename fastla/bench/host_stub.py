@@ -176,7 +176,7 @@ def _canonical(launches, inputs: dict, result):
         return names.get(a) or ("buffer", seen.setdefault(a, len(seen)))
 
     def canon(v):
-        if isinstance(v, torch.Tensor) or type(v).__name__ == "_Address":
+        if hasattr(v, "data_ptr"):                          # a tensor, or a replay's address
             return addr(v.data_ptr())
         if type(v) is int and v in names or v in seen:      # a descriptor's base address, expanded
             return addr(v)

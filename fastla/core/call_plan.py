@@ -18,7 +18,7 @@ argument); ``empty`` and ``full`` below note the allocations; ``keep_constants``
 host-built index tables (kept alive by the plan); ``value_check`` runs validations that read input
 values on the host (the plan runs them again at every replay); a TorchDispatchMode watches every
 aten op. The call is left unplanned (and takes its full path every time) when an aten op reads or
-writes a CUDA tensor's data outside ``full``, ``building_constants`` and ``value_check`` (a copy,
+writes a CUDA tensor's data outside ``full``, ``unwatched`` and ``value_check`` (a copy,
 a cast, a reduction), when a launch bypasses the cached launcher (the interpreter, launch hooks),
 when a launch argument is a tensor that is none of the call's inputs (by identity), allocations
 and constants, or when the result holds anything but those, views of them and None.
@@ -186,28 +186,27 @@ def recording() -> _Recording | None:
     return getattr(_local, "recording", None)
 
 
-def empty(shape, dtype, device) -> torch.Tensor:
-    """``torch.empty`` for a kernel's output or scratch, noted by a recording."""
+def empty(shape, dtype, device, fill=None) -> torch.Tensor:
+    """``torch.empty`` (``torch.full`` with ``fill``) for a kernel's output or scratch, noted by a
+    recording (a fill is replayed)."""
     t = torch.empty(shape, dtype=dtype, device=device)
     rec = recording()
     if rec is not None:
-        rec.allocations[id(t)] = (t, None)
+        rec.allocations[id(t)] = (t, fill)
+    if fill is not None:
+        t.fill_(fill)
     return t
 
 
 def full(shape, value: float, dtype, device) -> torch.Tensor:
     """``torch.full``, noted by a recording (the fill is replayed)."""
-    t = torch.empty(shape, dtype=dtype, device=device)
-    rec = recording()
-    if rec is not None:
-        rec.allocations[id(t)] = (t, value)
-    t.fill_(value)
-    return t
+    return empty(shape, dtype, device, fill=value)
 
 
 @contextlib.contextmanager
-def building_constants():
-    """Around the build of host-made index tables: their copies to the device are not flagged."""
+def unwatched():
+    """Host work whose device ops a recording does not flag: the build of host-made index tables
+    (their copies to the device) and ``value_check``'s reads."""
     rec = recording()
     if rec is not None:
         rec.paused += 1
@@ -222,14 +221,9 @@ def value_check(check, tensors: tuple, **constants) -> None:
     """Run ``check(*tensors, **constants)``, a validation that reads the tensors' values on the
     host and raises ValueError; a recording keeps it (its reads are not flagged) and the plan runs
     it again at every replay on that call's tensors, which must be the call's inputs."""
-    rec = recording()
-    if rec is not None:
-        rec.paused += 1
-    try:
+    with unwatched():
         check(*tensors, **constants)
-    finally:
-        if rec is not None:
-            rec.paused -= 1
+    rec = recording()
     if rec is not None:
         rec.checks.append((check, [id(t) for t in tensors], constants))
 
@@ -296,12 +290,6 @@ ENCODED_LIMIT = 4096         # encoded TMA maps kept per plan (by slot and addre
 _GENERIC = object()          # a descriptor passed as an object (the launch goes through run_compiled)
 
 
-def _run_compiled(compiled, grid, stream, *values):
-    from fastla.backends.triton.launch import run_compiled
-
-    run_compiled(compiled, grid, stream, values)
-
-
 class _Address(int):
     """A device address standing for a tensor: the launchers take ints for pointer arguments, and
     a TMA descriptor's base needs only ``data_ptr``."""
@@ -365,8 +353,9 @@ class _Plan:
         grid = (tuple(grid) + (1, 1))[:3]
         direct = launch.direct_launch(compiled)
         if direct is None:
-            fn, template, stream_at, metas = _run_compiled, [compiled, grid, None, *values], 2, {}
-            offset = 3
+            def fn(compiled, grid, stream, *values):
+                launch.run_compiled(compiled, grid, stream, values)
+            template, stream_at, metas, offset = [compiled, grid, None, *values], 2, {}, 3
         else:
             fn, metas = direct
             template = [*grid, None, compiled.function, compiled.run.launch_cooperative_grid,

@@ -286,7 +286,7 @@ class _HostTables:
         if hit is None:
             hit = self.cache.get(key)
             if hit is None:
-                with call_plan.building_constants():
+                with call_plan.unwatched():
                     hit = self.cache[key] = build()
                 if len(self.cache) > self.limit:
                     self.cache.popitem(last=False)
