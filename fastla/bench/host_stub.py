@@ -99,7 +99,7 @@ def _gdn_case(T=200, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16, **opts):
                   beta=torch.rand(B, T, HV, generator=gen))
         if opts.get("use_gate_in_kernel"):
             kw.update(A_log=torch.randn(HV, generator=gen), dt_bias=torch.randn(HV, generator=gen))
-        if opts.pop("h0", False) or "h0" in opts:
+        if opts.get("h0"):
             shape = (len(opts["cu_seqlens_cpu"]) - 1 if "cu_seqlens_cpu" in opts else B, HV, K, V)
             kw["initial_state"] = torch.randn(*shape, generator=gen)
         kw.update({k: v for k, v in opts.items() if k != "h0"})

@@ -52,6 +52,65 @@ def _softplus(x):
 
 
 @triton.jit
+def token_decay(b_a, b_g, b_gk, b_A, b_bias, b_bias_k, b_gamma, lower_bound, HAS_G: tl.constexpr,
+                HAS_GK: tl.constexpr, HAS_GAMMA: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """One token's decay of each key row of the state, ``a = exp(g) * exp(gk)`` [BK], from ``b_a``
+    (ones [BK]), the raw scalar gate ``b_g`` and the raw per-key gate ``b_gk`` [BK] (each transformed
+    here when the gate is in the op: core/gates.py has the formulas). Shared by the Triton and the
+    sm_90 decode kernels (backends/gluon/recurrent_sm90.py); unused arguments may be any scalar."""
+    if HAS_G:
+        if GATE == 1:
+            if HAS_BIAS:
+                b_g = b_g + b_bias
+            b_g = -b_A * _softplus(b_g)
+        if HAS_GAMMA:
+            b_g = b_g + b_gamma
+        b_a = b_a * tl.exp(b_g)
+    elif HAS_GAMMA:
+        b_a = b_a * tl.exp(b_gamma)
+    if HAS_GK:
+        if GATE >= 2:
+            if HAS_BIAS:
+                b_gk = b_gk + b_bias_k
+            if GATE == 2:
+                b_gk = -b_A * _softplus(b_gk)
+            else:
+                b_gk = lower_bound * tl.sigmoid(b_A * b_gk)
+        b_a = b_a * tl.exp(b_gk)
+    return b_a
+
+
+@triton.jit
+def token_update(b_h, b_a, b_q, b_k, b_v, b_beta, scale, DELTA: tl.constexpr, BETA: tl.constexpr,
+                 L2NORM: tl.constexpr):
+    """One token of the recurrence on the fp32 state tile ``b_h`` [BK, BV]: the decay ``b_a`` [BK],
+    q, k [BK], v [BV] in fp32, the raw beta (activated here by ``BETA``). Returns the output
+    [BV] and the new tile. Both reductions read the tile as loaded: with S' = Diag(a) S,
+    S'^T k = S^T (a*k) and o = (S' + k u^T)^T q = S^T (a*q) + (q.k) u, so the two cross-thread
+    sums are independent and the update is one FMA per element. The l2norm enters as two scalars
+    applied after the state products, so its reductions run alongside them (the step's dependent
+    chain is its latency)."""
+    r_q = 1.0
+    r_k = 1.0
+    if L2NORM:
+        r_q = 1.0 / tl.sqrt(tl.sum(b_q * b_q, 0) + 1e-6)
+        r_k = 1.0 / tl.sqrt(tl.sum(b_k * b_k, 0) + 1e-6)
+    b_hk = tl.sum(b_h * (b_a * b_k)[:, None], 0) * r_k                       # [BV]
+    b_hq = tl.sum(b_h * (b_a * b_q)[:, None], 0) * r_q                       # [BV]
+    if DELTA:
+        if BETA >= 2:
+            b_beta = tl.sigmoid(b_beta)
+        if BETA == 3:
+            b_beta = 2.0 * b_beta
+        b_u = b_beta * (b_v - b_hk)                                           # [BV]
+    else:
+        b_u = b_v
+    b_o = (b_hq + tl.sum(b_q * b_k, 0) * (r_q * r_k) * b_u) * scale          # [BV]
+    b_h = b_h * b_a[:, None] + (b_k * r_k)[:, None] * b_u[None, :]
+    return b_o, b_h
+
+
+@triton.jit
 def _recurrent_fwd_kernel(
     q, k, v, g, gk, beta, A_log, dt_bias, g_gamma,
     o, h0, ht,
@@ -126,10 +185,12 @@ def _recurrent_fwd_kernel(
     if HAS_H0:
         b_h = tl.load(src + head + p_tile, mask=m_h & live, other=0.0).to(tl.float32)
 
+    b_A = 1.0
+    b_gamma = 0.0
+    b_bias = 0.0
+    b_bias_k = 0.0
     if HAS_A:
         b_A = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
-    else:
-        b_A = 1.0
     if HAS_GAMMA:
         b_gamma = tl.load(g_gamma + i_hv).to(tl.float32)
     if HAS_BIAS:
@@ -143,55 +204,18 @@ def _recurrent_fwd_kernel(
         b_q = tl.load(p_q + i_rel * sq_t + o_k, mask=m_k, other=0.0).to(tl.float32)        # [BK]
         b_k = tl.load(p_k + i_rel * sk_t + o_k, mask=m_k, other=0.0).to(tl.float32)        # [BK]
         b_v = tl.load(p_v + i_rel * sv_t + o_v, mask=m_v, other=0.0).to(tl.float32)        # [BV]
-        # the l2norm as two scalars applied after the state products, so that its reductions
-        # run alongside them instead of before them (the step's dependent chain is its latency)
-        r_q = 1.0
-        r_k = 1.0
-        if L2NORM:
-            r_q = 1.0 / tl.sqrt(tl.sum(b_q * b_q) + 1e-6)
-            r_k = 1.0 / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
-        # this step's decay of each key row of the state: a = exp(g) * exp(gk)       [BK]
-        b_a = tl.full([BK], 1.0, tl.float32)
+        b_beta = 1.0
+        if DELTA and BETA != 0:
+            b_beta = tl.load(p_beta + i_rel * sb_t).to(tl.float32)
+        b_g = 0.0
         if HAS_G:
             b_g = tl.load(p_g + i_rel * sg_t).to(tl.float32)
-            if GATE == 1:
-                if HAS_BIAS:
-                    b_g = b_g + b_bias
-                b_g = -b_A * _softplus(b_g)
-            if HAS_GAMMA:
-                b_g = b_g + b_gamma
-            b_a = b_a * tl.exp(b_g)
-        elif HAS_GAMMA:
-            b_a = b_a * tl.exp(b_gamma)
+        b_gk = b_q
         if HAS_GK:
             b_gk = tl.load(p_gk + i_rel * sgk_t + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
-            if GATE >= 2:
-                if HAS_BIAS:
-                    b_gk = b_gk + b_bias_k
-                if GATE == 2:
-                    b_gk = -b_A * _softplus(b_gk)
-                else:
-                    b_gk = lower_bound * tl.sigmoid(b_A * b_gk)
-            b_a = b_a * tl.exp(b_gk)
-        # Both reductions read the state as loaded: with S' = Diag(a) S,
-        #   S'^T k = S^T (a*k),  o = (S' + k u^T)^T q = S^T (a*q) + (q.k) u,
-        # so the two cross-thread sums are independent and the update is one FMA per element.
-        b_hk = tl.sum(b_h * (b_a * b_k)[:, None], 0) * r_k                   # [BV]
-        b_hq = tl.sum(b_h * (b_a * b_q)[:, None], 0) * r_q                   # [BV]
-        if DELTA:
-            if BETA == 0:
-                b_beta = 1.0
-            else:
-                b_beta = tl.load(p_beta + i_rel * sb_t).to(tl.float32)
-                if BETA >= 2:
-                    b_beta = tl.sigmoid(b_beta)
-                if BETA == 3:
-                    b_beta = 2.0 * b_beta
-            b_u = b_beta * (b_v - b_hk)                                       # [BV]
-        else:
-            b_u = b_v
-        b_o = (b_hq + tl.sum(b_q * b_k) * (r_q * r_k) * b_u) * scale         # [BV]
-        b_h = b_h * b_a[:, None] + (b_k * r_k)[:, None] * b_u[None, :]
+        b_a = token_decay(tl.full([BK], 1.0, tl.float32), b_g, b_gk, b_A, b_bias, b_bias_k, b_gamma, lower_bound,
+                          HAS_G, HAS_GK, HAS_GAMMA, GATE, HAS_BIAS)
+        b_o, b_h = token_update(b_h, b_a, b_q, b_k, b_v, b_beta, scale, DELTA, BETA, L2NORM)
         if POOL != 0:
             b_o = tl.where(live, b_o, 0.0)
         tl.store(o + (i_t * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
@@ -273,6 +297,24 @@ def _strides(x: torch.Tensor | None) -> tuple[int, int, int]:
     return x.stride()[:3] if x is not None else (0, 0, 0)
 
 
+def gate_mode(p: Problem) -> int:
+    """The GATE constexpr of the decode kernels (this one and backends/gluon/recurrent_sm90.py)."""
+    if p.gate_in_op == "gdn":
+        return GATE_GDN
+    if p.gate_in_op == "kda":
+        return GATE_KDA if p.lower_bound is None else GATE_KDA_BOUNDED
+    return GATE_NONE
+
+
+def beta_mode(p: Problem) -> int:
+    """The BETA constexpr of the decode kernels."""
+    if not p.delta or p.beta is None:
+        return BETA_ONE
+    if p.beta_sigmoid:
+        return BETA_SIGMOID2 if p.allow_neg_eigval else BETA_SIGMOID
+    return BETA_GIVEN
+
+
 def run(p: Problem, config: DecodeConfig | None = None):
     config = config or default_config(p)
     N, HV, K, V = p.N, p.HV, p.K, p.V
@@ -289,18 +331,7 @@ def run(p: Problem, config: DecodeConfig | None = None):
             ht = call_plan.empty(shape, torch.float32, p.device)
         write = ht is not None
         mode = POOL_NONE
-    if p.gate_in_op == "gdn":
-        gate = GATE_GDN
-    elif p.gate_in_op == "kda":
-        gate = GATE_KDA if p.lower_bound is None else GATE_KDA_BOUNDED
-    else:
-        gate = GATE_NONE
-    if not p.delta or p.beta is None:
-        beta_mode = BETA_ONE
-    elif p.beta_sigmoid:
-        beta_mode = BETA_SIGMOID2 if p.allow_neg_eigval else BETA_SIGMOID
-    else:
-        beta_mode = BETA_GIVEN
+    gate, beta = gate_mode(p), beta_mode(p)
     BV = config.block_v
     BK = next_pow2(K)
     dummy = o
@@ -327,7 +358,7 @@ def run(p: Problem, config: DecodeConfig | None = None):
         SK=1 if p.state_v_first else V, SV=K if p.state_v_first else 1,
         DELTA=p.delta, HAS_G=p.g is not None, HAS_GK=p.gk is not None, HAS_GAMMA=p.g_gamma is not None,
         GATE=gate, HAS_A=p.A_log is not None, HAS_BIAS=p.dt_bias is not None,
-        L2NORM=p.use_qk_l2norm, BETA=beta_mode,
+        L2NORM=p.use_qk_l2norm, BETA=beta,
         VARLEN=cu is not None, POOL=mode,
         ACCEPTED=pool is not None and pool.num_accepted_tokens is not None,
         HAS_H0=p.initial_state is not None, WRITE=write,
