@@ -86,6 +86,70 @@ def test_gdn_scan_compiles_for_sm90(name, tmp_path):
     assert (res["setmaxnreg"] > 0) == name.startswith("ws-"), res          # the partitions' register split
 
 
+DECODE_VARIANTS = {
+    # name: (state dtype, constexprs over GDN's shipped launch: a bf16 pool, 64 columns, 2 stages)
+    "gdn-bf16-pool": ("bf16", {}),
+    "kda-bf16-pool-bv32": ("bf16", dict(BV=32, HAS_G=False, HAS_GK=True, GATE=3)),
+    "gla-fp32-v-first-fla-form": ("fp32", dict(V_FIRST=True, DELTA=False, HAS_G=False, HAS_GK=True, GATE=0,
+                                                HAS_A=False, HAS_BIAS=False, L2NORM=False, BETA=0, POOL=False,
+                                                STAGES=3)),
+}
+
+
+def _child_decode(name: str, folder: str) -> None:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from fastla.backends.gluon.recurrent_sm90 import _decode_sm90_kernel as kern
+
+    state, over = DECODE_VARIANTS[name]
+    consts = dict(H=16, HV=32, K=128, V=128, BV=64, V_FIRST=False, DELTA=True, HAS_G=True, HAS_GK=False,
+                  HAS_GAMMA=False, GATE=1, HAS_A=True, HAS_BIAS=True, L2NORM=True, BETA=2, POOL=True, HAS_H0=True,
+                  WRITE=True, STAGES=2)
+    consts.update(over)
+    box = [consts["BV"], consts["K"]] if consts["V_FIRST"] else [consts["K"], consts["BV"]]
+    layout = gl.NVMMASharedLayout(0, 32 if state == "fp32" else 16, 2)
+    sig = {}
+    for n in kern.arg_names:
+        if n in ("h_in", "h_out"):
+            sig[n] = f"tensordesc<{state}[{box[0]}, {box[1]}],{layout!r}>"
+        elif n in consts:
+            sig[n] = "constexpr"
+        elif n in ("A_log", "dt_bias", "g_gamma"):
+            sig[n] = "*fp32"
+        elif n == "slots":
+            sig[n] = "*i32"
+        elif n in ("q", "k", "v", "o", "beta", "g", "gk"):
+            sig[n] = "*bf16"
+        else:
+            sig[n] = "fp32" if n in ("scale", "lower_bound") else "i32"
+    names = kern.arg_names
+    src = GluonASTSource(kern, sig, {(names.index(n),): v for n, v in consts.items()})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    res = _resources(kernel.asm["cubin"], folder)
+    tool = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    sass = subprocess.run([str(tool), "-sass", str(pathlib.Path(folder) / "k.cubin")], capture_output=True,
+                          text=True, check=True).stdout
+    res.update(utmaldg=sass.count("UTMALDG"), utmastg=sass.count("UTMASTG"), shared_bytes=kernel.metadata.shared)
+    print(json.dumps(res))
+
+
+@pytest.mark.parametrize("name", list(DECODE_VARIANTS))
+def test_decode_compiles_for_sm90(name, tmp_path):
+    """The streaming decode: TMA loads and stores of the state, no spills, and registers for the
+    programs an SM its plan runs (3 at 64 columns for a scalar gate, 4 at 32 for a per-key one)."""
+    res = _run_child(f"_child_decode({name!r}, {str(tmp_path)!r})", tmp_path, module="tests.backends.test_gluon_sm90")
+    assert res["utmaldg"] > 0 and res["utmastg"] > 0, res
+    assert res["LOCAL"] == 0 and res["STACK"] == 0, f"spills: {res}"
+    assert res["shared_bytes"] <= 227 * 1024, res
+    if name.endswith("pool"):
+        assert res["REG"] * 128 * 3 <= 65536, res
+    if name.endswith("bv32"):
+        assert res["REG"] * 128 * 4 <= 65536, res
+
+
 def test_launcher_builds_descriptors(monkeypatch):
     """The host side of the Gluon scan on the CPU, up to the launch: TMA descriptors of the shapes
     and boxes the kernel expects, the row count for the output's store, and the tile plan (64
