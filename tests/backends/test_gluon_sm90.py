@@ -11,6 +11,25 @@ pytest.importorskip("triton.experimental.gluon")
 
 from tests.backends.test_triton_sm90 import _resources, _run_child  # noqa: E402
 
+
+def _compile_sm90(kern, sig: dict, consts: dict, folder: str, options: dict) -> dict:
+    """Compile a Gluon kernel for sm_90: the cubin's resources and its SASS counts of wgmma, TMA
+    loads and stores, the shared memory and the PTX's register splits."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    names = kern.arg_names
+    src = GluonASTSource(kern, sig, {(names.index(n),): v for n, v in consts.items()})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    res = _resources(kernel.asm["cubin"], folder)
+    tool = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    sass = subprocess.run([str(tool), "-sass", str(pathlib.Path(folder) / "k.cubin")], capture_output=True,
+                          text=True, check=True).stdout
+    res.update(hgmma=sass.count("HGMMA"), utmaldg=sass.count("UTMALDG"), utmastg=sass.count("UTMASTG"),
+               shared_bytes=kernel.metadata.shared, setmaxnreg=kernel.asm["ptx"].count("setmaxnreg"))
+    return res
+
 SCAN_POINTERS = {"beta": "*bf16", "rq": "*fp32", "rk": "*fp32", "gcum": "*fp32", "decay": "*fp32", "o": "*bf16",
                  "h0": "*fp32",
                  "ht": "*fp32", "h_chunks": "*bf16", "cu_seqlens": "*i64", "chunk_start": "*i64", "segments": "*i32",
@@ -38,10 +57,7 @@ SCAN_VARIANTS = {
 
 
 def _child_scan(name: str, folder: str) -> None:
-    import triton
-    from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
 
     from fastla.backends.gluon.chunk_delta_sm90 import _scan_sm90_kernel
     from fastla.backends.gluon.chunk_delta_ws_sm90 import PREP_REGS, _scan_ws_sm90_kernel
@@ -66,15 +82,7 @@ def _child_scan(name: str, folder: str) -> None:
             sig[n] = f"tensordesc<bf16[64, {consts['BV']}],{vtile!r}>"
         else:
             sig[n] = SCAN_POINTERS.get(n) or ("constexpr" if n in consts else ("i32" if n in ("T", "NT", "n_rows") else "fp32"))
-    src = GluonASTSource(kern, sig, {(names.index(n),): v for n, v in consts.items()})
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4 * consts.get("WARPGROUPS", 1)})
-    res = _resources(kernel.asm["cubin"], folder)
-    tool = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    sass = subprocess.run([str(tool), "-sass", str(pathlib.Path(folder) / "k.cubin")], capture_output=True,
-                          text=True, check=True).stdout
-    res.update(hgmma=sass.count("HGMMA"), utmaldg=sass.count("UTMALDG"), utmastg=sass.count("UTMASTG"),
-               shared_bytes=kernel.metadata.shared, setmaxnreg=kernel.asm["ptx"].count("setmaxnreg"))
-    print(json.dumps(res))
+    print(json.dumps(_compile_sm90(kern, sig, consts, folder, {"num_warps": 4 * consts.get("WARPGROUPS", 1)})))
 
 
 @pytest.mark.parametrize("name", list(SCAN_VARIANTS))
@@ -97,10 +105,7 @@ DECODE_VARIANTS = {
 
 
 def _child_decode(name: str, folder: str) -> None:
-    import triton
-    from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
 
     from fastla.backends.gluon.recurrent_sm90 import _decode_sm90_kernel as kern
 
@@ -125,15 +130,7 @@ def _child_decode(name: str, folder: str) -> None:
             sig[n] = "*bf16"
         else:
             sig[n] = "fp32" if n in ("scale", "lower_bound") else "i32"
-    names = kern.arg_names
-    src = GluonASTSource(kern, sig, {(names.index(n),): v for n, v in consts.items()})
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    res = _resources(kernel.asm["cubin"], folder)
-    tool = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    sass = subprocess.run([str(tool), "-sass", str(pathlib.Path(folder) / "k.cubin")], capture_output=True,
-                          text=True, check=True).stdout
-    res.update(utmaldg=sass.count("UTMALDG"), utmastg=sass.count("UTMASTG"), shared_bytes=kernel.metadata.shared)
-    print(json.dumps(res))
+    print(json.dumps(_compile_sm90(kern, sig, consts, folder, {"num_warps": 4})))
 
 
 @pytest.mark.parametrize("name", list(DECODE_VARIANTS))
@@ -280,10 +277,7 @@ KDA_PROLOGUE_STACK = {"kda-prologue-k64": 96, "kda-prologue-given-gate": 16, "kd
 
 
 def _child_kda_prologue(name: str, folder: str) -> None:
-    import triton
-    from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
 
     from fastla.backends.gluon.chunk_prepare_kda_sm90 import MAXNREG
     from fastla.backends.gluon.chunk_prepare_kda_sm90 import _kda_prologue_sm90_kernel as kern
@@ -306,15 +300,8 @@ def _child_kda_prologue(name: str, folder: str) -> None:
             sig[n] = f"tensordesc<bf16[64, 32],{box!r}>"
         else:
             sig[n] = pointers.get(n) or ("constexpr" if n in consts else ("i32" if n in ("T", "NT") else "fp32"))
-    src = GluonASTSource(kern, sig, {(names.index(n),): v for n, v in consts.items()})
     options = {"num_warps": 4, **({"maxnreg": MAXNREG} if MAXNREG and consts["K"] == 128 else {})}   # as launch()
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-    res = _resources(kernel.asm["cubin"], folder)
-    tool = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    sass = subprocess.run([str(tool), "-sass", str(pathlib.Path(folder) / "k.cubin")], capture_output=True,
-                          text=True, check=True).stdout
-    res.update(hgmma=sass.count("HGMMA"), utmaldg=sass.count("UTMALDG"), shared_bytes=kernel.metadata.shared)
-    print(json.dumps(res))
+    print(json.dumps(_compile_sm90(kern, sig, consts, folder, options)))
 
 
 @pytest.mark.parametrize("name", list(KDA_PROLOGUE_VARIANTS))
