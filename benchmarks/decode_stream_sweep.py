@@ -28,8 +28,9 @@ from fastla.core.reference import reference_for  # noqa: E402
 # (block_v, stages, programs per SM, warps)
 PLANS = {
     "float32": [(64, 3, 1, 4), (64, 2, 1, 4), (32, 2, 3, 4)],
-    "bfloat16": [(64, 2, 3, 4), (64, 4, 2, 4), (32, 2, 4, 4), (32, 3, 4, 4), (16, 4, 7, 4)],
+    "bfloat16": [(64, 2, 3, 4), (64, 4, 2, 4), (32, 2, 4, 4), (32, 3, 4, 4), (32, 2, 6, 2)],
 }
+CASES = {"pool-fp32": ("pool", torch.float32), "pool-bf16": ("pool", torch.bfloat16), "fla-fp32": ("fla", torch.float32)}
 
 
 def check(op, t, pool, idx, form, run) -> float:
@@ -50,12 +51,13 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sizes", default="1,16,64,256")
     ap.add_argument("--ops", default="gdn,kda")
+    ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {list(CASES)}")
     args = ap.parse_args()
     rep = 30 if args.quick else 100
     rows = []
     for op in args.ops.split(","):
         for N in [int(x) for x in args.sizes.split(",")]:
-            for form, sd in (("pool", torch.float32), ("pool", torch.bfloat16), ("fla", torch.float32)):
+            for form, sd in [CASES[c] for c in args.cases.split(",")]:
                 t, pool, idx = make(op, N, sd)
                 state_bytes = 2 * N * HV * K * V * pool.element_size()
                 p = problem(op, t, pool, idx, pooled=form == "pool")
@@ -88,7 +90,7 @@ def main() -> int:
                 if "fla" in res:
                     msg += f" | FLA {res['fla']['us']:.2f}"
                 print(msg, flush=True)
-    path = os.path.join(args.out, "decode_stream_sweep.json")
+    path = os.path.join(args.out, f"decode_stream_sweep-{args.cases.replace(',', '-')}.json")
     with open(path, "w") as f:
         json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                        commit=os.environ.get("FASTLA_COMMIT"), rows=rows), f, indent=1)

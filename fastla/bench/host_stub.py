@@ -65,6 +65,7 @@ def _compile_stub(self, *args, grid, warmup, **kwargs):
 
 def install(monkeypatch=None) -> None:
     import fastla.backends.gluon.chunk_delta as gluon_chunk
+    import fastla.backends.gluon.recurrent as gluon_recurrent
     import fastla.backends.triton as triton_backend
     from fastla.backends.triton import launch
     from fastla.core import call_plan
@@ -72,6 +73,7 @@ def install(monkeypatch=None) -> None:
     patches = [
         (triton_backend, "available", lambda device: None),
         (gluon_chunk, "available", lambda device: None),
+        (gluon_recurrent, "available", lambda device: None),
         (torch.cuda, "current_device", lambda: 0),
         (launch, "current_stream", lambda device: 0),
         (JITFunction, "run", _compile_stub),
@@ -132,6 +134,21 @@ def _pool_case(N=3, T=4, H=2, HV=4, K=128, V=128):
     return make
 
 
+def _stream_pool_case(N=32, H=2, HV=32, K=128, V=128):
+    """One token per sequence on a bf16 pool of 64 MB (the sm_90 streaming decode serves 32 MB or
+    more), random slots, one row skipped."""
+    def make(seed):
+        gen = torch.Generator().manual_seed(seed)
+        kw = _gdn_case(T=N, H=H, HV=HV, K=K, V=V)(seed)
+        slots = torch.randperm(2 * N, generator=gen)[:N].int()
+        slots[3] = -1
+        kw.update(initial_state=torch.randn(2 * N, HV, K, V, generator=gen).bfloat16(),
+                  cu_seqlens=torch.arange(0, N + 1), cu_seqlens_cpu=torch.arange(0, N + 1), ssm_state_indices=slots,
+                  use_qk_l2norm_in_kernel=True)
+        return kw
+    return make
+
+
 def cases():
     """(name, op, input maker, tier, whether the call must be planned)."""
     from fastla.ops import chunk_gated_delta_rule as gdn
@@ -162,6 +179,7 @@ def cases():
          "triton", True),
         ("kda-decode", kda_decode, _kda_case(T=1, output_final_state=True), "triton", True),
         ("gdn-verify-pool", gdn_decode, _pool_case(), "triton", True),
+        ("gdn-decode-bf16-pool", gdn_decode, _stream_pool_case(), "gluon", True),
     ]
     return out
 
