@@ -94,9 +94,9 @@ def _token_inputs(q, k, v, g, gk, beta, A_log, dt_bias, g_gamma, i_n, i_hv, i_v,
                   H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, BV: gl.constexpr,
                   DELTA: gl.constexpr, HAS_G: gl.constexpr, HAS_GK: gl.constexpr, HAS_GAMMA: gl.constexpr,
                   GATE: gl.constexpr, HAS_A: gl.constexpr, HAS_BIAS: gl.constexpr, BETA: gl.constexpr):
-    """A tile's token inputs in fp32: q, k, the raw per-key gate (its dt bias added) [BK]; v [BV];
+    """A tile's token inputs in fp32: q, k, the raw per-key gate, the dt bias per key [BK]; v [BV];
     the raw scalar gate, exp(A_log), the scalar dt bias, g_gamma and the raw beta. Loaded a tile
-    ahead of their use (nothing here waits on them but the bias's add)."""
+    ahead of their use (nothing here waits on them)."""
     i_n64 = i_n.to(gl.int64)
     i_h = i_hv // (HV // H)
     m_k = (o_k >= 0) & exists
@@ -117,15 +117,16 @@ def _token_inputs(q, k, v, g, gk, beta, A_log, dt_bias, g_gamma, i_n, i_hv, i_v,
     if HAS_A:
         b_A = gl.exp(gl.load(A_log + i_hv, mask=exists, other=0.0).to(gl.float32))
     b_bias = 0.0
+    b_bias_k = b_q
     if HAS_BIAS:
         if GATE == 1:
             b_bias = gl.load(dt_bias + i_hv, mask=exists, other=0.0).to(gl.float32)
-        else:                               # the per-key bias joins the raw gate: one [BK] vector kept
-            b_gk = b_gk + gl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.0).to(gl.float32)
+        else:
+            b_bias_k = gl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.0).to(gl.float32)
     b_gamma = 0.0
     if HAS_GAMMA:
         b_gamma = gl.load(g_gamma + i_hv, mask=exists, other=0.0).to(gl.float32)
-    return b_q, b_k, b_v, b_g, b_gk, b_A, b_bias, b_gamma, b_beta
+    return b_q, b_k, b_v, b_g, b_gk, b_A, b_bias, b_bias_k, b_gamma, b_beta
 
 
 @gluon.jit
@@ -173,7 +174,7 @@ def _decode_sm90_kernel(
                          H, HV, K, BV, DELTA, HAS_G, HAS_GK, HAS_GAMMA, GATE, HAS_A, HAS_BIAS, BETA)
     for j in range(0, n_mine):
         stage = j % STAGES
-        b_q, b_k, b_v, b_g, b_gk, b_A, b_bias, b_gamma, b_beta = n_in
+        b_q, b_k, b_v, b_g, b_gk, b_A, b_bias, b_bias_k, b_gamma, b_beta = n_in
         c_n, c_hv, c_v, c_row, c_col, c_live = i_n, i_hv, i_v, row, col, live
         # the next tile's coordinates and token inputs, loaded while this one computes
         i_n, i_hv, i_v, row, col, live = _tile(pid + (j + 1) * programs, n_tiles, slots, stride_slots, HV, K, V, BV,
@@ -182,8 +183,8 @@ def _decode_sm90_kernel(
                              o_c, sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sg_n, sg_h, sgk_n, sgk_h, sb_n, sb_h,
                              H, HV, K, BV, DELTA, HAS_G, HAS_GK, HAS_GAMMA, GATE, HAS_A, HAS_BIAS, BETA)
 
-        b_a = token_decay(gl.full([K], 1.0, gl.float32, gl.SliceLayout(1, L)), b_g, b_gk, b_A, b_bias, 0.0,
-                          b_gamma, lower_bound, HAS_G, HAS_GK, HAS_GAMMA, GATE, HAS_BIAS and GATE == 1)
+        b_a = token_decay(gl.full([K], 1.0, gl.float32, gl.SliceLayout(1, L)), b_g, b_gk, b_A, b_bias, b_bias_k,
+                          b_gamma, lower_bound, HAS_G, HAS_GK, HAS_GAMMA, GATE, HAS_BIAS)
         if HAS_H0:
             buf = bufs.index(stage)
             mbarrier.wait(bars.index(stage), (j // STAGES) & 1)
