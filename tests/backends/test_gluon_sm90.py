@@ -112,7 +112,7 @@ def _child_decode(name: str, folder: str) -> None:
     state, over = DECODE_VARIANTS[name]
     consts = dict(H=16, HV=32, K=128, V=128, BV=64, V_FIRST=False, DELTA=True, HAS_G=True, HAS_GK=False,
                   HAS_GAMMA=False, GATE=1, HAS_A=True, HAS_BIAS=True, L2NORM=True, BETA=2, POOL=True, HAS_H0=True,
-                  WRITE=True, STAGES=2)
+                  WRITE=True, STAGES=2, COMPACT=True)
     consts.update(over)
     box = [consts["BV"], consts["K"]] if consts["V_FIRST"] else [consts["K"], consts["BV"]]
     layout = gl.NVMMASharedLayout(0, 32 if state == "fp32" else 16, 2)

@@ -35,6 +35,7 @@ class StreamPlan:
     stages: int
     programs_per_sm: int
     num_warps: int = 4
+    compact: bool = True                # the prefetched [K] inputs one element a thread
 
 
 SHARED_BYTES = 227 * 1024            # one SM's shared memory for a block (H100 / H200)
@@ -172,7 +173,7 @@ def run(p: Problem, plan: StreamPlan | None = None):
         HAS_G=p.g is not None, HAS_GK=p.gk is not None, HAS_GAMMA=p.g_gamma is not None, GATE=gate,
         HAS_A=p.A_log is not None, HAS_BIAS=p.dt_bias is not None, L2NORM=p.use_qk_l2norm,
         BETA=triton_recurrent.beta_mode(p), POOL=slots is not None, HAS_H0=True, WRITE=write,
-        STAGES=plan.stages, num_warps=plan.num_warps,
+        STAGES=plan.stages, COMPACT=plan.compact, num_warps=plan.num_warps,
     )
     if p.pool is not None:
         return o, h0

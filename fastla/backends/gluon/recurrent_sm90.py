@@ -140,11 +140,16 @@ def _decode_sm90_kernel(
     V_FIRST: gl.constexpr, DELTA: gl.constexpr, HAS_G: gl.constexpr, HAS_GK: gl.constexpr,
     HAS_GAMMA: gl.constexpr, GATE: gl.constexpr, HAS_A: gl.constexpr, HAS_BIAS: gl.constexpr,
     L2NORM: gl.constexpr, BETA: gl.constexpr, POOL: gl.constexpr, HAS_H0: gl.constexpr, WRITE: gl.constexpr,
-    STAGES: gl.constexpr,
+    STAGES: gl.constexpr, COMPACT: gl.constexpr,
 ):
     L: gl.constexpr = _state_layout(K, BV, V_FIRST, gl.num_warps())
     LT: gl.constexpr = _stored_layout(K, BV, gl.num_warps())
-    o_k = gl.arange(0, K, layout=gl.SliceLayout(1, L))                    # key rows
+    RL: gl.constexpr = gl.SliceLayout(1, L)
+    o_k = gl.arange(0, K, layout=RL)                                      # key rows
+    # COMPACT: the prefetched [K] inputs one element a thread (not one copy per column lane and
+    # warp), moved to the tile's row layout when used
+    KL: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0]) if COMPACT else RL
+    o_kl = gl.arange(0, K, layout=KL)
     o_c = gl.arange(0, BV, layout=gl.SliceLayout(0, L))                   # value columns of a tile
     nbytes: gl.constexpr = K * BV * h_in.dtype.primitive_bitwidth // 8
     shape: gl.constexpr = [BV, K] if V_FIRST else [K, BV]
@@ -169,17 +174,22 @@ def _decode_sm90_kernel(
                                               V_FIRST, POOL)
 
     i_n, i_hv, i_v, row, col, live = _tile(pid, n_tiles, slots, stride_slots, HV, K, V, BV, V_FIRST, POOL)
-    n_in = _token_inputs(q, k, v, g, gk, beta, A_log, dt_bias, g_gamma, i_n, i_hv, i_v, n_mine > 0, o_k, o_c,
+    n_in = _token_inputs(q, k, v, g, gk, beta, A_log, dt_bias, g_gamma, i_n, i_hv, i_v, n_mine > 0, o_kl, o_c,
                          sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sg_n, sg_h, sgk_n, sgk_h, sb_n, sb_h,
                          H, HV, K, BV, DELTA, HAS_G, HAS_GK, HAS_GAMMA, GATE, HAS_A, HAS_BIAS, BETA)
     for j in range(0, n_mine):
         stage = j % STAGES
         b_q, b_k, b_v, b_g, b_gk, b_A, b_bias, b_bias_k, b_gamma, b_beta = n_in
+        if COMPACT:
+            b_q = gl.convert_layout(b_q, RL)
+            b_k = gl.convert_layout(b_k, RL)
+            b_gk = gl.convert_layout(b_gk, RL)
+            b_bias_k = gl.convert_layout(b_bias_k, RL)
         c_n, c_hv, c_v, c_row, c_col, c_live = i_n, i_hv, i_v, row, col, live
         # the next tile's coordinates and token inputs, loaded while this one computes
         i_n, i_hv, i_v, row, col, live = _tile(pid + (j + 1) * programs, n_tiles, slots, stride_slots, HV, K, V, BV,
                                                V_FIRST, POOL)
-        n_in = _token_inputs(q, k, v, g, gk, beta, A_log, dt_bias, g_gamma, i_n, i_hv, i_v, j + 1 < n_mine, o_k,
+        n_in = _token_inputs(q, k, v, g, gk, beta, A_log, dt_bias, g_gamma, i_n, i_hv, i_v, j + 1 < n_mine, o_kl,
                              o_c, sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sg_n, sg_h, sgk_n, sgk_h, sb_n, sb_h,
                              H, HV, K, BV, DELTA, HAS_G, HAS_GK, HAS_GAMMA, GATE, HAS_A, HAS_BIAS, BETA)
 
