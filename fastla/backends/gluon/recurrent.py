@@ -49,17 +49,13 @@ def shared_bytes(p: Problem, plan: StreamPlan) -> int:
 
 def stream_plan(p: Problem) -> StreamPlan:
     """Tile width, tiles in flight per program, programs per SM (the sweep's overrides applied).
-    Measured (bf16 pool, N = 64 / 256, HV 32): a scalar gate 64 columns, 2 stages, 3 programs an
-    SM (42.0 / 156 us; 4 stages and 2 programs 43.9 / 155); a per-key gate (KDA, GLA: more work a
-    tile, 128 registers at 32 columns) 32 columns, 2 stages, 4 programs (45.8 / 171 us; 64
-    columns 52-59 / 187-219); fp32 64 columns, 3 stages, one program (160 KB)."""
+    Measured (bf16 pool, N = 64 / 256, HV 32; docs/notes/decode.md v6): 64 columns, 2 stages, 3
+    programs an SM, the [K] inputs compact: GDN 41.7 / 152.5 us, KDA 42.9 / 154.4 (KDA's per-key
+    gate at 32 columns, 4 programs: 45.7 / 172.6 before the compact inputs made 64 fit in 156
+    registers); fp32 64 columns, 3 stages, one program (160 KB)."""
     fp32 = p.initial_state.element_size() == 4
-    per_key = p.gk is not None
-    bv = BLOCK_V or min(32 if per_key and not fp32 else 64, p.V)
-    if fp32:
-        stages, programs = 3, 1
-    else:
-        stages, programs = 2, (4 if per_key else 3)
+    bv = BLOCK_V or min(64, p.V)
+    stages, programs = (3, 1) if fp32 else (2, 3)
     return StreamPlan(bv, STAGES or stages, PROGRAMS_PER_SM or programs, 8 if bv >= 128 else 4)
 
 
