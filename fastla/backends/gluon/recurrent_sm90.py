@@ -19,13 +19,17 @@ Output o ``[N, HV, V]`` by plain stores.
 
 Grid ``(programs,)``, 4 warps, no specialization: program p takes tiles p, p + programs, ...;
 tile t = (sequence, value head, V tile), a head's V tiles adjacent. Per tile, with its token's
-inputs loaded one tile ahead into registers:
-    wait the stage's mbarrier; state smem -> registers (fp32)
-    the token's step (decay, the delta rule, the output)        [K, BV] fp32, 64 registers at BV 64
-    new state -> the same stage (state dtype) -> TMA store
-    the previous tile's stage refilled with the tile STAGES - 1 ahead, once its store has left
-    shared memory (``tma.store_wait(1)``)
-Shared memory: STAGES x K x BV x (4 or 2) bytes (fp32 BV 64, 3 stages: 96 KB).
+inputs and the next refill's slot loaded one tile ahead into registers:
+    wait the stage's mbarrier; state smem -> registers (fp32)                       [K, BV]
+    refill the stage with the tile STAGES ahead (every thread has read it)
+    the token's step (decay, the delta rule, the output); the output by plain stores
+    new state -> one of two store buffers (its last TMA store waited) -> TMA store
+Register layouts put the warps along V, so the reductions over K stay inside a warp; with
+``COMPACT`` the prefetched [K] inputs are held one element a thread and moved to the tile's row
+layout when used (otherwise each thread holds 16 copies' worth at 64 columns).
+Budget (K = V = 128, sm_90 compile, tests/backends/test_gluon_sm90.py): 64 columns, bf16, 2
+stages, compact: 128 registers (GDN) / 156 (KDA's per-key gate), 65 KB of shared memory, three
+programs an SM (the shipped plan, backends/gluon/recurrent.py); fp32 at 3 stages 160 KB.
 """
 from __future__ import annotations
 
@@ -145,9 +149,8 @@ def _decode_sm90_kernel(
     L: gl.constexpr = _state_layout(K, BV, V_FIRST, gl.num_warps())
     LT: gl.constexpr = _stored_layout(K, BV, gl.num_warps())
     RL: gl.constexpr = gl.SliceLayout(1, L)
-    o_k = gl.arange(0, K, layout=RL)                                      # key rows
-    # COMPACT: the prefetched [K] inputs one element a thread (not one copy per column lane and
-    # warp), moved to the tile's row layout when used
+    # the prefetched [K] inputs' key rows; COMPACT: one element a thread (not one copy per column
+    # lane and warp), moved to the tile's row layout RL when used
     KL: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0]) if COMPACT else RL
     o_kl = gl.arange(0, K, layout=KL)
     o_c = gl.arange(0, BV, layout=gl.SliceLayout(0, L))                   # value columns of a tile
