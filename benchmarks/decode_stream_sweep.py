@@ -25,10 +25,11 @@ from fastla.backends.triton import recurrent  # noqa: E402
 from fastla.core import dispatch  # noqa: E402
 from fastla.core.reference import reference_for  # noqa: E402
 
-# (block_v, stages, programs per SM, warps[, compact inputs])
+# (block_v, stages, programs per SM, warps); the kernel's earlier forms were swept with a fifth
+# column, the compact [K] inputs, now always on (docs/notes/decode.md v6)
 PLANS = {
     "float32": [(64, 3, 1, 4), (64, 2, 1, 4), (32, 2, 3, 4)],
-    "bfloat16": [(64, 2, 3, 4, False), (64, 2, 3, 4, True), (32, 2, 4, 4, False), (32, 2, 4, 4, True)],
+    "bfloat16": [(64, 2, 3, 4), (32, 2, 4, 4)],
 }
 CASES = {"pool-fp32": ("pool", torch.float32), "pool-bf16": ("pool", torch.bfloat16), "fla-fp32": ("fla", torch.float32)}
 

@@ -95,8 +95,7 @@ def test_gdn_scan_compiles_for_sm90(name, tmp_path):
 
 
 DECODE_VARIANTS = {
-    # name: (state dtype, constexprs over GDN's shipped launch: a bf16 pool, 64 columns, 2 stages,
-    # compact inputs)
+    # name: (state dtype, constexprs over GDN's shipped launch: a bf16 pool, 64 columns, 2 stages)
     "gdn-bf16-pool": ("bf16", {}),
     "kda-bf16-pool": ("bf16", dict(HAS_G=False, HAS_GK=True, GATE=3)),
     "gla-fp32-v-first-fla-form": ("fp32", dict(V_FIRST=True, DELTA=False, HAS_G=False, HAS_GK=True, GATE=0,
@@ -112,8 +111,7 @@ def _child_decode(name: str, folder: str) -> None:
 
     state, over = DECODE_VARIANTS[name]
     consts = dict(H=16, HV=32, K=128, V=128, BV=64, V_FIRST=False, DELTA=True, HAS_G=True, HAS_GK=False,
-                  HAS_GAMMA=False, GATE=1, HAS_A=True, HAS_BIAS=True, L2NORM=True, BETA=2, POOL=True, HAS_H0=True,
-                  WRITE=True, STAGES=2, COMPACT=True)
+                  HAS_GAMMA=False, GATE=1, HAS_A=True, HAS_BIAS=True, L2NORM=True, BETA=2, POOL=True, STAGES=2)
     consts.update(over)
     box = [consts["BV"], consts["K"]] if consts["V_FIRST"] else [consts["K"], consts["BV"]]
     layout = gl.NVMMASharedLayout(0, 32 if state == "fp32" else 16, 2)

@@ -122,8 +122,7 @@ def test_gates_in_op_varlen_single_tokens(op):
             o, ht = (fused_recurrent_kda if channel else fused_recurrent_gated_delta_rule)(**args, **opts)
         ref = {n: (x.double() if torch.is_tensor(x) else x) for n, x in args.items()}
         q, k, v = ref.pop("q"), ref.pop("k"), ref.pop("v")
-        ref_opts = {**opts, "cu_seqlens": opts["cu_seqlens"]}
-        ref_opts.pop("cu_seqlens_cpu")
+        ref_opts = {n: x for n, x in opts.items() if n != "cu_seqlens_cpu"}
         ro, rht = (naive_recurrent_kda if channel else naive_recurrent_gated_delta_rule)(q, k, v, **ref, **ref_opts)
         assert_close(f"o {extra}", o, ro, 5e-3)                           # a bf16 output
         assert_close(f"ht {extra}", ht, rht, 2e-5)

@@ -35,7 +35,6 @@ class StreamPlan:
     stages: int
     programs_per_sm: int
     num_warps: int = 4
-    compact: bool = True                # the prefetched [K] inputs one element a thread
 
 
 SHARED_BYTES = 227 * 1024            # one SM's shared memory for a block (H100 / H200)
@@ -92,6 +91,8 @@ def supports(p: Problem) -> str | None:
         return "no initial state (nothing to stream: the Triton kernel serves it)"
     if p.pool is not None and (p.pool.indices.dim() == 2 or p.pool.num_accepted_tokens is not None):
         return "per-token pool indices or num_accepted_tokens (multi-token verify: the Triton kernel)"
+    if p.pool is not None and p.pool.disable_state_update or p.pool is None and not p.output_final_state:
+        return "no state to write (disable_state_update, or no final state): the sm_90 decode always writes"
     if h.dtype not in (torch.float32, torch.bfloat16):
         return f"a {h.dtype} state (the sm_90 decode streams fp32 or bf16)"
     if p.pool is None and h.dtype != torch.float32:
@@ -118,10 +119,10 @@ def _state_tile_layout(bits: int):
 
 
 def _seq_strides(x: torch.Tensor | None, dense: bool) -> tuple[int, int]:
-    """(sequence, head) element strides of a one-token-per-sequence input: [N, 1, ..] or [1, N, ..]."""
+    """(sequence, head) element strides of a one-token-per-sequence input: [N, 1, H, ..] or [1, N, H, ..]."""
     if x is None:
         return 0, 0
-    return (x.stride(0) if dense else x.stride(1)), (x.stride(2) if x.dim() > 2 else 0)
+    return (x.stride(0) if dense else x.stride(1)), x.stride(2)
 
 
 def run(p: Problem, plan: StreamPlan | None = None):
@@ -134,30 +135,24 @@ def run(p: Problem, plan: StreamPlan | None = None):
     h0 = p.initial_state
     o = call_plan.empty(p.v.shape, p.o_dtype, p.device)
     if p.pool is not None:
-        ht = h0
-        write = not p.pool.disable_state_update
-        slots = p.pool.indices
+        ht, slots = h0, p.pool.indices
     else:
         shape = (N, HV, V, K) if p.state_v_first else (N, HV, K, V)
-        ht = call_plan.empty(shape, torch.float32, p.device) if p.output_final_state else None
-        write = ht is not None
-        slots = None
+        ht, slots = call_plan.empty(shape, torch.float32, p.device), None
     layout = _state_tile_layout(8 * h0.element_size())
     rows_per_head, width, box = (V, K, [BV, K]) if p.state_v_first else (K, V, [K, BV])
 
     def view(x):
         return tma_descriptor(x, x.shape[0] * HV * rows_per_head, width, box, layout)
 
-    h_in = view(h0)
-    h_out = view(ht) if ht is not None else h_in
-    n_rows = (ht if ht is not None else h0).shape[0] * HV * rows_per_head
+    n_rows = ht.shape[0] * HV * rows_per_head
     gate = triton_recurrent.gate_mode(p)
     n_tiles = N * HV * (V // BV)
     grid = (min(n_tiles, plan.programs_per_sm * sm_count(p.device)),)
     dense = p.cu_seqlens is None and p.cu_seqlens_host is None
     d = o
     launcher(_decode_sm90_kernel)[grid](
-        h_in, h_out, p.q, p.k, p.v, p.g if p.g is not None else d, p.gk if p.gk is not None else d,
+        view(h0), view(ht), p.q, p.k, p.v, p.g if p.g is not None else d, p.gk if p.gk is not None else d,
         p.beta if p.beta is not None else d, p.A_log if p.A_log is not None else d,
         p.dt_bias if p.dt_bias is not None else d, p.g_gamma if p.g_gamma is not None else d,
         o, slots if slots is not None else d,
@@ -168,8 +163,8 @@ def run(p: Problem, plan: StreamPlan | None = None):
         H=p.H, HV=HV, K=K, V=V, BV=BV, V_FIRST=p.state_v_first, DELTA=p.delta,
         HAS_G=p.g is not None, HAS_GK=p.gk is not None, HAS_GAMMA=p.g_gamma is not None, GATE=gate,
         HAS_A=p.A_log is not None, HAS_BIAS=p.dt_bias is not None, L2NORM=p.use_qk_l2norm,
-        BETA=triton_recurrent.beta_mode(p), POOL=slots is not None, HAS_H0=True, WRITE=write,
-        STAGES=plan.stages, COMPACT=plan.compact, num_warps=plan.num_warps,
+        BETA=triton_recurrent.beta_mode(p), POOL=slots is not None,
+        STAGES=plan.stages, num_warps=plan.num_warps,
     )
     if p.pool is not None:
         return o, h0

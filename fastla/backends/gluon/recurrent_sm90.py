@@ -24,11 +24,13 @@ inputs and the next refill's slot loaded one tile ahead into registers:
     refill the stage with the tile STAGES ahead (every thread has read it)
     the token's step (decay, the delta rule, the output); the output by plain stores
     new state -> one of two store buffers (its last TMA store waited) -> TMA store
-Register layouts put the warps along V, so the reductions over K stay inside a warp; with
-``COMPACT`` the prefetched [K] inputs are held one element a thread and moved to the tile's row
-layout when used (otherwise each thread holds 16 copies' worth at 64 columns).
+Register layouts put the warps along V, so the reductions over K stay inside a warp; the
+prefetched [K] inputs are held one element a thread and moved to the tile's row layout when used
+(in that layout a thread would hold 16 of each at 64 columns).
+Every call streams a start state and writes the new one (``supports`` hands calls without an
+initial state, with ``disable_state_update`` or without a final state to the Triton kernel).
 Budget (K = V = 128, sm_90 compile, tests/backends/test_gluon_sm90.py): 64 columns, bf16, 2
-stages, compact: 128 registers (GDN) / 156 (KDA's per-key gate), 65 KB of shared memory, three
+stages: 128 registers (GDN) / 156 (KDA's per-key gate), 65 KB of shared memory, three
 programs an SM (the shipped plan, backends/gluon/recurrent.py); fp32 at 3 stages 160 KB.
 """
 from __future__ import annotations
@@ -143,15 +145,14 @@ def _decode_sm90_kernel(
     H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
     V_FIRST: gl.constexpr, DELTA: gl.constexpr, HAS_G: gl.constexpr, HAS_GK: gl.constexpr,
     HAS_GAMMA: gl.constexpr, GATE: gl.constexpr, HAS_A: gl.constexpr, HAS_BIAS: gl.constexpr,
-    L2NORM: gl.constexpr, BETA: gl.constexpr, POOL: gl.constexpr, HAS_H0: gl.constexpr, WRITE: gl.constexpr,
-    STAGES: gl.constexpr, COMPACT: gl.constexpr,
+    L2NORM: gl.constexpr, BETA: gl.constexpr, POOL: gl.constexpr, STAGES: gl.constexpr,
 ):
     L: gl.constexpr = _state_layout(K, BV, V_FIRST, gl.num_warps())
     LT: gl.constexpr = _stored_layout(K, BV, gl.num_warps())
     RL: gl.constexpr = gl.SliceLayout(1, L)
-    # the prefetched [K] inputs' key rows; COMPACT: one element a thread (not one copy per column
-    # lane and warp), moved to the tile's row layout RL when used
-    KL: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0]) if COMPACT else RL
+    # the prefetched [K] inputs' key rows, one element a thread (in RL a thread holds one copy per
+    # column lane group), moved to the tile's row layout RL when used
+    KL: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
     o_kl = gl.arange(0, K, layout=KL)
     o_c = gl.arange(0, BV, layout=gl.SliceLayout(0, L))                   # value columns of a tile
     nbytes: gl.constexpr = K * BV * h_in.dtype.primitive_bitwidth // 8
@@ -166,15 +167,12 @@ def _decode_sm90_kernel(
     pid = gl.program_id(0)
     programs = gl.num_programs(0)
     n_mine = (n_tiles - pid + programs - 1) // programs                   # tiles pid, pid + programs, ..
+    for st in gl.static_range(STAGES):
+        _, _, _, row, col, live = _tile(pid + st * programs, n_tiles, slots, stride_slots, HV, K, V, BV, V_FIRST, POOL)
+        _issue_load(h_in, bufs.index(st), bars.index(st), row, col, live, st < n_mine, nbytes)
     # the tile a stage is refilled with (STAGES ahead), its slot read an iteration before its use
-    f_row, f_col, f_live = pid * 0, pid * 0, pid >= 0
-    if HAS_H0:
-        for st in gl.static_range(STAGES):
-            _, _, _, row, col, live = _tile(pid + st * programs, n_tiles, slots, stride_slots, HV, K, V, BV, V_FIRST,
-                                            POOL)
-            _issue_load(h_in, bufs.index(st), bars.index(st), row, col, live, st < n_mine, nbytes)
-        _, _, _, f_row, f_col, f_live = _tile(pid + STAGES * programs, n_tiles, slots, stride_slots, HV, K, V, BV,
-                                              V_FIRST, POOL)
+    _, _, _, f_row, f_col, f_live = _tile(pid + STAGES * programs, n_tiles, slots, stride_slots, HV, K, V, BV,
+                                          V_FIRST, POOL)
 
     i_n, i_hv, i_v, row, col, live = _tile(pid, n_tiles, slots, stride_slots, HV, K, V, BV, V_FIRST, POOL)
     n_in = _token_inputs(q, k, v, g, gk, beta, A_log, dt_bias, g_gamma, i_n, i_hv, i_v, n_mine > 0, o_kl, o_c,
@@ -183,11 +181,10 @@ def _decode_sm90_kernel(
     for j in range(0, n_mine):
         stage = j % STAGES
         b_q, b_k, b_v, b_g, b_gk, b_A, b_bias, b_bias_k, b_gamma, b_beta = n_in
-        if COMPACT:
-            b_q = gl.convert_layout(b_q, RL)
-            b_k = gl.convert_layout(b_k, RL)
-            b_gk = gl.convert_layout(b_gk, RL)
-            b_bias_k = gl.convert_layout(b_bias_k, RL)
+        b_q = gl.convert_layout(b_q, RL)
+        b_k = gl.convert_layout(b_k, RL)
+        b_gk = gl.convert_layout(b_gk, RL)
+        b_bias_k = gl.convert_layout(b_bias_k, RL)
         c_n, c_hv, c_v, c_row, c_col, c_live = i_n, i_hv, i_v, row, col, live
         # the next tile's coordinates and token inputs, loaded while this one computes
         i_n, i_hv, i_v, row, col, live = _tile(pid + (j + 1) * programs, n_tiles, slots, stride_slots, HV, K, V, BV,
@@ -196,41 +193,37 @@ def _decode_sm90_kernel(
                              o_c, sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sg_n, sg_h, sgk_n, sgk_h, sb_n, sb_h,
                              H, HV, K, BV, DELTA, HAS_G, HAS_GK, HAS_GAMMA, GATE, HAS_A, HAS_BIAS, BETA)
 
-        b_a = token_decay(gl.full([K], 1.0, gl.float32, gl.SliceLayout(1, L)), b_g, b_gk, b_A, b_bias, b_bias_k,
+        b_a = token_decay(gl.full([K], 1.0, gl.float32, RL), b_g, b_gk, b_A, b_bias, b_bias_k,
                           b_gamma, lower_bound, HAS_G, HAS_GK, HAS_GAMMA, GATE, HAS_BIAS)
-        if HAS_H0:
-            buf = bufs.index(stage)
-            mbarrier.wait(bars.index(stage), (j // STAGES) & 1)
-            if V_FIRST:                                                   # [BV, K] in shared memory
-                b_h = gl.convert_layout(gl.permute(buf.load(LT), (1, 0)), L, assert_trivial=True)
-            else:
-                b_h = buf.load(L)
-            b_h = gl.where(c_live, b_h.to(gl.float32), 0.0)              # [K, BV]
-            # the tile is in registers: its stage takes the tile STAGES ahead (every thread has read it)
-            gl.thread_barrier()
-            fence_async_shared()
-            more = j + STAGES < n_mine
-            _issue_load(h_in, buf, bars.index(stage), f_row, f_col, f_live, more, nbytes)
-            t_f = pid + gl.where(more, j + 1 + STAGES, STAGES) * programs
-            _, _, _, f_row, f_col, f_live = _tile(t_f, n_tiles, slots, stride_slots, HV, K, V, BV, V_FIRST, POOL)
+        buf = bufs.index(stage)
+        mbarrier.wait(bars.index(stage), (j // STAGES) & 1)
+        if V_FIRST:                                                       # [BV, K] in shared memory
+            b_h = gl.convert_layout(gl.permute(buf.load(LT), (1, 0)), L, assert_trivial=True)
         else:
-            b_h = gl.zeros([K, BV], gl.float32, L)
+            b_h = buf.load(L)
+        b_h = gl.where(c_live, b_h.to(gl.float32), 0.0)                  # [K, BV]
+        # the tile is in registers: its stage takes the tile STAGES ahead (every thread has read it)
+        gl.thread_barrier()
+        fence_async_shared()
+        more = j + STAGES < n_mine
+        _issue_load(h_in, buf, bars.index(stage), f_row, f_col, f_live, more, nbytes)
+        t_f = pid + gl.where(more, j + 1 + STAGES, STAGES) * programs
+        _, _, _, f_row, f_col, f_live = _tile(t_f, n_tiles, slots, stride_slots, HV, K, V, BV, V_FIRST, POOL)
         b_o, b_h = token_update(b_h, b_a, b_q, b_k, b_v, b_beta, scale, DELTA, BETA, L2NORM)
         if POOL:
             b_o = gl.where(c_live, b_o, 0.0)
         gl.store(o + (c_n.to(gl.int64) * HV + c_hv) * V + c_v * BV + o_c, b_o.to(o.dtype.element_ty))
-        if WRITE:
-            out = outs.index(j % 2)
-            tma.store_wait(1)                       # the store that used this buffer has left it
-            gl.thread_barrier()                     # (waited by the thread that issued it)
-            if V_FIRST:
-                out.store(gl.convert_layout(gl.permute(b_h.to(h_out.dtype), (1, 0)), LT, assert_trivial=True))
-            else:
-                out.store(b_h.to(h_out.dtype))
-            fence_async_shared()
-            # a skipped slot's tile is sent past the view's last row: TMA writes nothing out of
-            # bounds (no branch around the store: ptxas crashed on one in chunk_delta_sm90)
-            tma.async_copy_shared_to_global(h_out, [gl.where(c_live, c_row, n_rows), c_col], out)
+        out = outs.index(j % 2)
+        tma.store_wait(1)                           # the store that used this buffer has left it
+        gl.thread_barrier()                         # (waited by the thread that issued it)
+        if V_FIRST:
+            out.store(gl.convert_layout(gl.permute(b_h.to(h_out.dtype), (1, 0)), LT, assert_trivial=True))
+        else:
+            out.store(b_h.to(h_out.dtype))
+        fence_async_shared()
+        # a skipped slot's tile is sent past the view's last row: TMA writes nothing out of bounds
+        # (no branch around the store: ptxas crashed on one in chunk_delta_sm90)
+        tma.async_copy_shared_to_global(h_out, [gl.where(c_live, c_row, n_rows), c_col], out)
     tma.store_wait(0)
     for st in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(st))
