@@ -37,6 +37,9 @@ VARIANTS = {
     "gluon-ws-bv32": dict(SCAN_BLOCK_V=32, SCAN_SPECIALIZED=True),     # the warp-specialized scan
     "gluon-ws-bv64": dict(SCAN_BLOCK_V=64, SCAN_SPECIALIZED=True),
     "gluon-bv64-wg2": dict(SCAN_BLOCK_V=64, SCAN_WARPGROUPS=2),
+    "gluon-dual-bv64": dict(SCAN_BLOCK_V=64, SCAN_DUAL=True),           # two chains of 32 columns
+    "gluon-dual-bv64-s3": dict(SCAN_BLOCK_V=64, SCAN_DUAL=True, SCAN_STAGES=3),
+    "gluon-dual-bv128": dict(SCAN_BLOCK_V=128, SCAN_DUAL=True),         # two chains of 64 columns
     "gluon-bv128": dict(SCAN_BLOCK_V=128),  # two warpgroups
     "gluon-s3": dict(SCAN_BLOCK_V=64, SCAN_STAGES=3),   # three stages do not fit at 128 columns
     "gluon-noseg": dict(segment_chunks=0),  # the plan's segments (sequence parallelism) on the sm_90 tier

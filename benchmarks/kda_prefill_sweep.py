@@ -44,6 +44,8 @@ VARIANTS = {
     "prep-w4-bk32": dict(kda_prepare_warps=4, kda_prepare_block_k=32),
     "prep-r168": dict(kda_prepare_maxnreg=168),
     "prep-triton": dict(sm90_prologue=False),     # the Gluon tier with the Triton prologue
+    "dual": dict(scan_dual=True),                  # the two-chain sm_90 scan at 64 columns (2 x 32)
+    "bv32-gluon": dict(scan_bv=32),                # the plain sm_90 scan at 32 columns
     "sm90-r168": dict(sm90_maxnreg=168),           # the sm_90 prologue capped (three programs per SM; the default)
     "sm90-uncapped": dict(sm90_maxnreg=None),
     "sm90-r128": dict(sm90_maxnreg=128),
@@ -114,6 +116,8 @@ def main() -> int:
             sm90_prologue.INVERSE_WARPS = over.pop("inverse_warps", 1)
             sm90_prologue.UNBOUNDED = over.pop("sm90_unbounded", default_unbounded)
             wide.BLOCK_K, wide.WARPS, wide.STAGES = over.pop("wide", default_wide)
+            gluon_chunk.SCAN_DUAL = over.pop("scan_dual", False)
+            gluon_chunk.SCAN_BLOCK_V = 64 if gluon_chunk.SCAN_DUAL else over.pop("scan_bv", None)
             chunk_delta.default_config = lambda p, o=over: dataclasses.replace(original(p), **o)
             try:
                 with use_tier(args.tier, strict=True), torch.no_grad():
@@ -132,6 +136,7 @@ def main() -> int:
                 sm90_prologue.MAXNREG, sm90_prologue.INVERSE_WARPS = default_maxnreg, 1
                 sm90_prologue.UNBOUNDED = default_unbounded
                 wide.BLOCK_K, wide.WARPS, wide.STAGES = default_wide
+                gluon_chunk.SCAN_DUAL, gluon_chunk.SCAN_BLOCK_V = False, None
             prep = sum(v for k, v in split.items() if any(w in k for w in ("prepare", "prologue", "inverse", "wide", "list")))
             scan = sum(v for k, v in split.items() if "scan" in k)
             rows.append(dict(shape=shape, variant=name, tier=args.tier, gate=args.gate, us=us, prepare_us=prep, scan_us=scan, kernels=split,

@@ -53,6 +53,11 @@ SCAN_VARIANTS = {
     "ws-bv64-replay-varlen": dict(WS=True, BV=64, SEG=2, VARLEN=True),
     "ws-bv32-replay-states-varlen": dict(WS=True, SEG=2, STORE_STATES=True, VARLEN=True),
     "ws-k64-v-first-raw-beta": dict(WS=True, K=64, V=64, SK=1, SV=64, BETA=1, L2NORM=False),
+    # two chains per program (chunk_delta_dual_sm90.py): 64 columns as two of 32
+    "dual-bv64": dict(DUAL=True, BV=64),
+    "dual-bv64-replay-states-varlen": dict(DUAL=True, BV=64, SEG=2, STORE_STATES=True, VARLEN=True),
+    "dual-k64-v-first": dict(DUAL=True, BV=64, K=64, V=64, SK=1, SV=64),
+    "dual-kda-bv64": dict(DUAL=True, BV=64, GK=True, L2NORM=False),
 }
 
 
@@ -60,6 +65,7 @@ def _child_scan(name: str, folder: str) -> None:
     from triton.experimental.gluon import language as gl
 
     from fastla.backends.gluon.chunk_delta_sm90 import _scan_sm90_kernel
+    from fastla.backends.gluon.chunk_delta_dual_sm90 import CHAIN_REGS, LOADER_REGS, _scan_dual_sm90_kernel
     from fastla.backends.gluon.chunk_delta_ws_sm90 import PREP_REGS, _scan_ws_sm90_kernel
 
     consts = dict(H=16, HV=64, K=128, V=128, BV=32, SK=128, SV=1, HAS_H0=True, STORE_FINAL=True, L2NORM=True,
@@ -69,17 +75,22 @@ def _child_scan(name: str, folder: str) -> None:
         kern = _scan_ws_sm90_kernel
         del consts["WARPGROUPS"], consts["STAGES"], consts["GK"]
         consts["PREP_NREG"] = PREP_REGS
+    elif consts.pop("DUAL", False):
+        kern = _scan_dual_sm90_kernel
+        del consts["WARPGROUPS"]
+        consts.update(CHAIN_NREG=CHAIN_REGS, LOADER_NREG=LOADER_REGS)
     else:
         kern = _scan_sm90_kernel
     tile = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
-    vtile = gl.NVMMASharedLayout.get_default_for([64, consts["BV"]], gl.bfloat16)
+    box_v = consts["BV"] // 2 if kern is _scan_dual_sm90_kernel else consts["BV"]     # the dual chains' tiles
+    vtile = gl.NVMMASharedLayout.get_default_for([64, box_v], gl.bfloat16)
     names = kern.arg_names
     sig = {}
     for n in names:
         if n in ("k_desc", "q_desc", "kd_desc", "p_desc", "a_desc"):
             sig[n] = f"tensordesc<bf16[64, 64],{tile!r}>"
         elif n in ("v_desc", "o_desc"):
-            sig[n] = f"tensordesc<bf16[64, {consts['BV']}],{vtile!r}>"
+            sig[n] = f"tensordesc<bf16[64, {box_v}],{vtile!r}>"
         else:
             sig[n] = SCAN_POINTERS.get(n) or ("constexpr" if n in consts else ("i32" if n in ("T", "NT", "n_rows") else "fp32"))
     print(json.dumps(_compile_sm90(kern, sig, consts, folder, {"num_warps": 4 * consts.get("WARPGROUPS", 1)})))
@@ -91,7 +102,7 @@ def test_gdn_scan_compiles_for_sm90(name, tmp_path):
     assert res["hgmma"] > 0 and res["utmaldg"] > 0 and res["utmastg"] > 0, res      # TMA loads and the output's store
     assert res["LOCAL"] == 0 and res["STACK"] == 0, f"spills: {res}"
     assert res["shared_bytes"] <= 227 * 1024, res
-    assert (res["setmaxnreg"] > 0) == name.startswith("ws-"), res          # the partitions' register split
+    assert (res["setmaxnreg"] > 0) == name.startswith(("ws-", "dual-")), res   # the partitions' register split
 
 
 DECODE_VARIANTS = {

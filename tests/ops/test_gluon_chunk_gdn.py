@@ -42,14 +42,16 @@ def bf16_inputs(**kw):
     return make_inputs(SPEC, dtype=torch.bfloat16, device="cuda", **kw)
 
 
-@pytest.fixture(params=[(32, False), (64, False), (128, False), (32, True), (64, True)],
-                ids=["bv32", "bv64", "bv128", "ws-bv32", "ws-bv64"])
+@pytest.fixture(params=[(32, ""), (64, ""), (128, ""), (32, "ws"), (64, "ws"), (64, "dual"), (128, "dual")],
+                ids=["bv32", "bv64", "bv128", "ws-bv32", "ws-bv64", "dual-bv64", "dual-bv128"])
 def block_v(request, monkeypatch):
-    """The scan's tile width, and the warp-specialized scan (chunk_delta_ws_sm90.py) at its widths."""
+    """The scan's tile width, the warp-specialized scan (chunk_delta_ws_sm90.py) and the two-chain
+    scan (chunk_delta_dual_sm90.py) at their widths."""
     from fastla.backends.gluon import chunk_delta as gluon_chunk
-    width, specialized = request.param
+    width, kernel = request.param
     monkeypatch.setattr(gluon_chunk, "SCAN_BLOCK_V", width)
-    monkeypatch.setattr(gluon_chunk, "SCAN_SPECIALIZED", specialized)
+    monkeypatch.setattr(gluon_chunk, "SCAN_SPECIALIZED", kernel == "ws")
+    monkeypatch.setattr(gluon_chunk, "SCAN_DUAL", kernel == "dual")
     return width
 
 
@@ -63,11 +65,13 @@ def test_head_dims(K, V):
     check(bf16_inputs(B=1, T=300, H=1, HV=2, K=K, V=V))
 
 
-@pytest.mark.parametrize("block_v_64", [32, 64])
+@pytest.mark.parametrize("block_v_64", [32, 64, "dual-64"])
 def test_head_dims_64_all_widths(block_v_64, monkeypatch):
-    """K = V = 64 at both widths that divide V (the plan alone picks 32 at these few lanes)."""
+    """K = V = 64 at both widths that divide V (the plan alone picks 32 at these few lanes), and
+    64 on the two-chain scan."""
     from fastla.backends.gluon import chunk_delta as gluon_chunk
-    monkeypatch.setattr(gluon_chunk, "SCAN_BLOCK_V", block_v_64)
+    monkeypatch.setattr(gluon_chunk, "SCAN_DUAL", block_v_64 == "dual-64")
+    monkeypatch.setattr(gluon_chunk, "SCAN_BLOCK_V", 64 if block_v_64 == "dual-64" else block_v_64)
     check(bf16_inputs(B=1, T=300, H=1, HV=2, K=64, V=64))
 
 

@@ -59,14 +59,16 @@ def test_fla_form(op, v_first, stages, programs):
 
 
 @gpu
-@pytest.mark.parametrize("op", ["gdn", "kda", "gla"])
+@pytest.mark.parametrize("op", list(OPS))
 @pytest.mark.parametrize("v_first", [False, True])
 @pytest.mark.parametrize("state_dtype,K,V,block_v", [
     (torch.float32, 128, 128, None), (torch.bfloat16, 128, 128, None), (torch.bfloat16, 128, 128, 128),
     (torch.float32, 64, 128, 32), (torch.bfloat16, 128, 64, None)])     # (128-column fp32 tiles do not fit)
-def test_pool_in_place(op, state_dtype, v_first, K, V, block_v):
+@pytest.mark.parametrize("programs", [1, None], ids=["1-program", "plan"])
+def test_pool_in_place(op, state_dtype, v_first, K, V, block_v, programs):
     """The pool updated in place: live slots equal the reference from their start state, skipped
-    rows' slots and the slots no row names bit-identical, skipped rows' outputs zero."""
+    rows' slots and the slots no row names bit-identical, skipped rows' outputs zero. ``plan``:
+    the shipped programs per SM (three for bf16 states: several tiles each, 260 rows x 4 heads)."""
     spec = OPS[op]
     N, HV, slots = 260, 4, 600
     t = _inputs(spec, N=N, HV=HV, K=K, V=V, v_first=v_first, seed=2)
@@ -78,7 +80,7 @@ def test_pool_in_place(op, state_dtype, v_first, K, V, block_v):
     idx[::7] = -1
     before = pool.clone()
     _poison_allocator(N * HV * V * 4)
-    with _gluon(programs_per_sm=1, block_v=block_v):
+    with _gluon(programs_per_sm=programs, block_v=block_v):
         o, returned = call_recurrent(spec, {**t, "initial_state": pool}, ssm_state_indices=idx, state_v_first=v_first)
     assert returned is pool
     live = idx >= 0

@@ -22,6 +22,10 @@ SCAN_WARPGROUPS = None      # warpgroups splitting a program's columns (None: sc
 # 200 KB at K = 128): off by default, it measured 4-10% slower than the plain scan at 64 columns
 # on every swept shape (docs/notes/gdn-prefill.md, v10)
 SCAN_SPECIALIZED = False
+# Two chains per program (chunk_delta_dual_sm90.py: the program's columns as two halves, each on its
+# own warpgroup, a loader warp): at 64 and 128 columns
+SCAN_DUAL = False
+DUAL_WIDTHS = (64, 128)
 # KDA's prologue on the sm_90 kernel (chunk_prepare_kda_sm90.py) where it serves (K % 32 == 0, a
 # bf16 or fp32 gate), else on the Triton one (backends/triton/chunk_prepare_kda.py); False for A/B sweeps
 KDA_PROLOGUE_SM90 = True
@@ -107,6 +111,7 @@ def tma_descriptor(x, rows: int, width: int, block, layout):
 
 def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments, seg_state, programs: int):
     from fastla.backends.gluon.chunk_delta_sm90 import _scan_sm90_kernel
+    from fastla.backends.gluon.chunk_delta_dual_sm90 import CHAIN_REGS, LOADER_REGS, _scan_dual_sm90_kernel
     from fastla.backends.gluon.chunk_delta_ws_sm90 import PREP_REGS, _scan_ws_sm90_kernel
 
     BT = BK = 64                                                            # the kernel's tile sides
@@ -129,14 +134,19 @@ def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments
     if sp.h_chunks is not None:
         BV, warpgroups = 32, 1          # storing the chunk states spills at 64 columns (448 B, sm_90 compile)
     rows = p.B * p.T
-    tile, vtile = _tile_layout(BT, BK), _tile_layout(BT, BV)
+    dual = SCAN_DUAL and BV in DUAL_WIDTHS and sp.h_chunks is None
+    box_v = BV // 2 if dual else BV                                         # the dual chains' value tiles
+    tile, vtile = _tile_layout(BT, BK), _tile_layout(BT, box_v)
 
     def desc(x, width, block, layout):
         return tma_descriptor(x, rows, width, block, layout)
 
     SK, SV = (1, p.K) if p.state_v_first else (p.V, 1)
     d = sp.dummy
-    if SCAN_SPECIALIZED and BV in SPECIALIZED_WIDTHS and warpgroups == 1 and not gk:
+    if dual:
+        kernel, launch = _scan_dual_sm90_kernel, dict(STAGES=SCAN_STAGES, CHAIN_NREG=CHAIN_REGS,
+                                                      LOADER_NREG=LOADER_REGS, num_warps=4)
+    elif SCAN_SPECIALIZED and BV in SPECIALIZED_WIDTHS and warpgroups == 1 and not gk:
         kernel, launch = _scan_ws_sm90_kernel, dict(PREP_NREG=PREP_REGS, num_warps=4)
     else:
         kernel, launch = _scan_sm90_kernel, dict(STAGES=SCAN_STAGES, WARPGROUPS=warpgroups, num_warps=4 * warpgroups)
@@ -144,12 +154,12 @@ def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments
     # come too (the plain kernel only; the warp-specialized one serves GDN)
     qk_width = (p.HV if gk else p.H) * p.K
     args = [desc(sp.k, qk_width, [BT, BK], tile), desc(sp.q, qk_width, [BT, BK], tile)]
-    plain = kernel is _scan_sm90_kernel
+    plain = kernel is not _scan_ws_sm90_kernel
     if plain:
         args.append(desc(sp.kd, qk_width, [BT, BK], tile) if gk else args[0])
         launch.update(GK=gk)
-    args += [desc(sp.v, p.HV * p.V, [BT, BV], vtile), desc(sp.inverse, p.HV * BT, [BT, BT], tile),
-             desc(sp.scores, p.HV * BT, [BT, BT], tile), desc(sp.o, p.HV * p.V, [BT, BV], vtile),
+    args += [desc(sp.v, p.HV * p.V, [BT, box_v], vtile), desc(sp.inverse, p.HV * BT, [BT, BT], tile),
+             desc(sp.scores, p.HV * BT, [BT, BT], tile), desc(sp.o, p.HV * p.V, [BT, box_v], vtile),
              sp.beta, sp.rq, sp.rk, sp.gcum if sp.gcum is not None else d]
     if plain:
         args.append(sp.decay if gk else d)

@@ -1,0 +1,234 @@
+"""Hopper (sm_90) chunk scan of the GDN and KDA forwards on two independent chains per program.
+
+The step is chunk_delta_sm90.py's (same prologue, descriptors and row vectors); what changes is
+who waits on whom. A program owns BV value columns of one value head; two chain partitions
+(4 warps each) step the two halves of BV / 2 columns, each its own state ``[K, BV / 2]`` fp32 in
+registers, and a one-warp loader partition issues every TMA load. The chains share the chunk's
+key, query (kd) and P / A_qk tiles and read their own value tile; they synchronize only through
+the stage mbarriers (``loaded[s]``: the loader's expect-tx; ``freed[s]``: count 2, one arrive per
+chain when its products on the stage are done), so one chain's products run while the other
+waits on its own: a chain's barriers are named barriers of its 4 warps, where the plain kernel's
+two warpgroups (WARPGROUPS = 2) meet at every CTA-wide barrier of the step (15 per chunk).
+
+Grid ``(sequences or segments x HV, V / BV)``; 9 warps: chain 0 (default partition, warps 0-3),
+chain 1 (warps 4-7), the loader (warp 8). Chain c covers the columns of value tile
+``2 i_v + c`` of width BV / 2: its output tile, value tile and state columns are the plain
+kernel's for that tile.
+
+Budget (K = V = 128, BV 64, two stages, sm_90 compile): shared memory 160 KB (GDN; 184 KB with
+KDA's kd tiles); tests/backends/test_gluon_sm90.py checks registers, spills and the SASS.
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+)
+
+from fastla.backends.gluon.chunk_delta_sm90 import (
+    BK, BT, _chunk_vectors, _initial_state, _program, _store_final, _store_output,
+)
+from fastla.backends.triton.chunk_prepare import _activate_beta
+
+CHAIN_REGS = 248        # registers per thread of chain 1 (setmaxnreg)
+LOADER_REGS = 32        # of the loader warp (chain 0 runs at 256: 128 x (256 + 248) + 32 x 32 = 65536)
+
+
+@gluon.jit
+def _loader_partition(k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s,
+                      loaded, freed, bos, c_begin, n_chunks, i_h, i_hv, i_v,
+                      K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, GK: gl.constexpr):
+    """Chunk i's tiles into stage i % STAGES once both chains have freed it (chunk i - STAGES)."""
+    NK: gl.constexpr = K // BK
+    BVC: gl.constexpr = BV // 2
+    nbytes: gl.constexpr = ((3 if GK else 2) * NK * BT * BK + BT * BV + 2 * BT * BT) * 2
+    for i in range(0, n_chunks):
+        stage = (i % STAGES).to(gl.int32)
+        mbarrier.wait(freed.index(stage), (((i // STAGES) & 1) ^ 1).to(gl.int32))
+        t0 = (bos + (c_begin + i) * BT).to(gl.int32)
+        bar = loaded.index(stage)
+        mbarrier.expect(bar, nbytes)
+        for j in gl.static_range(NK):
+            tma.async_copy_global_to_shared(k_desc, [t0, i_h * K + j * BK], bar, k_s.index(stage * NK + j))
+            tma.async_copy_global_to_shared(q_desc, [t0, i_h * K + j * BK], bar, q_s.index(stage * NK + j))
+            if GK:
+                tma.async_copy_global_to_shared(kd_desc, [t0, i_h * K + j * BK], bar, kd_s.index(stage * NK + j))
+        for ch in gl.static_range(2):
+            tma.async_copy_global_to_shared(v_desc, [t0, i_hv * V + i_v * BV + ch * BVC], bar,
+                                            v_s.index(stage * 2 + ch))
+        tma.async_copy_global_to_shared(p_desc, [t0, i_hv * BT], bar, p_s.index(stage))
+        tma.async_copy_global_to_shared(a_desc, [t0, i_hv * BT], bar, a_s.index(stage))
+
+
+@gluon.jit
+def _chain_partition(CH: gl.constexpr, k_s, q_s, kd_s, v_s, p_s, a_s, s_s, y_s, vn_s, vd_s, o_s, loaded, freed,
+                     o_desc, beta, rq, rk, gcum, decay, o, h0, ht, h_chunks, seg_state,
+                     bos, eos, c_begin, n_chunks, first_chunk, is_last, i_n, i_s, i_h, i_hv, i_v, n_rows, scale,
+                     H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
+                     SK: gl.constexpr, SV: gl.constexpr, HAS_H0: gl.constexpr, STORE_FINAL: gl.constexpr,
+                     L2NORM: gl.constexpr, BETA: gl.constexpr, SEG: gl.constexpr, STORE_STATES: gl.constexpr,
+                     STAGES: gl.constexpr, GK: gl.constexpr):
+    """Chain CH: the columns of value tile 2 i_v + CH (width BV / 2), chunk by chunk."""
+    NK: gl.constexpr = K // BK
+    BVC: gl.constexpr = BV // 2
+    acc: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BVC, 16])
+    rows: gl.constexpr = gl.SliceLayout(1, acc)
+    cols: gl.constexpr = gl.SliceLayout(0, acc)
+    tile_v = i_v * 2 + CH                                                   # this chain's value tile
+    r = gl.arange(0, BT, layout=rows)                                       # chunk rows
+    o_j = gl.arange(0, BK, layout=rows)                                     # key rows of a state half
+    o_v = tile_v * BVC + gl.arange(0, BVC, layout=cols)                     # value columns
+    p_half = o_j[:, None] * SK + o_v[None, :] * SV                          # [BK, BVC] in one head's state
+
+    S0, S1 = _initial_state(h0, seg_state, i_n, i_s, i_hv, o_j, o_v, p_half, acc, HV, K, V, BVC, SK, HAS_H0, SEG)
+    s0_t = s_s.index(CH * NK)                                               # S (bf16), B operand: [BK, BVC] halves
+    s1_t = s_s.index(CH * NK + NK - 1)
+    y_t = y_s.index(CH)
+    vn_t = vn_s.index(CH)
+    vd_t = vd_s.index(CH)
+    s0_t.store(S0.to(gl.bfloat16))
+    if NK == 2:
+        s1_t.store(S1.to(gl.bfloat16))
+    fence_async_shared()
+
+    zero = gl.zeros([BT, BVC], gl.float32, acc)
+    n_G, n_Gl, n_beta, n_rk, n_rq = _chunk_vectors(gcum, beta, rq, rk, r, bos, eos, c_begin, n_chunks > 0,
+                                                   i_h, i_hv, H, HV, L2NORM, GK)
+    for i in range(0, n_chunks):
+        c = c_begin + i
+        stage = (i % STAGES).to(gl.int32)
+        t0 = bos + c * BT
+        m_t = r < eos - t0
+        b_G, b_Gl, b_rk, b_rq = n_G, n_Gl, n_rk, n_rq
+        b_beta = _activate_beta(n_beta, m_t, BETA)
+        n_G, n_Gl, n_beta, n_rk, n_rq = _chunk_vectors(gcum, beta, rq, rk, r, bos, eos, c + 1, i + 1 < n_chunks,
+                                                       i_h, i_hv, H, HV, L2NORM, GK)
+        if GK:                                              # this chunk's e^G_last per key row, for the update
+            dec = decay + ((first_chunk + c) * HV + i_hv) * K + o_j
+            b_dec0 = gl.load(dec)
+            b_dec1 = b_dec0
+            if NK == 2:
+                b_dec1 = gl.load(dec + BK)
+        if STORE_STATES:
+            h_base = h_chunks + ((first_chunk + c) * HV + i_hv) * K * V + p_half
+            gl.store(h_base, S0.to(h_chunks.dtype.element_ty))
+            if NK == 2:
+                gl.store(h_base + BK * SK, S1.to(h_chunks.dtype.element_ty))
+
+        mbarrier.wait(loaded.index(stage), ((i // STAGES) & 1).to(gl.int32))
+        # X = k S and Q = q S
+        x = warpgroup_mma(k_s.index(stage * NK), s0_t, zero, use_acc=False, is_async=True)
+        if NK == 2:
+            x = warpgroup_mma(k_s.index(stage * NK + 1), s1_t, x, is_async=True)
+        qs = warpgroup_mma(q_s.index(stage * NK), s0_t, zero, use_acc=False, is_async=True)
+        if NK == 2:
+            qs = warpgroup_mma(q_s.index(stage * NK + 1), s1_t, qs, is_async=True)
+        x = warpgroup_mma_wait(num_outstanding=NK, deps=(x,))
+        # Y = beta (v - rk e^G X) (GK: beta (v - X));  V_new = P Y
+        b_v = v_s.index(stage * 2 + CH).load(acc).to(gl.float32)
+        if GK:
+            b_y = b_beta[:, None] * (b_v - x)
+        else:
+            b_eg = gl.exp(b_G)
+            b_y = b_beta[:, None] * (b_v - (b_rk * b_eg)[:, None] * x)
+        y_t.store(b_y.to(gl.bfloat16))
+        fence_async_shared()
+        vn = warpgroup_mma(p_s.index(stage), y_t, zero, use_acc=False, is_async=True)
+        vn, qs = warpgroup_mma_wait(num_outstanding=0, deps=(vn, qs))
+        if GK:                  # rows past the sequence's end (the next one's kd rows) must not update S
+            vn_t.store(gl.where(m_t[:, None], vn, 0.0).to(gl.bfloat16))
+            fence_async_shared()
+            S0 = warpgroup_mma(kd_s.index(stage * NK).permute((1, 0)), vn_t, S0 * b_dec0[:, None], is_async=True)
+            if NK == 2:
+                S1 = warpgroup_mma(kd_s.index(stage * NK + 1).permute((1, 0)), vn_t, S1 * b_dec1[:, None],
+                                   is_async=True)
+            out = warpgroup_mma(a_s.index(stage), vn_t, qs, is_async=True)
+        else:
+            vn_t.store(vn.to(gl.bfloat16))
+            b_d = gl.where(m_t, b_rk * gl.exp(b_Gl - b_G), 0.0)
+            vd_t.store((vn * b_d[:, None]).to(gl.bfloat16))
+            fence_async_shared()
+            b_egl = gl.exp(b_Gl)
+            S0 = warpgroup_mma(k_s.index(stage * NK).permute((1, 0)), vd_t, S0 * b_egl, is_async=True)
+            if NK == 2:
+                S1 = warpgroup_mma(k_s.index(stage * NK + 1).permute((1, 0)), vd_t, S1 * b_egl, is_async=True)
+            out = warpgroup_mma(a_s.index(stage), vn_t, qs * (scale * b_rq * b_eg)[:, None], is_async=True)
+        if NK == 2:
+            S0, S1 = warpgroup_mma_wait(num_outstanding=1, deps=(S0, S1))
+            s1_t.store(S1.to(gl.bfloat16))
+        else:
+            S0 = warpgroup_mma_wait(num_outstanding=1, deps=(S0,))
+        s0_t.store(S0.to(gl.bfloat16))
+        fence_async_shared()
+        out = warpgroup_mma_wait(num_outstanding=0, deps=(out,))
+        mbarrier.arrive(freed.index(stage), count=1)                        # this chain is done with the stage
+        _store_output(out, o_desc, o_s.index(CH), o, t0, eos, r, o_v, i_hv, tile_v, n_rows, HV, V, BVC)
+
+    tma.store_wait(0)
+    if STORE_FINAL:
+        _store_final(ht, S0, S1, i_n, i_hv, p_half, o_j, is_last, HV, K, V, SK)
+
+
+@gluon.jit(do_not_specialize=["T", "NT", "n_rows"])     # T = 1 would compile a variant of its own
+def _scan_dual_sm90_kernel(
+    k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, o_desc,
+    beta, rq, rk, gcum, decay, o, h0, ht, h_chunks, cu_seqlens, chunk_start, segments, seg_state,
+    T, NT, n_rows, scale,
+    H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
+    SK: gl.constexpr, SV: gl.constexpr, HAS_H0: gl.constexpr, STORE_FINAL: gl.constexpr,
+    L2NORM: gl.constexpr, VARLEN: gl.constexpr, SEG: gl.constexpr, BETA: gl.constexpr,
+    STORE_STATES: gl.constexpr, STAGES: gl.constexpr, GK: gl.constexpr, CHAIN_NREG: gl.constexpr,
+    LOADER_NREG: gl.constexpr,
+):
+    NK: gl.constexpr = K // BK
+    BVC: gl.constexpr = BV // 2
+    i_v = gl.program_id(1)
+    i_hv, i_h, i_s, i_n, bos, eos, first_chunk, c_begin, n_chunks, is_last = _program(
+        segments, cu_seqlens, chunk_start, T, NT, H, HV, VARLEN, SEG)
+
+    tile: gl.constexpr = k_desc.layout
+    vtile: gl.constexpr = v_desc.layout                                    # [BT, BVC] boxes
+    k_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES * NK, BT, BK], tile)
+    q_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES * NK, BT, BK], tile)
+    p_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, BT], tile)
+    a_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, BT], tile)
+    v_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES * 2, BT, BVC], vtile)
+    if GK:
+        kd_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES * NK, BT, BK], tile)
+    else:
+        kd_s = k_s
+    # per chain
+    s_s = gl.allocate_shared_memory(gl.bfloat16, [2 * NK, BK, BVC], vtile)
+    y_s = gl.allocate_shared_memory(gl.bfloat16, [2, BT, BVC], vtile)
+    vn_s = gl.allocate_shared_memory(gl.bfloat16, [2, BT, BVC], vtile)
+    if GK:
+        vd_s = vn_s
+    else:
+        vd_s = gl.allocate_shared_memory(gl.bfloat16, [2, BT, BVC], vtile)
+    o_s = gl.allocate_shared_memory(gl.bfloat16, [2, BT, BVC], o_desc.layout)
+    bar: gl.constexpr = mbarrier.MBarrierLayout()
+    loaded = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
+    freed = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
+    for st in gl.static_range(STAGES):
+        mbarrier.init(loaded.index(st), count=1)
+        mbarrier.init(freed.index(st), count=2)
+    fence_async_shared()
+
+    i_hv32 = i_hv.to(gl.int32)
+    i_h32 = i_hv32 if GK else i_h.to(gl.int32)                           # the column block of k, q (and kd)
+    gl.warp_specialize([
+        (_chain_partition, (0, k_s, q_s, kd_s, v_s, p_s, a_s, s_s, y_s, vn_s, vd_s, o_s, loaded, freed, o_desc,
+                            beta, rq, rk, gcum, decay, o, h0, ht, h_chunks, seg_state, bos, eos, c_begin, n_chunks,
+                            first_chunk, is_last, i_n, i_s, i_h, i_hv32, i_v, n_rows, scale, H, HV, K, V, BV, SK, SV,
+                            HAS_H0, STORE_FINAL, L2NORM, BETA, SEG, STORE_STATES, STAGES, GK)),
+        (_chain_partition, (1, k_s, q_s, kd_s, v_s, p_s, a_s, s_s, y_s, vn_s, vd_s, o_s, loaded, freed, o_desc,
+                            beta, rq, rk, gcum, decay, o, h0, ht, h_chunks, seg_state, bos, eos, c_begin, n_chunks,
+                            first_chunk, is_last, i_n, i_s, i_h, i_hv32, i_v, n_rows, scale, H, HV, K, V, BV, SK, SV,
+                            HAS_H0, STORE_FINAL, L2NORM, BETA, SEG, STORE_STATES, STAGES, GK)),
+        (_loader_partition, (k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s,
+                             loaded, freed, bos, c_begin, n_chunks, i_h32, i_hv32, i_v, K, V, BV, STAGES, GK)),
+    ], [4, 1], [CHAIN_NREG, LOADER_NREG])
+    for st in gl.static_range(STAGES):
+        mbarrier.invalidate(loaded.index(st))
+        mbarrier.invalidate(freed.index(st))
