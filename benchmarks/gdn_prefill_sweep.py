@@ -37,6 +37,7 @@ VARIANTS = {
     "gluon-ws-bv32": dict(SCAN_BLOCK_V=32, SCAN_SPECIALIZED=True),     # the warp-specialized scan
     "gluon-ws-bv64": dict(SCAN_BLOCK_V=64, SCAN_SPECIALIZED=True),
     "gluon-bv64-wg2": dict(SCAN_BLOCK_V=64, SCAN_WARPGROUPS=2),
+    "gluon-dual-bv32": dict(SCAN_BLOCK_V=32, SCAN_DUAL=True),           # two chains of 16 columns
     "gluon-dual-bv64": dict(SCAN_BLOCK_V=64, SCAN_DUAL=True),           # two chains of 32 columns
     "gluon-dual-bv64-s3": dict(SCAN_BLOCK_V=64, SCAN_DUAL=True, SCAN_STAGES=3),
     "gluon-dual-bv128": dict(SCAN_BLOCK_V=128, SCAN_DUAL=True),         # two chains of 64 columns

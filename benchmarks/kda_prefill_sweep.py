@@ -44,7 +44,8 @@ VARIANTS = {
     "prep-w4-bk32": dict(kda_prepare_warps=4, kda_prepare_block_k=32),
     "prep-r168": dict(kda_prepare_maxnreg=168),
     "prep-triton": dict(sm90_prologue=False),     # the Gluon tier with the Triton prologue
-    "dual": dict(scan_dual=True),                  # the two-chain sm_90 scan at 64 columns (2 x 32)
+    "dual": dict(scan_dual=True, scan_bv=64),      # the two-chain sm_90 scan at 64 columns (2 x 32)
+    "dual-bv32": dict(scan_dual=True, scan_bv=32),
     "bv32-gluon": dict(scan_bv=32),                # the plain sm_90 scan at 32 columns
     "sm90-r168": dict(sm90_maxnreg=168),           # the sm_90 prologue capped (three programs per SM; the default)
     "sm90-uncapped": dict(sm90_maxnreg=None),
@@ -117,7 +118,7 @@ def main() -> int:
             sm90_prologue.UNBOUNDED = over.pop("sm90_unbounded", default_unbounded)
             wide.BLOCK_K, wide.WARPS, wide.STAGES = over.pop("wide", default_wide)
             gluon_chunk.SCAN_DUAL = over.pop("scan_dual", False)
-            gluon_chunk.SCAN_BLOCK_V = 64 if gluon_chunk.SCAN_DUAL else over.pop("scan_bv", None)
+            gluon_chunk.SCAN_BLOCK_V = over.pop("scan_bv", None)
             chunk_delta.default_config = lambda p, o=over: dataclasses.replace(original(p), **o)
             try:
                 with use_tier(args.tier, strict=True), torch.no_grad():

@@ -55,9 +55,12 @@ SCAN_VARIANTS = {
     "ws-k64-v-first-raw-beta": dict(WS=True, K=64, V=64, SK=1, SV=64, BETA=1, L2NORM=False),
     # two chains per program (chunk_delta_dual_sm90.py): 64 columns as two of 32
     "dual-bv64": dict(DUAL=True, BV=64),
+    "dual-bv32": dict(DUAL=True, BV=32),
+    "dual-bv128": dict(DUAL=True, BV=128),
     "dual-bv64-replay-states-varlen": dict(DUAL=True, BV=64, SEG=2, STORE_STATES=True, VARLEN=True),
     "dual-k64-v-first": dict(DUAL=True, BV=64, K=64, V=64, SK=1, SV=64),
     "dual-kda-bv64": dict(DUAL=True, BV=64, GK=True, L2NORM=False),
+    "dual-kda-bv32": dict(DUAL=True, BV=32, GK=True, L2NORM=False),
 }
 
 
@@ -96,11 +99,16 @@ def _child_scan(name: str, folder: str) -> None:
     print(json.dumps(_compile_sm90(kern, sig, consts, folder, {"num_warps": 4 * consts.get("WARPGROUPS", 1)})))
 
 
+# Spills allowed by name (bytes of stack): the two 64-column chains at 256 + 248 registers keep
+# the values computed before the partitions fork on the stack (reloaded once, one in the loop)
+SCAN_SPILLS = {"dual-bv128": 56}
+
+
 @pytest.mark.parametrize("name", list(SCAN_VARIANTS))
 def test_gdn_scan_compiles_for_sm90(name, tmp_path):
     res = _run_child(f"_child_scan({name!r}, {str(tmp_path)!r})", tmp_path, module="tests.backends.test_gluon_sm90")
     assert res["hgmma"] > 0 and res["utmaldg"] > 0 and res["utmastg"] > 0, res      # TMA loads and the output's store
-    assert res["LOCAL"] == 0 and res["STACK"] == 0, f"spills: {res}"
+    assert res["LOCAL"] <= SCAN_SPILLS.get(name, 0) and res["STACK"] <= SCAN_SPILLS.get(name, 0), f"spills: {res}"
     assert res["shared_bytes"] <= 227 * 1024, res
     assert (res["setmaxnreg"] > 0) == name.startswith(("ws-", "dual-")), res   # the partitions' register split
 

@@ -42,8 +42,9 @@ def bf16_inputs(**kw):
     return make_inputs(SPEC, dtype=torch.bfloat16, device="cuda", **kw)
 
 
-@pytest.fixture(params=[(32, ""), (64, ""), (128, ""), (32, "ws"), (64, "ws"), (64, "dual"), (128, "dual")],
-                ids=["bv32", "bv64", "bv128", "ws-bv32", "ws-bv64", "dual-bv64", "dual-bv128"])
+@pytest.fixture(params=[(32, ""), (64, ""), (128, ""), (32, "ws"), (64, "ws"), (32, "dual"), (64, "dual"),
+                        (128, "dual")],
+                ids=["bv32", "bv64", "bv128", "ws-bv32", "ws-bv64", "dual-bv32", "dual-bv64", "dual-bv128"])
 def block_v(request, monkeypatch):
     """The scan's tile width, the warp-specialized scan (chunk_delta_ws_sm90.py) and the two-chain
     scan (chunk_delta_dual_sm90.py) at their widths."""

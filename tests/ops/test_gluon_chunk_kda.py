@@ -20,13 +20,14 @@ def test_bf16_cases(case):
 
 
 @pytest.mark.parametrize("case", ["bounded-gate", "varlen", "v-first-k64", "bounded-varlen"])
-@pytest.mark.parametrize("block_v", [32, 64, "dual-64"])
+@pytest.mark.parametrize("block_v", [32, 64, "dual-32", "dual-64"])
 def test_tile_widths(block_v, case, monkeypatch):
-    """Both widths (the small test shapes plan 32 columns by themselves), and 64 on the two-chain
-    scan (chunk_delta_dual_sm90.py)."""
+    """Both widths (the small test shapes plan 32 columns by themselves), on the plain and the
+    two-chain scan (chunk_delta_dual_sm90.py)."""
     from fastla.backends.gluon import chunk_delta as gluon_chunk
-    monkeypatch.setattr(gluon_chunk, "SCAN_DUAL", block_v == "dual-64")
-    monkeypatch.setattr(gluon_chunk, "SCAN_BLOCK_V", 64 if block_v == "dual-64" else block_v)
+    dual = str(block_v).startswith("dual-")
+    monkeypatch.setattr(gluon_chunk, "SCAN_DUAL", dual)
+    monkeypatch.setattr(gluon_chunk, "SCAN_BLOCK_V", int(block_v[5:]) if dual else block_v)
     check_fp64(*bf16_case(case), tier="gluon")
 
 

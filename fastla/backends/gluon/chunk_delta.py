@@ -23,9 +23,9 @@ SCAN_WARPGROUPS = None      # warpgroups splitting a program's columns (None: sc
 # on every swept shape (docs/notes/gdn-prefill.md, v10)
 SCAN_SPECIALIZED = False
 # Two chains per program (chunk_delta_dual_sm90.py: the program's columns as two halves, each on its
-# own warpgroup, a loader warp): at 64 and 128 columns
+# own warpgroup, a loader warp)
 SCAN_DUAL = False
-DUAL_WIDTHS = (64, 128)
+DUAL_WIDTHS = (32, 64, 128)
 # KDA's prologue on the sm_90 kernel (chunk_prepare_kda_sm90.py) where it serves (K % 32 == 0, a
 # bf16 or fp32 gate), else on the Triton one (backends/triton/chunk_prepare_kda.py); False for A/B sweeps
 KDA_PROLOGUE_SM90 = True
