@@ -32,17 +32,20 @@ call_plan.ENABLED = False       # the sweeps change plan choices (tiles, prologu
 VARIANTS = {
     "default": None,                       # chunk_delta.default_config(p)
     "gluon": None,                         # the sm_90 tier (its scan, the Triton prologue), default plan
-    "gluon-bv32": dict(SCAN_BLOCK_V=32),   # gluon-*: overrides of backends/gluon/chunk_delta.py's constants
+    "gluon-plain": dict(SCAN_DUAL=False),  # gluon-*: overrides of backends/gluon/chunk_delta.py's constants
+    "gluon-bv32": dict(SCAN_BLOCK_V=32),   # (the two-chain scan at every width unless SCAN_DUAL=False)
     "gluon-bv64": dict(SCAN_BLOCK_V=64),
     "gluon-ws-bv32": dict(SCAN_BLOCK_V=32, SCAN_SPECIALIZED=True),     # the warp-specialized scan
     "gluon-ws-bv64": dict(SCAN_BLOCK_V=64, SCAN_SPECIALIZED=True),
-    "gluon-bv64-wg2": dict(SCAN_BLOCK_V=64, SCAN_WARPGROUPS=2),
+    "gluon-bv64-wg2": dict(SCAN_BLOCK_V=64, SCAN_WARPGROUPS=2, SCAN_DUAL=False),
+    "gluon-plain-bv64": dict(SCAN_BLOCK_V=64, SCAN_DUAL=False),
+    "gluon-plain-bv128": dict(SCAN_BLOCK_V=128, SCAN_DUAL=False),       # two warpgroups
     "gluon-dual-bv32": dict(SCAN_BLOCK_V=32, SCAN_DUAL=True),           # two chains of 16 columns
     "gluon-dual-bv64": dict(SCAN_BLOCK_V=64, SCAN_DUAL=True),           # two chains of 32 columns
     "gluon-dual-bv64-s3": dict(SCAN_BLOCK_V=64, SCAN_DUAL=True, SCAN_STAGES=3),
     "gluon-dual-bv128": dict(SCAN_BLOCK_V=128, SCAN_DUAL=True),         # two chains of 64 columns
-    "gluon-bv128": dict(SCAN_BLOCK_V=128),  # two warpgroups
-    "gluon-s3": dict(SCAN_BLOCK_V=64, SCAN_STAGES=3),   # three stages do not fit at 128 columns
+    "gluon-bv128": dict(SCAN_BLOCK_V=128),
+    "gluon-s3": dict(SCAN_BLOCK_V=64, SCAN_STAGES=3),   # three stages do not fit at 128 columns (216 KB at 64)
     "gluon-noseg": dict(segment_chunks=0),  # the plan's segments (sequence parallelism) on the sm_90 tier
     "gluon-seg8": dict(segment_chunks=8),
     "gluon-seg16": dict(segment_chunks=16),

@@ -167,11 +167,11 @@ def test_launcher_builds_descriptors(monkeypatch):
     """The host side of the Gluon scan on the CPU, up to the launch: TMA descriptors of the shapes
     and boxes the kernel expects, the row count for the output's store, and the tile plan (64
     columns at 1x32k HV64; 32 whenever chunk states are stored; 128 on two warpgroups, eight
-    warps, at 4x8k HV32)."""
+    warps, at 4x8k HV32), on the plain kernel, the warp-specialized one, then the two-chain one."""
     import torch
 
     from fastla.backends.gluon import chunk_delta as gluon_chunk
-    from fastla.backends.gluon import chunk_delta_sm90, chunk_delta_ws_sm90
+    from fastla.backends.gluon import chunk_delta_dual_sm90, chunk_delta_sm90, chunk_delta_ws_sm90
     from fastla.backends.triton import chunk_delta
     from fastla.core.validation import build_problem
 
@@ -189,6 +189,10 @@ def test_launcher_builds_descriptors(monkeypatch):
     assert chunk_delta_ws_sm90._scan_ws_sm90_kernel.arg_names[:-1] == [n for n in names if n not in gk_only]
     monkeypatch.setattr(chunk_delta_sm90, "_scan_sm90_kernel", Recorder("plain"))
     monkeypatch.setattr(chunk_delta_ws_sm90, "_scan_ws_sm90_kernel", Recorder("specialized"))
+    dual_names = chunk_delta_dual_sm90._scan_dual_sm90_kernel.arg_names
+    assert dual_names == [n for n in names if n != "WARPGROUPS"] + ["CHAIN_NREG", "LOADER_NREG"]
+    monkeypatch.setattr(chunk_delta_dual_sm90, "_scan_dual_sm90_kernel", Recorder("dual"))
+    monkeypatch.setattr(gluon_chunk, "SCAN_DUAL", False)                 # the plain kernel first
     B, T, H, HV, K, V = 1, 32768, 16, 64, 128, 128
     bf = dict(dtype=torch.bfloat16)
     q, k, v = torch.empty(B, T, H, K, **bf), torch.empty(B, T, H, K, **bf), torch.empty(B, T, HV, V, **bf)
@@ -244,6 +248,15 @@ def test_launcher_builds_descriptors(monkeypatch):
         assert desc.base.data_ptr() == x.data_ptr() and list(desc.shape) == [B * T, HV * K]
         assert desc.block_shape == [64, 64]
     assert args[names.index("decay")] is decay and args[names.index("gcum")] is g      # gcum: the dummy
+
+    # the shipped default: two chains per program (chunk_delta_dual_sm90.py), here KDA's 64 columns
+    monkeypatch.setattr(gluon_chunk, "SCAN_DUAL", True)
+    gluon_chunk._sequence_scan(p, sp, 0, g, g, B)
+    grid, args, kw = launches[-1]
+    assert kw["kernel"] == "dual" and kw["GK"] is True and kw["BV"] == 64 and grid == (B * HV, 2)
+    assert kw["num_warps"] == 4 and kw["CHAIN_NREG"] == chunk_delta_dual_sm90.CHAIN_REGS and "WARPGROUPS" not in kw
+    assert args[3].block_shape == args[6].block_shape == [64, 32]               # each chain's v and o tiles
+    assert [d.block_shape for d in args[:3]] == [[64, 64]] * 3
 
 
 def test_scan_tile_plan():

@@ -69,6 +69,8 @@ def test_pool_in_place(op, state_dtype, v_first, K, V, block_v, programs):
     """The pool updated in place: live slots equal the reference from their start state, skipped
     rows' slots and the slots no row names bit-identical, skipped rows' outputs zero. ``plan``:
     the shipped programs per SM (three for bf16 states: several tiles each, 260 rows x 4 heads)."""
+    if programs is None and block_v is not None:
+        pytest.skip("an override width: three programs of 128 bf16 columns do not fit an SM (check_plan)")
     spec = OPS[op]
     N, HV, slots = 260, 4, 600
     t = _inputs(spec, N=N, HV=HV, K=K, V=V, v_first=v_first, seed=2)

@@ -22,29 +22,31 @@ SCAN_WARPGROUPS = None      # warpgroups splitting a program's columns (None: sc
 # 200 KB at K = 128): off by default, it measured 4-10% slower than the plain scan at 64 columns
 # on every swept shape (docs/notes/gdn-prefill.md, v10)
 SCAN_SPECIALIZED = False
-# Two chains per program (chunk_delta_dual_sm90.py: the program's columns as two halves, each on its
-# own warpgroup, a loader warp)
-SCAN_DUAL = False
-DUAL_WIDTHS = (32, 64, 128)
+# Two chains per program (chunk_delta_dual_sm90.py: the program's columns as two halves, each on
+# its own warpgroup, and a loader warp) at the widths where it measured faster than the plain
+# kernel (docs/notes/gdn-prefill.md, v11): every GDN width (32 columns 6-10% faster a step, 64 and
+# 128 14%), KDA's 64 (15%; at 32 it lost 35%). False: the plain kernel everywhere (A/B sweeps)
+SCAN_DUAL = True
+DUAL_WIDTHS = {False: (32, 64, 128), True: (64,)}       # by GK
 # KDA's prologue on the sm_90 kernel (chunk_prepare_kda_sm90.py) where it serves (K % 32 == 0, a
 # bf16 or fp32 gate), else on the Triton one (backends/triton/chunk_prepare_kda.py); False for A/B sweeps
 KDA_PROLOGUE_SM90 = True
 SPECIALIZED_WIDTHS = (32, 64)
 
 # Time of one chunk step of a program at each tile width (us, H200, K = V = 128 (applied to K = 64
-# too, unmeasured there), a full grid; one
-# program per SM at every width: 131, 164 and 229 KB of shared memory), from the sweep
-# (docs/notes/gdn-prefill.md, v9): 32 columns ~1.3 (1x8k HV16), 64 ~2.2 (1x32k HV64), 128 on two
-# warpgroups ~3.1 (4x8k HV32). Wider tiles do more columns per step, narrower ones step faster.
-STEP_US = {32: 1.3, 64: 2.2, 128: 3.1}
-WARPGROUPS = {32: 1, 64: 1, 128: 2}     # 128 columns on one warpgroup need > 255 registers
+# too, unmeasured there), a full grid, one program per SM at every width), on the shipped kernels
+# (the two-chain scan; gdn_prefill_sweep-v13-dual*.json): 32 columns ~1.4 (1x32k HV32: 720 us /
+# 512 steps; 1x8k HV32 1.44), 64 ~1.9 (1x32k HV64: 981 / 512), 128 ~2.8 (4x8k HV32: 354 / 128).
+# Wider tiles do more columns per step, narrower ones step faster. (The plain kernel's, v9: 1.3 /
+# 2.2 / 3.1 on two warpgroups at 128.)
+STEP_US = {32: 1.4, 64: 1.9, 128: 2.8}
+WARPGROUPS = {32: 1, 64: 1, 128: 2}     # the plain kernel: 128 columns on one warpgroup need > 255 registers
 # KDA's GK step loads a third K-wide tile (kd) per chunk: 128 columns would need 245 KB of shared
-# memory. Its steps are bound by those tiles' bytes (~68 KB a step at 32 columns), so narrow tiles
-# gain little: 64 columns ~2.7 us (1x8k H64, one wave: scan 347 us / 128 chunks), 32 columns
-# ~2.5 us (inferred: 1x8k H96 ran three waves of 32-column programs in ~960 us once the
-# prologue, scaled from H64, is taken off; benchmarks/results/kda_prefill_sweep-v3-gluon.txt,
+# memory. 64 columns (two chains) ~2.3 us (1x8k H64: scan 294 us / 128 chunks; H96 597 / 256),
+# 32 columns (plain) ~2.5 us (inferred: 1x8k H96 ran three waves of 32-column programs in ~960 us
+# once the prologue, scaled from H64, is taken off; benchmarks/results/kda_prefill_sweep-v3-gluon.txt,
 # nvidia-h200-20261203-150351.json)
-GK_WIDTHS = {32: 2.5, 64: 2.7}
+GK_WIDTHS = {32: 2.5, 64: 2.3}
 
 
 def scan_tile(lanes: float, V: int, sms: int, widths=STEP_US) -> tuple[int, int]:
@@ -134,7 +136,8 @@ def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments
     if sp.h_chunks is not None:
         BV, warpgroups = 32, 1          # storing the chunk states spills at 64 columns (448 B, sm_90 compile)
     rows = p.B * p.T
-    dual = SCAN_DUAL and BV in DUAL_WIDTHS and sp.h_chunks is None
+    specialized = SCAN_SPECIALIZED and BV in SPECIALIZED_WIDTHS and warpgroups == 1 and not gk
+    dual = SCAN_DUAL and BV in DUAL_WIDTHS[gk] and sp.h_chunks is None and not specialized
     box_v = BV // 2 if dual else BV                                         # the dual chains' value tiles
     tile, vtile = _tile_layout(BT, BK), _tile_layout(BT, box_v)
 
@@ -146,7 +149,7 @@ def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments
     if dual:
         kernel, launch = _scan_dual_sm90_kernel, dict(STAGES=SCAN_STAGES, CHAIN_NREG=CHAIN_REGS,
                                                       LOADER_NREG=LOADER_REGS, num_warps=4)
-    elif SCAN_SPECIALIZED and BV in SPECIALIZED_WIDTHS and warpgroups == 1 and not gk:
+    elif specialized:
         kernel, launch = _scan_ws_sm90_kernel, dict(PREP_NREG=PREP_REGS, num_warps=4)
     else:
         kernel, launch = _scan_sm90_kernel, dict(STAGES=SCAN_STAGES, WARPGROUPS=warpgroups, num_warps=4 * warpgroups)
