@@ -32,16 +32,13 @@ call_plan.ENABLED = False       # the sweeps change plan choices (tiles, prologu
 
 GLUON = pathlib.Path(__file__).resolve().parents[1] / "fastla" / "backends" / "gluon"
 
-# (line of the kernel's step, phase that ends at it, read the clock before the line?)
+# (line of the kernel's step, phase that ends at it, read the clock before the line?). The
+# products are one phase since they moved into chunk_delta_sm90._chunk_step (shared with the
+# two-chain scan); v9's per-product phases (docs/notes/gdn-prefill.md) were read before that
 PHASES = [
     ("        b_G, b_Gl, b_rk, b_rq = n_G, n_Gl, n_rk, n_rq\n", None, True),
     ("        mbarrier.wait(bars.index(stage), ((i // STAGES) & 1).to(gl.int32))\n", "top of the step, TMA wait", False),
-    ("        x = warpgroup_mma_wait(num_outstanding=NK, deps=(x,))\n", "X = k S (Q = q S issued)", False),
-    ("        vn = warpgroup_mma(p_s.index(stage), y_s, zero, use_acc=False, is_async=True)\n", "Y elementwise, to smem", True),
-    ("        vn, qs = warpgroup_mma_wait(num_outstanding=0, deps=(vn, qs))\n", "V_new = P Y wait", False),
-    ("            b_egl = gl.exp(b_Gl)\n", "V_new, D to smem", True),
-    ("            S0, S1 = warpgroup_mma_wait(num_outstanding=1, deps=(S0, S1))\n", "state update (output issued)", False),
-    ("        out = warpgroup_mma_wait(num_outstanding=0, deps=(out,))\n", "state to smem, output wait", False),
+    ("                                  b_dec0, b_dec1, m_t, scale, acc, NK, GK)\n", "the chunk's products", False),
     ("        _store_output(out, o_desc, o_s, o, t0, eos, r, o_v, i_hv32, i_v, n_rows, HV, V, BV)\n", "output epilogue", False),
     ("i + STAGES < n_chunks, K, V, BV, NK, GK)\n", "barrier, next TMA issue", False),
 ]

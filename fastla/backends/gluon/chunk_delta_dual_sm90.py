@@ -22,12 +22,11 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
-)
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from fastla.backends.gluon.chunk_delta_sm90 import (
-    BK, BT, _chunk_vectors, _initial_state, _program, _store_final, _store_output,
+    BK, BT, _chunk_decay, _chunk_step, _chunk_vectors, _initial_state, _program, _store_final, _store_half_pair,
+    _store_output,
 )
 from fastla.backends.triton.chunk_prepare import _activate_beta
 
@@ -82,14 +81,12 @@ def _chain_partition(CH: gl.constexpr, k_s, q_s, kd_s, v_s, p_s, a_s, s_s, y_s, 
     p_half = o_j[:, None] * SK + o_v[None, :] * SV                          # [BK, BVC] in one head's state
 
     S0, S1 = _initial_state(h0, seg_state, i_n, i_s, i_hv, o_j, o_v, p_half, acc, HV, K, V, BVC, SK, HAS_H0, SEG)
-    s0_t = s_s.index(CH * NK)                                               # S (bf16), B operand: [BK, BVC] halves
-    s1_t = s_s.index(CH * NK + NK - 1)
     y_t = y_s.index(CH)
     vn_t = vn_s.index(CH)
     vd_t = vd_s.index(CH)
-    s0_t.store(S0.to(gl.bfloat16))
+    s_s.index(CH * NK).store(S0.to(gl.bfloat16))                           # S (bf16), B operand: [BK, BVC] halves
     if NK == 2:
-        s1_t.store(S1.to(gl.bfloat16))
+        s_s.index(CH * NK + 1).store(S1.to(gl.bfloat16))
     fence_async_shared()
 
     zero = gl.zeros([BT, BVC], gl.float32, acc)
@@ -104,64 +101,14 @@ def _chain_partition(CH: gl.constexpr, k_s, q_s, kd_s, v_s, p_s, a_s, s_s, y_s, 
         b_beta = _activate_beta(n_beta, m_t, BETA)
         n_G, n_Gl, n_beta, n_rk, n_rq = _chunk_vectors(gcum, beta, rq, rk, r, bos, eos, c + 1, i + 1 < n_chunks,
                                                        i_h, i_hv, H, HV, L2NORM, GK)
-        if GK:                                              # this chunk's e^G_last per key row, for the update
-            dec = decay + ((first_chunk + c) * HV + i_hv) * K + o_j
-            b_dec0 = gl.load(dec)
-            b_dec1 = b_dec0
-            if NK == 2:
-                b_dec1 = gl.load(dec + BK)
+        b_dec0, b_dec1 = _chunk_decay(decay, first_chunk + c, i_hv, o_j, HV, K, GK)
         if STORE_STATES:
-            h_base = h_chunks + ((first_chunk + c) * HV + i_hv) * K * V + p_half
-            gl.store(h_base, S0.to(h_chunks.dtype.element_ty))
-            if NK == 2:
-                gl.store(h_base + BK * SK, S1.to(h_chunks.dtype.element_ty))
+            _store_half_pair(h_chunks + ((first_chunk + c) * HV + i_hv) * K * V + p_half, S0, S1, K, SK)
 
         mbarrier.wait(loaded.index(stage), ((i // STAGES) & 1).to(gl.int32))
-        # X = k S and Q = q S
-        x = warpgroup_mma(k_s.index(stage * NK), s0_t, zero, use_acc=False, is_async=True)
-        if NK == 2:
-            x = warpgroup_mma(k_s.index(stage * NK + 1), s1_t, x, is_async=True)
-        qs = warpgroup_mma(q_s.index(stage * NK), s0_t, zero, use_acc=False, is_async=True)
-        if NK == 2:
-            qs = warpgroup_mma(q_s.index(stage * NK + 1), s1_t, qs, is_async=True)
-        x = warpgroup_mma_wait(num_outstanding=NK, deps=(x,))
-        # Y = beta (v - rk e^G X) (GK: beta (v - X));  V_new = P Y
-        b_v = v_s.index(stage * 2 + CH).load(acc).to(gl.float32)
-        if GK:
-            b_y = b_beta[:, None] * (b_v - x)
-        else:
-            b_eg = gl.exp(b_G)
-            b_y = b_beta[:, None] * (b_v - (b_rk * b_eg)[:, None] * x)
-        y_t.store(b_y.to(gl.bfloat16))
-        fence_async_shared()
-        vn = warpgroup_mma(p_s.index(stage), y_t, zero, use_acc=False, is_async=True)
-        vn, qs = warpgroup_mma_wait(num_outstanding=0, deps=(vn, qs))
-        if GK:                  # rows past the sequence's end (the next one's kd rows) must not update S
-            vn_t.store(gl.where(m_t[:, None], vn, 0.0).to(gl.bfloat16))
-            fence_async_shared()
-            S0 = warpgroup_mma(kd_s.index(stage * NK).permute((1, 0)), vn_t, S0 * b_dec0[:, None], is_async=True)
-            if NK == 2:
-                S1 = warpgroup_mma(kd_s.index(stage * NK + 1).permute((1, 0)), vn_t, S1 * b_dec1[:, None],
-                                   is_async=True)
-            out = warpgroup_mma(a_s.index(stage), vn_t, qs, is_async=True)
-        else:
-            vn_t.store(vn.to(gl.bfloat16))
-            b_d = gl.where(m_t, b_rk * gl.exp(b_Gl - b_G), 0.0)
-            vd_t.store((vn * b_d[:, None]).to(gl.bfloat16))
-            fence_async_shared()
-            b_egl = gl.exp(b_Gl)
-            S0 = warpgroup_mma(k_s.index(stage * NK).permute((1, 0)), vd_t, S0 * b_egl, is_async=True)
-            if NK == 2:
-                S1 = warpgroup_mma(k_s.index(stage * NK + 1).permute((1, 0)), vd_t, S1 * b_egl, is_async=True)
-            out = warpgroup_mma(a_s.index(stage), vn_t, qs * (scale * b_rq * b_eg)[:, None], is_async=True)
-        if NK == 2:
-            S0, S1 = warpgroup_mma_wait(num_outstanding=1, deps=(S0, S1))
-            s1_t.store(S1.to(gl.bfloat16))
-        else:
-            S0 = warpgroup_mma_wait(num_outstanding=1, deps=(S0,))
-        s0_t.store(S0.to(gl.bfloat16))
-        fence_async_shared()
-        out = warpgroup_mma_wait(num_outstanding=0, deps=(out,))
+        S0, S1, out = _chunk_step(k_s, q_s, kd_s, stage * NK, v_s.index(stage * 2 + CH), p_s.index(stage),
+                                  a_s.index(stage), s_s, CH * NK, y_t, vn_t, vd_t, S0, S1, zero,
+                                  b_G, b_Gl, b_beta, b_rk, b_rq, b_dec0, b_dec1, m_t, scale, acc, NK, GK)
         mbarrier.arrive(freed.index(stage), count=1)                        # this chain is done with the stage
         _store_output(out, o_desc, o_s.index(CH), o, t0, eos, r, o_v, i_hv, tile_v, n_rows, HV, V, BVC)
 

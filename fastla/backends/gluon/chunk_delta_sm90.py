@@ -152,6 +152,87 @@ def _initial_state(h0, seg_state, i_n, i_s, i_hv, o_j, o_v, p_half, acc: gl.cons
 
 
 @gluon.jit
+def _store_half_pair(base, S0, S1, K: gl.constexpr, SK: gl.constexpr):
+    """A state's halves [BK, BV] (key rows j * 64 ..) stored at ``base`` (a chunk's state)."""
+    gl.store(base, S0.to(base.dtype.element_ty))
+    if K // BK == 2:
+        gl.store(base + BK * SK, S1.to(base.dtype.element_ty))
+
+
+@gluon.jit
+def _chunk_decay(decay, chunk, i_hv, o_j, HV: gl.constexpr, K: gl.constexpr, GK: gl.constexpr):
+    """GK: the chunk's e^G_last per key row of each state half [BK] (loaded before the chunk's
+    tiles are waited for); GDN: unused zeros."""
+    if GK:
+        dec = decay + (chunk * HV + i_hv) * K + o_j
+        b_dec0 = gl.load(dec)
+        b_dec1 = b_dec0
+        if K // BK == 2:
+            b_dec1 = gl.load(dec + BK)
+    else:
+        b_dec0 = 0.0
+        b_dec1 = 0.0
+    return b_dec0, b_dec1
+
+
+@gluon.jit
+def _chunk_step(k_s, q_s, kd_s, kb, v_t, p_t, a_t, s_s, sb, y_t, vn_t, vd_t, S0, S1, zero,
+                b_G, b_Gl, b_beta, b_rk, b_rq, b_dec0, b_dec1, m_t, scale,
+                acc: gl.constexpr, NK: gl.constexpr, GK: gl.constexpr):
+    """One chunk's products, its tiles landed: keys, queries (and kd) at ring index kb (and
+    kb + 1), the values v_t, P and A_qk; S in bf16 at s_s index sb (and sb + 1), rewritten here
+    for the next chunk. Returns the new state halves (fp32) and the output [BT, BV] (fp32)."""
+    # X = k S and Q = q S
+    x = warpgroup_mma(k_s.index(kb), s_s.index(sb), zero, use_acc=False, is_async=True)
+    if NK == 2:
+        x = warpgroup_mma(k_s.index(kb + 1), s_s.index(sb + 1), x, is_async=True)
+    qs = warpgroup_mma(q_s.index(kb), s_s.index(sb), zero, use_acc=False, is_async=True)
+    if NK == 2:
+        qs = warpgroup_mma(q_s.index(kb + 1), s_s.index(sb + 1), qs, is_async=True)
+    x = warpgroup_mma_wait(num_outstanding=NK, deps=(x,))
+    # Y = beta (v - rk e^G X) (GK: beta (v - X), the keys gated already);  V_new = P Y
+    b_v = v_t.load(acc).to(gl.float32)
+    if GK:
+        b_y = b_beta[:, None] * (b_v - x)
+    else:
+        b_eg = gl.exp(b_G)
+        b_y = b_beta[:, None] * (b_v - (b_rk * b_eg)[:, None] * x)
+    y_t.store(b_y.to(gl.bfloat16))
+    fence_async_shared()
+    vn = warpgroup_mma(p_t, y_t, zero, use_acc=False, is_async=True)
+    vn, qs = warpgroup_mma_wait(num_outstanding=0, deps=(vn, qs))
+    # O = diag(scale rq e^G) Q + A_qk V_new;  S = e^G_last S + k^T diag(rk e^(G_last - G)) V_new
+    # (GK: O = Q + A_qk V_new;  S = diag(e^G_last) S + kd^T V_new, the rows' decays per chunk)
+    if GK:                  # rows past the sequence's end (the next one's kd rows) must not update S
+        vn_t.store(gl.where(m_t[:, None], vn, 0.0).to(gl.bfloat16))
+        fence_async_shared()
+        S0 = warpgroup_mma(kd_s.index(kb).permute((1, 0)), vn_t, S0 * b_dec0[:, None], is_async=True)
+        if NK == 2:
+            S1 = warpgroup_mma(kd_s.index(kb + 1).permute((1, 0)), vn_t, S1 * b_dec1[:, None], is_async=True)
+        out = warpgroup_mma(a_t, vn_t, qs, is_async=True)
+    else:
+        vn_t.store(vn.to(gl.bfloat16))
+        b_d = gl.where(m_t, b_rk * gl.exp(b_Gl - b_G), 0.0)
+        vd_t.store((vn * b_d[:, None]).to(gl.bfloat16))
+        fence_async_shared()
+        b_egl = gl.exp(b_Gl)
+        S0 = warpgroup_mma(k_s.index(kb).permute((1, 0)), vd_t, S0 * b_egl, is_async=True)
+        if NK == 2:
+            S1 = warpgroup_mma(k_s.index(kb + 1).permute((1, 0)), vd_t, S1 * b_egl, is_async=True)
+        out = warpgroup_mma(a_t, vn_t, qs * (scale * b_rq * b_eg)[:, None], is_async=True)
+    # the state first (the output's product runs on): S -> bf16 smem for the next chunk's products
+    if NK == 2:
+        S0, S1 = warpgroup_mma_wait(num_outstanding=1, deps=(S0, S1))
+        s_s.index(sb + 1).store(S1.to(gl.bfloat16))
+    else:
+        S0 = warpgroup_mma_wait(num_outstanding=1, deps=(S0,))
+    s_s.index(sb).store(S0.to(gl.bfloat16))
+    fence_async_shared()
+    out = warpgroup_mma_wait(num_outstanding=0, deps=(out,))
+    return S0, S1, out
+
+
+@gluon.jit
 def _store_output(out, o_desc, o_s, o, t0, eos, r, o_v, i_hv, i_v, n_rows, HV: gl.constexpr, V: gl.constexpr,
                   BV: gl.constexpr):
     """A chunk's output [BT, BV]: a whole chunk by a TMA store from shared memory (the previous
@@ -254,67 +335,14 @@ def _scan_sm90_kernel(
         b_beta = _activate_beta(n_beta, m_t, BETA)
         n_G, n_Gl, n_beta, n_rk, n_rq = _chunk_vectors(gcum, beta, rq, rk, r, bos, eos, c + 1, i + 1 < n_chunks,
                                                        i_h, i_hv, H, HV, L2NORM, GK)
-        if GK:                                              # this chunk's e^G_last per key row, for the update
-            dec = decay + ((first_chunk + c) * HV + i_hv) * K + o_j
-            b_dec0 = gl.load(dec)
-            b_dec1 = b_dec0
-            if NK == 2:
-                b_dec1 = gl.load(dec + BK)
+        b_dec0, b_dec1 = _chunk_decay(decay, first_chunk + c, i_hv, o_j, HV, K, GK)
         if STORE_STATES:
-            h_base = h_chunks + ((first_chunk + c) * HV + i_hv) * K * V + p_half
-            gl.store(h_base, S0.to(h_chunks.dtype.element_ty))
-            if NK == 2:
-                gl.store(h_base + BK * SK, S1.to(h_chunks.dtype.element_ty))
+            _store_half_pair(h_chunks + ((first_chunk + c) * HV + i_hv) * K * V + p_half, S0, S1, K, SK)
 
         mbarrier.wait(bars.index(stage), ((i // STAGES) & 1).to(gl.int32))
-        # X = k S and Q = q S
-        x = warpgroup_mma(k_s.index(stage * NK), s_s.index(0), zero, use_acc=False, is_async=True)
-        if NK == 2:
-            x = warpgroup_mma(k_s.index(stage * NK + 1), s_s.index(1), x, is_async=True)
-        qs = warpgroup_mma(q_s.index(stage * NK), s_s.index(0), zero, use_acc=False, is_async=True)
-        if NK == 2:
-            qs = warpgroup_mma(q_s.index(stage * NK + 1), s_s.index(1), qs, is_async=True)
-        x = warpgroup_mma_wait(num_outstanding=NK, deps=(x,))
-        # Y = beta (v - rk e^G X) (GK: beta (v - X), the keys gated already);  V_new = P Y
-        b_v = v_s.index(stage).load(acc).to(gl.float32)
-        if GK:
-            b_y = b_beta[:, None] * (b_v - x)
-        else:
-            b_eg = gl.exp(b_G)
-            b_y = b_beta[:, None] * (b_v - (b_rk * b_eg)[:, None] * x)
-        y_s.store(b_y.to(gl.bfloat16))
-        fence_async_shared()
-        vn = warpgroup_mma(p_s.index(stage), y_s, zero, use_acc=False, is_async=True)
-        vn, qs = warpgroup_mma_wait(num_outstanding=0, deps=(vn, qs))
-        # O = diag(scale rq e^G) Q + A_qk V_new;  S = e^G_last S + k^T diag(rk e^(G_last - G)) V_new
-        # (GK: O = Q + A_qk V_new;  S = diag(e^G_last) S + kd^T V_new, the rows' decays per chunk)
-        if GK:                  # rows past the sequence's end (the next one's kd rows) must not update S
-            vn_s.store(gl.where(m_t[:, None], vn, 0.0).to(gl.bfloat16))
-            fence_async_shared()
-            S0 = warpgroup_mma(kd_s.index(stage * NK).permute((1, 0)), vn_s, S0 * b_dec0[:, None], is_async=True)
-            if NK == 2:
-                S1 = warpgroup_mma(kd_s.index(stage * NK + 1).permute((1, 0)), vn_s, S1 * b_dec1[:, None],
-                                   is_async=True)
-            out = warpgroup_mma(a_s.index(stage), vn_s, qs, is_async=True)
-        else:
-            vn_s.store(vn.to(gl.bfloat16))
-            b_d = gl.where(m_t, b_rk * gl.exp(b_Gl - b_G), 0.0)
-            vd_s.store((vn * b_d[:, None]).to(gl.bfloat16))
-            fence_async_shared()
-            b_egl = gl.exp(b_Gl)
-            S0 = warpgroup_mma(k_s.index(stage * NK).permute((1, 0)), vd_s, S0 * b_egl, is_async=True)
-            if NK == 2:
-                S1 = warpgroup_mma(k_s.index(stage * NK + 1).permute((1, 0)), vd_s, S1 * b_egl, is_async=True)
-            out = warpgroup_mma(a_s.index(stage), vn_s, qs * (scale * b_rq * b_eg)[:, None], is_async=True)
-        # the state first (the output's product runs on): S -> bf16 smem for the next chunk's products
-        if NK == 2:
-            S0, S1 = warpgroup_mma_wait(num_outstanding=1, deps=(S0, S1))
-            s_s.index(1).store(S1.to(gl.bfloat16))
-        else:
-            S0 = warpgroup_mma_wait(num_outstanding=1, deps=(S0,))
-        s_s.index(0).store(S0.to(gl.bfloat16))
-        fence_async_shared()
-        out = warpgroup_mma_wait(num_outstanding=0, deps=(out,))
+        S0, S1, out = _chunk_step(k_s, q_s, kd_s, stage * NK, v_s.index(stage), p_s.index(stage), a_s.index(stage),
+                                  s_s, 0, y_s, vn_s, vd_s, S0, S1, zero, b_G, b_Gl, b_beta, b_rk, b_rq,
+                                  b_dec0, b_dec1, m_t, scale, acc, NK, GK)
         _store_output(out, o_desc, o_s, o, t0, eos, r, o_v, i_hv32, i_v, n_rows, HV, V, BV)
         # the stage is free: chunk i + STAGES into it
         gl.thread_barrier()
