@@ -1,6 +1,8 @@
 """The Gluon tier's GDN and KDA chunked forwards: the Triton prologue, segment summaries and
-combine (backends/triton/chunk_delta.py), with the sequence passes of the scan in the sm_90 kernel
-(chunk_delta_sm90.py; KDA through its per-channel ``GK`` step)."""
+combine (backends/triton/chunk_delta.py), with the sequence passes of the scan in an sm_90 kernel:
+the two-chain scan (chunk_delta_dual_sm90.py) where it serves, else the one-chain scan
+(chunk_delta_sm90.py; KDA's 32 columns, chunk states stored), both with KDA's per-channel ``GK``
+step."""
 from __future__ import annotations
 
 import functools
@@ -55,7 +57,14 @@ def scan_tile(lanes: float, V: int, sms: int, widths=STEP_US) -> tuple[int, int]
     total chunks over the longest sequence's). Measured: 1x32k HV64 (64 lanes) 64 columns, one
     wave of 128 programs (scan 1.14 ms) against two at 32 (1.72) and a half-empty one at 128
     (1.58); 4x8k HV32 (128 lanes) 128 columns, one wave (0.40 ms vs 0.54 at 64); 1x8k HV16
-    (16 lanes) 32 columns (0.17 ms vs 0.23 at 64)."""
+    (16 lanes) 32 columns (0.17 ms vs 0.23 at 64). When the narrowest width fits in one wave it is
+    taken whatever the full-grid step times say: lightly loaded, 32 columns step in 1.33 us
+    against 1.67 at 64 on two chains (1x8k HV16, v11), and KDA's full-grid times (2.5 at 32,
+    2.3 at 64) would otherwise send its few-lane calls to 64."""
+    fitting = [bv for bv in widths if V % bv == 0]
+    if fitting and lanes * (V // min(fitting)) <= sms:
+        bv = min(fitting)
+        return bv, WARPGROUPS[bv]
     best = None
     for bv, step in widths.items():
         if V % bv:

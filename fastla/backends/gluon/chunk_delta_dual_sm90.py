@@ -8,15 +8,21 @@ key, query (kd) and P / A_qk tiles and read their own value tile; they synchroni
 the stage mbarriers (``loaded[s]``: the loader's expect-tx; ``freed[s]``: count 2, one arrive per
 chain when its products on the stage are done), so one chain's products run while the other
 waits on its own: a chain's barriers are named barriers of its 4 warps, where the plain kernel's
-two warpgroups (WARPGROUPS = 2) meet at every CTA-wide barrier of the step (15 per chunk).
+two warpgroups (WARPGROUPS = 2) meet at every CTA-wide barrier of the step (15 a chunk).
 
 Grid ``(sequences or segments x HV, V / BV)``; 9 warps: chain 0 (default partition, warps 0-3),
 chain 1 (warps 4-7), the loader (warp 8). Chain c covers the columns of value tile
 ``2 i_v + c`` of width BV / 2: its output tile, value tile and state columns are the plain
 kernel's for that tile.
 
-Budget (K = V = 128, BV 64, two stages, sm_90 compile): shared memory 160 KB (GDN; 184 KB with
-KDA's kd tiles); tests/backends/test_gluon_sm90.py checks registers, spills and the SASS.
+Budget (K = V = 128, two stages, sm_90 compile; tests/backends/test_gluon_sm90.py): chain 0 runs
+at 256 registers, chain 1 at CHAIN_REGS, the loader at LOADER_REGS (setmaxnreg); shared memory
+128 KB at BV 32, 160 KB at 64 (184 KB with KDA's kd tiles), 224 KB at 128, one program per SM;
+no spills except 56 bytes at 128 columns (values computed before the fork, reloaded once and
+once a step). Measured (H200, docs/notes/gdn-prefill.md v11): a step 14% shorter than the
+one-chain kernel's at 64 and 128 columns (1x32k HV64 scan 1142 -> 981 us; 4x8k HV32 411 -> 354),
+6-10% at 32, 15% on KDA's 64 (1x8k H64 345 -> 294 us); KDA at 32 columns (two chains of 16) lost
+35% and runs the one-chain kernel.
 """
 from __future__ import annotations
 

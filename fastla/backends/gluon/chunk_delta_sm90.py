@@ -16,7 +16,9 @@ beta and the update weights are zero there, and their outputs are not stored. Ou
 Grid ``(sequences or segments x HV, V / BV)``, 4 x WARPGROUPS warps: the state slab S
 ``[K, BV]`` fp32 lives in registers as K / 64 halves ``[64, BV]``, its columns split over the
 warpgroups (each issues its own products on the shared tiles). No producer/consumer
-specialization here (chunk_delta_ws_sm90.py is the warp-specialized variant, opt-in). The tiles of STAGES chunks are in flight (TMA into stage ``i % STAGES``, one
+specialization here: chunk_delta_dual_sm90.py runs this kernel's chunk step (``_chunk_step``) on
+two chains per program with a loader warp (what ships where it serves), chunk_delta_ws_sm90.py is
+the warp-specialized variant (opt-in). The tiles of STAGES chunks are in flight (TMA into stage ``i % STAGES``, one
 mbarrier per stage, a stage refilled as soon as its chunk is done); the row vectors (G, raw
 beta, 1/|k|, 1/|q|) are loaded one chunk ahead into registers and used a chunk later. Per chunk
 (S in bf16 shared memory from the previous chunk):
