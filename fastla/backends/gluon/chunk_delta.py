@@ -163,17 +163,17 @@ def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments
     else:
         kernel, launch = _scan_sm90_kernel, dict(STAGES=SCAN_STAGES, WARPGROUPS=warpgroups, num_warps=4 * warpgroups)
     # GK (KDA): the gated keys and queries are per value head, and the kd tiles and chunk decays
-    # come too (the plain kernel only; the warp-specialized one serves GDN)
+    # come too (the one- and two-chain kernels; the warp-specialized one serves GDN only)
     qk_width = (p.HV if gk else p.H) * p.K
     args = [desc(sp.k, qk_width, [BT, BK], tile), desc(sp.q, qk_width, [BT, BK], tile)]
-    plain = kernel is not _scan_ws_sm90_kernel
-    if plain:
+    takes_kd = kernel is not _scan_ws_sm90_kernel
+    if takes_kd:
         args.append(desc(sp.kd, qk_width, [BT, BK], tile) if gk else args[0])
         launch.update(GK=gk)
     args += [desc(sp.v, p.HV * p.V, [BT, box_v], vtile), desc(sp.inverse, p.HV * BT, [BT, BT], tile),
              desc(sp.scores, p.HV * BT, [BT, BT], tile), desc(sp.o, p.HV * p.V, [BT, box_v], vtile),
              sp.beta, sp.rq, sp.rk, sp.gcum if sp.gcum is not None else d]
-    if plain:
+    if takes_kd:
         args.append(sp.decay if gk else d)
     launcher(kernel, sp.T, sp.NT)[(programs * p.HV, p.V // BV)](
         *args, sp.o,

@@ -18,7 +18,7 @@ kernel's for that tile.
 Budget (K = V = 128, two stages, sm_90 compile; tests/backends/test_gluon_sm90.py): chain 0 runs
 at 256 registers, chain 1 at CHAIN_REGS, the loader at LOADER_REGS (setmaxnreg); shared memory
 128 KB at BV 32, 160 KB at 64 (184 KB with KDA's kd tiles), 224 KB at 128, one program per SM;
-no spills except 56 bytes at 128 columns (values computed before the fork, reloaded once and
+no spills except 64 bytes at 128 columns (values computed before the fork, reloaded once and
 once a step). Measured (H200, docs/notes/gdn-prefill.md v11): a step 14% shorter than the
 one-chain kernel's at 64 and 128 columns (1x32k HV64 scan 1142 -> 981 us; 4x8k HV32 411 -> 354),
 6-10% at 32, 15% on KDA's 64 (1x8k H64 345 -> 294 us); KDA at 32 columns (two chains of 16) lost
