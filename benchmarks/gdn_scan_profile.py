@@ -1,6 +1,7 @@
-"""Cycle profile of one chunk step of the Gluon GDN scan (backends/gluon/chunk_delta_sm90.py, or
-with ``--kernel ws`` the warp-specialized one's chain partition, chunk_delta_ws_sm90.py) on the
-GPU: where a step's time goes, phase by phase.
+"""Cycle profile of one chunk step of the Gluon GDN scan on the GPU: where a step's time goes,
+phase by phase, in the shipped two-chain scan's chain partitions (``--kernel dual``,
+chunk_delta_dual_sm90.py; both chains, averaged), the one-chain scan (``plain``,
+chunk_delta_sm90.py) or the warp-specialized one's chain partition (``ws``).
 
 It builds an instrumented copy of the kernel (in a temporary folder; the shipped kernel is not
 touched): ``%clock`` is read at the phase boundaries listed in ``PHASES`` (each names a line of
@@ -11,7 +12,7 @@ cost a few cycles each and the accumulators a few registers, so phases near a re
 are perturbed somewhat. A marker that no longer matches the kernel stops the script: update
 ``PHASES`` with the kernel.
 
-    python benchmarks/gdn_scan_profile.py [--kernel plain|ws] [--shapes NAME[:BV],..]
+    python benchmarks/gdn_scan_profile.py [--kernel dual|plain|ws] [--shapes NAME[:BV],..]
                                         (K = 128 shapes: the markers are in the two-half branch)
 
 Measured numbers and their reading: docs/notes/gdn-prefill.md (v9).
@@ -32,13 +33,15 @@ call_plan.ENABLED = False       # the sweeps change plan choices (tiles, prologu
 
 GLUON = pathlib.Path(__file__).resolve().parents[1] / "fastla" / "backends" / "gluon"
 
-# (line of the kernel's step, phase that ends at it, read the clock before the line?). The
-# products are one phase since they moved into chunk_delta_sm90._chunk_step (shared with the
-# two-chain scan); v9's per-product phases (docs/notes/gdn-prefill.md) were read before that
+# (line of the kernel's step, phase that ends at it, read the clock before the line?; a line
+# may be named twice, before and after). The products are one phase since they moved into
+# chunk_delta_sm90._chunk_step (shared with the two-chain scan); v9's per-product phases
+# (docs/notes/gdn-prefill.md) were read before that
 PHASES = [
     ("        b_G, b_Gl, b_rk, b_rq = n_G, n_Gl, n_rk, n_rq\n", None, True),
     ("        mbarrier.wait(bars.index(stage), ((i // STAGES) & 1).to(gl.int32))\n", "top of the step, TMA wait", False),
-    ("                                  b_dec0, b_dec1, m_t, scale, acc, NK, GK)\n", "the chunk's products", False),
+    ("        _store_output(out, o_desc, o_s, o, t0, eos, r, o_v, i_hv32, i_v, n_rows, HV, V, BV)\n", "the chunk's products",
+     True),
     ("        _store_output(out, o_desc, o_s, o, t0, eos, r, o_v, i_hv32, i_v, n_rows, HV, V, BV)\n", "output epilogue", False),
     ("i + STAGES < n_chunks, K, V, BV, NK, GK)\n", "barrier, next TMA issue", False),
 ]
@@ -55,9 +58,21 @@ WS_PHASES = [
     ("        out = warpgroup_mma_wait(num_outstanding=0, deps=(out,))\n", "state to smem, output wait", False),
     ("        _store_output(out, o_desc, o_s, o, t0, eos, r, o_v, i_hv, i_v, n_rows, HV, V, BV)\n", "output epilogue", False),
 ]
+# the two-chain scan's chain partitions (both instrumented; cycles averaged over chains too)
+DUAL_PHASES = [
+    ("        b_G, b_Gl, b_rk, b_rq = n_G, n_Gl, n_rk, n_rq\n", None, True),
+    ("        mbarrier.wait(loaded.index(stage), ((i // STAGES) & 1).to(gl.int32))\n", "top of the step, TMA wait", False),
+    ("        mbarrier.arrive(freed.index(stage), count=1)                        # this chain is done with the stage\n",
+     "the chunk's products", True),
+    ("        mbarrier.arrive(freed.index(stage), count=1)                        # this chain is done with the stage\n",
+     "stage release", False),
+    ("        _store_output(out, o_desc, o_s.index(CH), o, t0, eos, r, o_v, i_hv, tile_v, n_rows, HV, V, BVC)\n",
+     "output epilogue", False),
+]
 # per kernel: file, kernel name, phases, where the clock helper goes, how ``prof`` reaches the
-# instrumented function (text replacements), the line after which the phase counters start, and
-# the line before which they are stored
+# instrumented function (text replacements: old, new and how often old occurs), the line after
+# which the phase counters start, the line before which they are stored, and the programs'
+# partitions that each store a row of counters (``chains``)
 TARGETS = {
     "plain": dict(
         file="chunk_delta_sm90.py", kernel="_scan_sm90_kernel", phases=PHASES, clock_before="BT = gl.constexpr(64)",
@@ -74,6 +89,17 @@ TARGETS = {
               ("HAS_H0, STORE_FINAL, L2NORM, SEG, STORE_STATES)),", "HAS_H0, STORE_FINAL, L2NORM, SEG, STORE_STATES, prof)),")],
         init="    zero = gl.zeros([BT, BV], gl.float32, acc)\n",
         end="    tma.store_wait(0)\n    if STORE_FINAL:\n"),
+    "dual": dict(
+        file="chunk_delta_dual_sm90.py", kernel="_scan_dual_sm90_kernel", phases=DUAL_PHASES,
+        clock_before="CHAIN_REGS = ",
+        prof=[("LOADER_NREG: gl.constexpr,\n):", "LOADER_NREG: gl.constexpr, prof=None,\n):"),
+              ("STAGES: gl.constexpr, GK: gl.constexpr):\n    \"\"\"Chain CH",
+               "STAGES: gl.constexpr, GK: gl.constexpr, prof):\n    \"\"\"Chain CH"),
+              ("HAS_H0, STORE_FINAL, L2NORM, BETA, SEG, STORE_STATES, STAGES, GK)),",
+               "HAS_H0, STORE_FINAL, L2NORM, BETA, SEG, STORE_STATES, STAGES, GK, prof)),", 2)],
+        init="    zero = gl.zeros([BT, BVC], gl.float32, acc)\n",
+        end="    tma.store_wait(0)\n    if STORE_FINAL:\n",
+        chains=2),
 }
 CLOCK = '''
 @gluon.jit
@@ -85,16 +111,16 @@ SLOTS = 16          # int32 per program: phases 1.., steps in the last slot
 
 
 def _instrument(src: str, target: dict) -> str:
-    def once(old: str, new: str) -> str:
-        if src.count(old) != 1:
-            raise SystemExit(f"marker not found once in the kernel (update the phases): {old.strip()!r}")
+    def once(old: str, new: str, count: int = 1) -> str:
+        if src.count(old) != count:
+            raise SystemExit(f"marker not found {count} time(s) in the kernel (update the phases): {old.strip()!r}")
         return src.replace(old, new)
 
     phases = target["phases"]
     n = len(phases) - 1
     src = once(target["clock_before"], CLOCK + target["clock_before"])
-    for old, new in target["prof"]:
-        src = once(old, new)
+    for old, new, *count in target["prof"]:
+        src = once(old, new, *count)
     for j, (line, _, before) in enumerate(phases):
         indent = line[:len(line) - len(line.lstrip())] or " " * 8
         read = f"{indent}clk{j} = _clock(r)\n"
@@ -104,7 +130,10 @@ def _instrument(src: str, target: dict) -> str:
     init = target["init"]
     src = once(init, init + "".join(f"    ph{j} = gl.zeros([BT], gl.int32, rows)\n" for j in range(1, n + 1)))
     end = target["end"]
-    store = (f"    pb = prof + (gl.program_id(0).to(gl.int64) * gl.num_programs(1) + i_v) * {SLOTS}\n"
+    row = "(gl.program_id(0).to(gl.int64) * gl.num_programs(1) + i_v)"
+    if target.get("chains", 1) > 1:
+        row = f"({row} * {target['chains']} + CH)"
+    store = (f"    pb = prof + {row} * {SLOTS}\n"
              + "".join(f"    gl.store(pb + {j} + r * 0, ph{j}, mask=r == 0)\n" for j in range(1, n + 1))
              + f"    gl.store(pb + {SLOTS - 1} + r * 0, r * 0 + n_chunks.to(gl.int32), mask=r == 0)\n")
     return once(end, store + end)
@@ -122,26 +151,31 @@ def _load(src: str, folder: str):
 
 def profile(module, target: dict, kw: dict, block_v: int | None) -> tuple[tuple[int, int], float, list[float]]:
     """(grid, chunks per program, cycles per step of each phase) of one call."""
-    from fastla.backends.gluon import chunk_delta, chunk_delta_sm90, chunk_delta_ws_sm90
+    from fastla.backends.gluon import chunk_delta, chunk_delta_dual_sm90, chunk_delta_sm90, chunk_delta_ws_sm90
     from fastla.core.dispatch import use_tier
     from fastla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     buf = torch.zeros(SLOTS, dtype=torch.int32, device="cuda")
     seen = {}
     name = target["kernel"]
-    shipped = chunk_delta_ws_sm90 if name == "_scan_ws_sm90_kernel" else chunk_delta_sm90
+    shipped = {"_scan_ws_sm90_kernel": chunk_delta_ws_sm90, "_scan_dual_sm90_kernel": chunk_delta_dual_sm90}.get(
+        name, chunk_delta_sm90)
+    chains = target.get("chains", 1)
 
     class Instrumented:
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
-                buf.resize_(grid[0] * grid[1] * SLOTS).zero_()
+                buf.resize_(grid[0] * grid[1] * chains * SLOTS).zero_()
                 getattr(module, name)[grid](*args, prof=buf, **kwargs)
                 seen["grid"] = grid
             return launch
 
-    saved = getattr(shipped, name), chunk_delta.SCAN_BLOCK_V, chunk_delta.SCAN_SPECIALIZED
+    knobs = ("SCAN_BLOCK_V", "SCAN_SPECIALIZED", "SCAN_DUAL")
+    saved = getattr(shipped, name), {k: getattr(chunk_delta, k) for k in knobs}
     setattr(shipped, name, Instrumented())
-    chunk_delta.SCAN_BLOCK_V, chunk_delta.SCAN_SPECIALIZED = block_v, shipped is chunk_delta_ws_sm90
+    chunk_delta.SCAN_BLOCK_V = block_v
+    chunk_delta.SCAN_SPECIALIZED = shipped is chunk_delta_ws_sm90
+    chunk_delta.SCAN_DUAL = shipped is chunk_delta_dual_sm90
     try:
         with use_tier("gluon", strict=True), torch.no_grad():
             for _ in range(2):                                              # the second call is measured
@@ -149,7 +183,8 @@ def profile(module, target: dict, kw: dict, block_v: int | None) -> tuple[tuple[
             torch.cuda.synchronize()
     finally:
         setattr(shipped, name, saved[0])
-        chunk_delta.SCAN_BLOCK_V, chunk_delta.SCAN_SPECIALIZED = saved[1:]
+        for k, value in saved[1].items():
+            setattr(chunk_delta, k, value)
     if "grid" not in seen:
         raise SystemExit(f"the {name} scan did not run for this shape (the tile plan chose another kernel)")
     per = buf.view(-1, SLOTS).double().cpu()
@@ -160,7 +195,7 @@ def profile(module, target: dict, kw: dict, block_v: int | None) -> tuple[tuple[
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--kernel", choices=list(TARGETS), default="plain")
+    ap.add_argument("--kernel", choices=list(TARGETS), default="dual")
     ap.add_argument("--shapes", default="gdn/h16-hv64/1x32768:64,gdn/h16-hv64/1x32768:32,gdn/h4-hv16/1x8192")
     args = ap.parse_args()
     from fastla.bench.inputs import call_kwargs, make_inputs

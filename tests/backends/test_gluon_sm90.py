@@ -270,7 +270,7 @@ def test_scan_tile_plan():
     assert scan_tile(64, 64, 132) == (32, 1) and scan_tile(132, 64, 132) == (64, 1)     # K = V = 64
 
 
-@pytest.mark.parametrize("kernel", ["plain", "ws"])
+@pytest.mark.parametrize("kernel", ["dual", "plain", "ws"])
 def test_scan_profile_markers_match_the_kernels(kernel):
     """benchmarks/gdn_scan_profile.py instruments a copy of each Gluon scan at marker lines: every
     marker must still occur exactly once (it stops otherwise, on the GPU machine's time)."""
@@ -284,6 +284,7 @@ def test_scan_profile_markers_match_the_kernels(kernel):
     target = tool.TARGETS[kernel]
     src = tool._instrument((tool.GLUON / target["file"]).read_text(), target)
     assert src.count("_clock(r)") == len(target["phases"]) and "prof=None" in src
+    compile(src, target["file"], "exec")                # the reads' indentation (a marker on a continuation line)
 
 
 KDA_PROLOGUE_VARIANTS = {
