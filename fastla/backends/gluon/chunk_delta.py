@@ -54,10 +54,11 @@ GK_WIDTHS = {32: 2.5, 64: 2.3}
 def scan_tile(lanes: float, V: int, sms: int, widths=STEP_US) -> tuple[int, int]:
     """(value columns, warpgroups) per program: the width whose waves of programs (one per SM)
     times its step time is least, for ``lanes`` = value heads x sequences (weighted by length:
-    total chunks over the longest sequence's). Measured: 1x32k HV64 (64 lanes) 64 columns, one
-    wave of 128 programs (scan 1.14 ms) against two at 32 (1.72) and a half-empty one at 128
-    (1.58); 4x8k HV32 (128 lanes) 128 columns, one wave (0.40 ms vs 0.54 at 64); 1x8k HV16
-    (16 lanes) 32 columns (0.17 ms vs 0.23 at 64). When the narrowest width fits in one wave it is
+    total chunks over the longest sequence's). Measured on the one-chain scan (v9.2): 1x32k HV64
+    (64 lanes) 64 columns, one wave of 128 programs (scan 1.14 ms) against two at 32 (1.72) and a
+    half-empty one at 128 (1.58); 4x8k HV32 (128 lanes) 128 columns, one wave (0.40 ms vs 0.54 at
+    64); 1x8k HV16 (16 lanes) 32 columns (0.17 ms vs 0.23 at 64); the two-chain scan keeps those
+    choices (v11: 0.98, 0.35 and 0.17 ms). When the narrowest width fits in one wave it is
     taken whatever the full-grid step times say: lightly loaded, 32 columns step in 1.33 us
     against 1.67 at 64 on two chains (1x8k HV16, v11), and KDA's full-grid times (2.5 at 32,
     2.3 at 64) would otherwise send its few-lane calls to 64."""
