@@ -44,6 +44,7 @@ VARIANTS = {
     "gluon-dual-bv64": dict(SCAN_BLOCK_V=64, SCAN_DUAL=True),           # two chains of 32 columns
     "gluon-dual-bv64-s3": dict(SCAN_BLOCK_V=64, SCAN_DUAL=True, SCAN_STAGES=3),
     "gluon-dual-bv128": dict(SCAN_BLOCK_V=128, SCAN_DUAL=True),         # two chains of 64 columns
+    "gluon-summary": dict(SUMMARY_SM90=True),   # the segment summaries on the two-chain scan too
     "gluon-bv128": dict(SCAN_BLOCK_V=128),
     "gluon-s3": dict(SCAN_BLOCK_V=64, SCAN_STAGES=3),   # three stages do not fit at 128 columns (216 KB at 64)
     "gluon-noseg": dict(segment_chunks=0),  # the plan's segments (sequence parallelism) on the sm_90 tier

@@ -66,7 +66,7 @@ DUAL_PHASES = [
      "the chunk's products", True),
     ("        mbarrier.arrive(freed.index(stage), count=1)                        # this chain is done with the stage\n",
      "stage release", False),
-    ("        _store_output(out, o_desc, o_s.index(CH), o, t0, eos, r, o_v, i_hv, tile_v, n_rows, HV, V, BVC)\n",
+    ("            _store_output(out, o_desc, o_s.index(CH), o, t0, eos, r, o_v, i_hv, tile_v, n_rows, HV, V, BVC)\n",
      "output epilogue", False),
 ]
 # per kernel: file, kernel name, phases, where the clock helper goes, how ``prof`` reaches the

@@ -61,6 +61,9 @@ SCAN_VARIANTS = {
     "dual-k64-v-first": dict(DUAL=True, BV=64, K=64, V=64, SK=1, SV=64),
     "dual-kda-bv64": dict(DUAL=True, BV=64, GK=True, L2NORM=False),
     "dual-kda-bv32": dict(DUAL=True, BV=32, GK=True, L2NORM=False),
+    # the segment summary pass (SEG 1: the V + K columns [0 | I], no output) on the two chains
+    "dual-bv64-summary-varlen": dict(DUAL=True, BV=64, SEG=1, VARLEN=True),
+    "dual-kda-bv64-summary": dict(DUAL=True, BV=64, SEG=1, GK=True, L2NORM=False),
 }
 
 
@@ -107,7 +110,8 @@ SCAN_SPILLS = {"dual-bv128": 64}
 @pytest.mark.parametrize("name", list(SCAN_VARIANTS))
 def test_gdn_scan_compiles_for_sm90(name, tmp_path):
     res = _run_child(f"_child_scan({name!r}, {str(tmp_path)!r})", tmp_path, module="tests.backends.test_gluon_sm90")
-    assert res["hgmma"] > 0 and res["utmaldg"] > 0 and res["utmastg"] > 0, res      # TMA loads and the output's store
+    assert res["hgmma"] > 0 and res["utmaldg"] > 0, res                                # wgmma, TMA loads
+    assert (res["utmastg"] > 0) != ("summary" in name), res        # the output's TMA store (a summary has none)
     assert res["LOCAL"] <= SCAN_SPILLS.get(name, 0) and res["STACK"] <= SCAN_SPILLS.get(name, 0), f"spills: {res}"
     assert res["shared_bytes"] <= 227 * 1024, res
     assert (res["setmaxnreg"] > 0) == name.startswith(("ws-", "dual-")), res   # the partitions' register split
@@ -257,6 +261,13 @@ def test_launcher_builds_descriptors(monkeypatch):
     assert kw["num_warps"] == 4 and kw["CHAIN_NREG"] == chunk_delta_dual_sm90.CHAIN_REGS and "WARPGROUPS" not in kw
     assert args[3].block_shape == args[6].block_shape == [64, 32]               # each chain's v and o tiles
     assert [d.block_shape for d in args[:3]] == [[64, 64]] * 3
+
+    # a segment summary (SEG 1) on the two chains: 8 segments x HV programs over the V + K columns
+    summary = torch.empty(8, HV, K, V + K)
+    gluon_chunk._sequence_scan(p, sp, 1, g, summary, 8)
+    grid, args, kw = launches[-1]
+    assert kw["kernel"] == "dual" and kw["SEG"] == 1 and kw["BV"] == 64 and grid == (8 * HV, (V + K) // 64)
+    assert args[dual_names.index("seg_state")] is summary
 
 
 def test_scan_tile_plan():

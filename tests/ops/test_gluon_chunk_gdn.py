@@ -93,6 +93,22 @@ def test_segments(v_first, block_v, monkeypatch):
     check(t, cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu, state_v_first=v_first)
 
 
+@pytest.mark.parametrize("v_first", [False, True])
+@pytest.mark.parametrize("width", [32, 64, 128])
+def test_segment_summaries_on_sm90(v_first, width, monkeypatch):
+    """The segment summary pass on the two-chain scan (SUMMARY_SM90; its SEG 1 over the V + K
+    columns) as well as the replays, at each width, 2-chunk segments over a varlen batch."""
+    from fastla.backends.gluon import chunk_delta as gluon_chunk
+    from fastla.backends.triton import chunk_delta
+    monkeypatch.setattr(gluon_chunk, "SUMMARY_SM90", True)
+    monkeypatch.setattr(gluon_chunk, "SCAN_BLOCK_V", width)
+    monkeypatch.setattr(chunk_delta, "default_config", lambda p: chunk_delta.ChunkConfig(segment_chunks=2))
+    lengths = [1, 300, 64, 129]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
+    t = bf16_inputs(B=1, T=sum(lengths), H=1, HV=2, K=128, V=128, N=len(lengths), v_first=v_first)
+    check(t, cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu, state_v_first=v_first)
+
+
 def test_no_initial_state_and_strong_decay():
     check(bf16_inputs(B=2, T=200, H=1, HV=2, K=128, V=128, h0=False, strength=30.0))
 

@@ -39,6 +39,17 @@ def test_varlen_segment_replays(monkeypatch):
     check_fp64(*bf16_case("varlen"), tier="gluon")
 
 
+def test_varlen_segment_summaries_on_sm90(monkeypatch):
+    """As above with the summary pass on the two-chain scan too (SUMMARY_SM90, 64 columns)."""
+    from fastla.backends.gluon import chunk_delta as gluon_chunk
+    from fastla.backends.triton import chunk_delta
+    original = chunk_delta.default_config
+    monkeypatch.setattr(gluon_chunk, "SUMMARY_SM90", True)
+    monkeypatch.setattr(gluon_chunk, "SCAN_BLOCK_V", 64)
+    monkeypatch.setattr(chunk_delta, "default_config", lambda p: dataclasses.replace(original(p), segment_chunks=4))
+    check_fp64(*bf16_case("varlen"), tier="gluon")
+
+
 def test_segments_and_intermediate_states(monkeypatch):
     """Segments forced on (8-chunk replays in the sm_90 scan) with the chunk-start states: output
     and final state against fp64, the states against the unsplit run."""

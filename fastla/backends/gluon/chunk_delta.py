@@ -30,6 +30,10 @@ SCAN_SPECIALIZED = False
 # 128 14%), KDA's 64 (15%; at 32 it lost 35%). False: the plain kernel everywhere (A/B sweeps)
 SCAN_DUAL = True
 DUAL_WIDTHS = {False: (32, 64, 128), True: (64,)}       # by GK
+# The segment summary pass (sequence parallelism) on the two-chain scan too (its SEG 1: the V + K
+# columns from [0 | I], no queries, scores nor output) instead of the Triton scan. Opt-in: built
+# and compile-checked, not yet run on the GPU (branch wip/gluon-summary)
+SUMMARY_SM90 = False
 # KDA's prologue on the sm_90 kernel (chunk_prepare_kda_sm90.py) where it serves (K % 32 == 0, a
 # bf16 or fp32 gate), else on the Triton one (backends/triton/chunk_prepare_kda.py); False for A/B sweeps
 KDA_PROLOGUE_SM90 = True
@@ -127,13 +131,18 @@ def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments
     from fastla.backends.gluon.chunk_delta_ws_sm90 import PREP_REGS, _scan_ws_sm90_kernel
 
     BT = BK = 64                                                            # the kernel's tile sides
-    if seg == 2:
+    if seg:
         lanes = programs * p.HV                                             # segments of (about) one length
     else:
         counts = triton_chunk._chunk_counts(p)
         lanes = p.HV * sum(counts) / max(max(counts), 1)
     gk = sp.kd is not None
-    BV, warpgroups = scan_tile(lanes, p.V, sm_count(p.device), GK_WIDTHS if gk else STEP_US)
+    h_chunks = None if seg == 1 else sp.h_chunks                            # (a summary stores no chunk states)
+    cols = p.V + p.K if seg == 1 else p.V                                   # a summary's V + K columns
+    table = GK_WIDTHS if gk else STEP_US
+    if seg == 1:                                                            # on the two-chain scan only
+        table = {bv: step for bv, step in table.items() if bv in DUAL_WIDTHS[gk]}
+    BV, warpgroups = scan_tile(lanes, cols, sm_count(p.device), table)
     if SCAN_BLOCK_V:                                                        # sweep overrides
         widths = GK_WIDTHS if gk else WARPGROUPS
         if SCAN_BLOCK_V not in widths or p.V % SCAN_BLOCK_V:
@@ -143,11 +152,13 @@ def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments
         raise ValueError(f"SCAN_STAGES = {SCAN_STAGES}: KDA's scan runs two stages (a third needs more than the "
                          "227 KB of shared memory at 64 columns)")
     warpgroups = SCAN_WARPGROUPS or warpgroups
-    if sp.h_chunks is not None:
+    if h_chunks is not None:
         BV, warpgroups = 32, 1          # storing the chunk states spills at 64 columns (448 B, sm_90 compile)
     rows = p.B * p.T
     specialized = SCAN_SPECIALIZED and BV in SPECIALIZED_WIDTHS and warpgroups == 1 and not gk
-    dual = SCAN_DUAL and BV in DUAL_WIDTHS[gk] and sp.h_chunks is None and not specialized
+    dual = SCAN_DUAL and BV in DUAL_WIDTHS[gk] and h_chunks is None and not specialized
+    if seg == 1 and not (dual and p.V % (BV // 2) == 0 and cols % BV == 0):
+        raise RuntimeError(f"the segment summary runs on the two-chain scan only (BV = {BV}, V = {p.V})")
     box_v = BV // 2 if dual else BV                                         # the dual chains' value tiles
     tile, vtile = _tile_layout(BT, BK), _tile_layout(BT, box_v)
 
@@ -176,15 +187,15 @@ def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments
              sp.beta, sp.rq, sp.rk, sp.gcum if sp.gcum is not None else d]
     if takes_kd:
         args.append(sp.decay if gk else d)
-    launcher(kernel, sp.T, sp.NT)[(programs * p.HV, p.V // BV)](
+    launcher(kernel, sp.T, sp.NT)[(programs * p.HV, cols // BV)](
         *args, sp.o,
         sp.h0 if sp.h0 is not None else d, sp.ht if sp.ht is not None else d,
-        sp.h_chunks if sp.h_chunks is not None else d,
+        h_chunks if h_chunks is not None else d,
         sp.cu_seqlens if sp.cu_seqlens is not None else d, sp.chunk_start if sp.chunk_start is not None else d,
         segments, seg_state, sp.T, sp.NT, rows, p.scale,
         H=p.H, HV=p.HV, K=p.K, V=p.V, BV=BV, SK=SK, SV=SV, HAS_H0=sp.h0 is not None, STORE_FINAL=sp.ht is not None,
         L2NORM=p.use_qk_l2norm and not gk, VARLEN=sp.cu_seqlens is not None, SEG=seg, BETA=sp.beta_mode,
-        STORE_STATES=sp.h_chunks is not None, **launch,
+        STORE_STATES=h_chunks is not None, **launch,
     )
 
 
@@ -199,7 +210,8 @@ def run(p: Problem):
             prologue = kda_prologue.launch
         else:
             _log_once(f"KDA prologue on the Triton kernels: {why}")
-    return triton_chunk.run(p, config, sequence_scan=_sequence_scan, kda_prologue=prologue)
+    return triton_chunk.run(p, config, sequence_scan=_sequence_scan, kda_prologue=prologue,
+                            summaries=SUMMARY_SM90 and SCAN_DUAL)
 
 
 @functools.lru_cache(maxsize=None)

@@ -43,11 +43,16 @@ LOADER_REGS = 32        # of the loader warp (chain 0 runs at 256: 128 x (256 + 
 @gluon.jit
 def _loader_partition(k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s,
                       loaded, freed, bos, c_begin, n_chunks, i_h, i_hv, i_v,
-                      K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, GK: gl.constexpr):
-    """Chunk i's tiles into stage i % STAGES once both chains have freed it (chunk i - STAGES)."""
+                      K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, GK: gl.constexpr,
+                      SEG: gl.constexpr):
+    """Chunk i's tiles into stage i % STAGES once both chains have freed it (chunk i - STAGES).
+    A segment summary (SEG 1) loads no queries nor scores, and the value tiles of its identity
+    columns (past V) from column 0 of the head (read as zeros by the chains)."""
     NK: gl.constexpr = K // BK
     BVC: gl.constexpr = BV // 2
-    nbytes: gl.constexpr = ((3 if GK else 2) * NK * BT * BK + BT * BV + 2 * BT * BT) * 2
+    OUTPUT: gl.constexpr = SEG != 1
+    n_qk: gl.constexpr = (1 if OUTPUT else 0) + (1 if GK else 0) + 1
+    nbytes: gl.constexpr = (n_qk * NK * BT * BK + BT * BV + (2 if OUTPUT else 1) * BT * BT) * 2
     for i in range(0, n_chunks):
         stage = (i % STAGES).to(gl.int32)
         mbarrier.wait(freed.index(stage), (((i // STAGES) & 1) ^ 1).to(gl.int32))
@@ -56,14 +61,20 @@ def _loader_partition(k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s,
         mbarrier.expect(bar, nbytes)
         for j in gl.static_range(NK):
             tma.async_copy_global_to_shared(k_desc, [t0, i_h * K + j * BK], bar, k_s.index(stage * NK + j))
-            tma.async_copy_global_to_shared(q_desc, [t0, i_h * K + j * BK], bar, q_s.index(stage * NK + j))
+            if OUTPUT:
+                tma.async_copy_global_to_shared(q_desc, [t0, i_h * K + j * BK], bar, q_s.index(stage * NK + j))
             if GK:
                 tma.async_copy_global_to_shared(kd_desc, [t0, i_h * K + j * BK], bar, kd_s.index(stage * NK + j))
         for ch in gl.static_range(2):
-            tma.async_copy_global_to_shared(v_desc, [t0, i_hv * V + i_v * BV + ch * BVC], bar,
-                                            v_s.index(stage * 2 + ch))
+            if OUTPUT:
+                col = i_hv * V + i_v * BV + ch * BVC
+            else:
+                col = i_v * BV + ch * BVC
+                col = i_hv * V + gl.where(col < V, col, 0)
+            tma.async_copy_global_to_shared(v_desc, [t0, col], bar, v_s.index(stage * 2 + ch))
         tma.async_copy_global_to_shared(p_desc, [t0, i_hv * BT], bar, p_s.index(stage))
-        tma.async_copy_global_to_shared(a_desc, [t0, i_hv * BT], bar, a_s.index(stage))
+        if OUTPUT:
+            tma.async_copy_global_to_shared(a_desc, [t0, i_hv * BT], bar, a_s.index(stage))
 
 
 @gluon.jit
@@ -114,12 +125,17 @@ def _chain_partition(CH: gl.constexpr, k_s, q_s, kd_s, v_s, p_s, a_s, s_s, y_s, 
         mbarrier.wait(loaded.index(stage), ((i // STAGES) & 1).to(gl.int32))
         S0, S1, out = _chunk_step(k_s, q_s, kd_s, stage * NK, v_s.index(stage * 2 + CH), p_s.index(stage),
                                   a_s.index(stage), s_s, CH * NK, y_t, vn_t, vd_t, S0, S1, zero,
-                                  b_G, b_Gl, b_beta, b_rk, b_rq, b_dec0, b_dec1, m_t, scale, acc, NK, GK)
+                                  b_G, b_Gl, b_beta, b_rk, b_rq, b_dec0, b_dec1, m_t, scale, tile_v * BVC < V,
+                                  acc, NK, GK, SEG != 1)
         mbarrier.arrive(freed.index(stage), count=1)                        # this chain is done with the stage
-        _store_output(out, o_desc, o_s.index(CH), o, t0, eos, r, o_v, i_hv, tile_v, n_rows, HV, V, BVC)
+        if SEG != 1:
+            _store_output(out, o_desc, o_s.index(CH), o, t0, eos, r, o_v, i_hv, tile_v, n_rows, HV, V, BVC)
 
     tma.store_wait(0)
-    if STORE_FINAL:
+    if SEG == 1:                # the summary [E | Phi] ``[segments, HV, K, V + K]``
+        _store_half_pair(seg_state + (i_s * HV + i_hv) * K * (V + K) + o_j[:, None] * (V + K) + o_v[None, :],
+                         S0, S1, K, V + K)
+    elif STORE_FINAL:
         _store_final(ht, S0, S1, i_n, i_hv, p_half, o_j, is_last, HV, K, V, SK)
 
 
@@ -180,7 +196,7 @@ def _scan_dual_sm90_kernel(
                             first_chunk, is_last, i_n, i_s, i_h, i_hv32, i_v, n_rows, scale, H, HV, K, V, BV, SK, SV,
                             HAS_H0, STORE_FINAL, L2NORM, BETA, SEG, STORE_STATES, STAGES, GK)),
         (_loader_partition, (k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s,
-                             loaded, freed, bos, c_begin, n_chunks, i_h32, i_hv32, i_v, K, V, BV, STAGES, GK)),
+                             loaded, freed, bos, c_begin, n_chunks, i_h32, i_hv32, i_v, K, V, BV, STAGES, GK, SEG)),
     ], [4, 1], [CHAIN_NREG, LOADER_NREG])
     for st in gl.static_range(STAGES):
         mbarrier.invalidate(loaded.index(st))

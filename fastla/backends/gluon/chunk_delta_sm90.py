@@ -136,11 +136,15 @@ def _initial_state(h0, seg_state, i_n, i_s, i_hv, o_j, o_v, p_half, acc: gl.cons
                    K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, SK: gl.constexpr, HAS_H0: gl.constexpr,
                    SEG: gl.constexpr):
     """The state halves [BK, BV] fp32 (key rows j * 64 ..) a program starts from: a segment
-    replay's recovered state, h0, or zeros."""
+    summary's [0 | I] (o_v over the V + K columns), a segment replay's recovered state, h0, or
+    zeros."""
     NK: gl.constexpr = K // BK
     S0 = gl.zeros([BK, BV], gl.float32, acc)
     S1 = gl.zeros([BK, BV], gl.float32, acc)
-    if SEG == 2:
+    if SEG == 1:
+        S0 = gl.where(o_j[:, None] == (o_v - V)[None, :], 1.0, 0.0)
+        S1 = gl.where((o_j + BK)[:, None] == (o_v - V)[None, :], 1.0, 0.0)
+    elif SEG == 2:
         seg_base = seg_state + (i_s * HV + i_hv) * K * V + o_j[:, None] * V + o_v[None, :]
         S0 = gl.load(seg_base)
         if NK == 2:
@@ -179,21 +183,28 @@ def _chunk_decay(decay, chunk, i_hv, o_j, HV: gl.constexpr, K: gl.constexpr, GK:
 
 @gluon.jit
 def _chunk_step(k_s, q_s, kd_s, kb, v_t, p_t, a_t, s_s, sb, y_t, vn_t, vd_t, S0, S1, zero,
-                b_G, b_Gl, b_beta, b_rk, b_rq, b_dec0, b_dec1, m_t, scale,
-                acc: gl.constexpr, NK: gl.constexpr, GK: gl.constexpr):
+                b_G, b_Gl, b_beta, b_rk, b_rq, b_dec0, b_dec1, m_t, scale, has_v,
+                acc: gl.constexpr, NK: gl.constexpr, GK: gl.constexpr, OUTPUT: gl.constexpr):
     """One chunk's products, its tiles landed: keys, queries (and kd) at ring index kb (and
     kb + 1), the values v_t, P and A_qk; S in bf16 at s_s index sb (and sb + 1), rewritten here
-    for the next chunk. Returns the new state halves (fp32) and the output [BT, BV] (fp32)."""
+    for the next chunk. Returns the new state halves (fp32) and the output [BT, BV] (fp32).
+    Not OUTPUT (a segment summary): no Q, no output (``zero`` returned), and the values read as
+    zeros unless ``has_v`` (the identity columns' tiles)."""
     # X = k S and Q = q S
     x = warpgroup_mma(k_s.index(kb), s_s.index(sb), zero, use_acc=False, is_async=True)
     if NK == 2:
         x = warpgroup_mma(k_s.index(kb + 1), s_s.index(sb + 1), x, is_async=True)
-    qs = warpgroup_mma(q_s.index(kb), s_s.index(sb), zero, use_acc=False, is_async=True)
-    if NK == 2:
-        qs = warpgroup_mma(q_s.index(kb + 1), s_s.index(sb + 1), qs, is_async=True)
-    x = warpgroup_mma_wait(num_outstanding=NK, deps=(x,))
+    if OUTPUT:
+        qs = warpgroup_mma(q_s.index(kb), s_s.index(sb), zero, use_acc=False, is_async=True)
+        if NK == 2:
+            qs = warpgroup_mma(q_s.index(kb + 1), s_s.index(sb + 1), qs, is_async=True)
+        x = warpgroup_mma_wait(num_outstanding=NK, deps=(x,))
+    else:
+        x = warpgroup_mma_wait(num_outstanding=0, deps=(x,))
     # Y = beta (v - rk e^G X) (GK: beta (v - X), the keys gated already);  V_new = P Y
     b_v = v_t.load(acc).to(gl.float32)
+    if not OUTPUT:
+        b_v = gl.where(has_v, b_v, 0.0)
     if GK:
         b_y = b_beta[:, None] * (b_v - x)
     else:
@@ -202,7 +213,10 @@ def _chunk_step(k_s, q_s, kd_s, kb, v_t, p_t, a_t, s_s, sb, y_t, vn_t, vd_t, S0,
     y_t.store(b_y.to(gl.bfloat16))
     fence_async_shared()
     vn = warpgroup_mma(p_t, y_t, zero, use_acc=False, is_async=True)
-    vn, qs = warpgroup_mma_wait(num_outstanding=0, deps=(vn, qs))
+    if OUTPUT:
+        vn, qs = warpgroup_mma_wait(num_outstanding=0, deps=(vn, qs))
+    else:
+        vn = warpgroup_mma_wait(num_outstanding=0, deps=(vn,))
     # O = diag(scale rq e^G) Q + A_qk V_new;  S = e^G_last S + k^T diag(rk e^(G_last - G)) V_new
     # (GK: O = Q + A_qk V_new;  S = diag(e^G_last) S + kd^T V_new, the rows' decays per chunk)
     if GK:                  # rows past the sequence's end (the next one's kd rows) must not update S
@@ -211,9 +225,11 @@ def _chunk_step(k_s, q_s, kd_s, kb, v_t, p_t, a_t, s_s, sb, y_t, vn_t, vd_t, S0,
         S0 = warpgroup_mma(kd_s.index(kb).permute((1, 0)), vn_t, S0 * b_dec0[:, None], is_async=True)
         if NK == 2:
             S1 = warpgroup_mma(kd_s.index(kb + 1).permute((1, 0)), vn_t, S1 * b_dec1[:, None], is_async=True)
-        out = warpgroup_mma(a_t, vn_t, qs, is_async=True)
+        if OUTPUT:
+            out = warpgroup_mma(a_t, vn_t, qs, is_async=True)
     else:
-        vn_t.store(vn.to(gl.bfloat16))
+        if OUTPUT:
+            vn_t.store(vn.to(gl.bfloat16))
         b_d = gl.where(m_t, b_rk * gl.exp(b_Gl - b_G), 0.0)
         vd_t.store((vn * b_d[:, None]).to(gl.bfloat16))
         fence_async_shared()
@@ -221,16 +237,21 @@ def _chunk_step(k_s, q_s, kd_s, kb, v_t, p_t, a_t, s_s, sb, y_t, vn_t, vd_t, S0,
         S0 = warpgroup_mma(k_s.index(kb).permute((1, 0)), vd_t, S0 * b_egl, is_async=True)
         if NK == 2:
             S1 = warpgroup_mma(k_s.index(kb + 1).permute((1, 0)), vd_t, S1 * b_egl, is_async=True)
-        out = warpgroup_mma(a_t, vn_t, qs * (scale * b_rq * b_eg)[:, None], is_async=True)
+        if OUTPUT:
+            out = warpgroup_mma(a_t, vn_t, qs * (scale * b_rq * b_eg)[:, None], is_async=True)
     # the state first (the output's product runs on): S -> bf16 smem for the next chunk's products
+    PENDING: gl.constexpr = 1 if OUTPUT else 0
     if NK == 2:
-        S0, S1 = warpgroup_mma_wait(num_outstanding=1, deps=(S0, S1))
+        S0, S1 = warpgroup_mma_wait(num_outstanding=PENDING, deps=(S0, S1))
         s_s.index(sb + 1).store(S1.to(gl.bfloat16))
     else:
-        S0 = warpgroup_mma_wait(num_outstanding=1, deps=(S0,))
+        S0 = warpgroup_mma_wait(num_outstanding=PENDING, deps=(S0,))
     s_s.index(sb).store(S0.to(gl.bfloat16))
     fence_async_shared()
-    out = warpgroup_mma_wait(num_outstanding=0, deps=(out,))
+    if OUTPUT:
+        out = warpgroup_mma_wait(num_outstanding=0, deps=(out,))
+    else:
+        out = zero
     return S0, S1, out
 
 
@@ -344,7 +365,7 @@ def _scan_sm90_kernel(
         mbarrier.wait(bars.index(stage), ((i // STAGES) & 1).to(gl.int32))
         S0, S1, out = _chunk_step(k_s, q_s, kd_s, stage * NK, v_s.index(stage), p_s.index(stage), a_s.index(stage),
                                   s_s, 0, y_s, vn_s, vd_s, S0, S1, zero, b_G, b_Gl, b_beta, b_rk, b_rq,
-                                  b_dec0, b_dec1, m_t, scale, acc, NK, GK)
+                                  b_dec0, b_dec1, m_t, scale, True, acc, NK, GK, True)
         _store_output(out, o_desc, o_s, o, t0, eos, r, o_v, i_hv32, i_v, n_rows, HV, V, BV)
         # the stage is free: chunk i + STAGES into it
         gl.thread_barrier()

@@ -451,11 +451,13 @@ class SequencePass:
     decay: torch.Tensor | None = None       # and e^(G_last) [chunks, HV, K] for the GK step
 
 
-def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, kda_prologue=None):
+def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, kda_prologue=None, summaries=False):
     """The chunked forward. ``sequence_scan(p, SequencePass, seg, segments, seg_state, programs)``,
     when given, launches the sequence passes (seg 0 or 2) instead of the Triton scan; it must
-    write the output. ``kda_prologue``, when given, runs KDA's prologue instead of
-    chunk_prepare_kda.launch (same arguments less q, k and the launch shape)."""
+    write the output; with ``summaries`` it runs the segment summary pass too (seg 1: the V + K
+    columns from [0 | I], ``[segments, HV, K, V + K]`` into seg_state). ``kda_prologue``, when
+    given, runs KDA's prologue instead of chunk_prepare_kda.launch (same arguments less q, k and
+    the launch shape)."""
     config = config or default_config(p)
     B, T, H, HV, K, V, N = p.B, p.T, p.H, p.HV, p.K, p.V, p.N
     dev = p.device
@@ -536,8 +538,11 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, kda_p
         segments, seq_segments, n_seg = _segment_plan(p, counts, length)
         summary = call_plan.empty((n_seg, HV, K, V + K), torch.float32, dev)
         seg_start = call_plan.empty((n_seg, HV, K, V), torch.float32, dev)
-        launcher(_scan_kernel, T, NT)[(n_seg * HV, cdiv(V + K, BV))](*args, segments, summary, T, NT, p.scale, BV=BV, SEG=1,
-                                                             STORE_STATES=False, **common)
+        if summaries and sequence_scan is not None:
+            sequence_scan(p, seq_pass, 1, segments, summary, n_seg)
+        else:
+            launcher(_scan_kernel, T, NT)[(n_seg * HV, cdiv(V + K, BV))](*args, segments, summary, T, NT, p.scale,
+                                                                 BV=BV, SEG=1, STORE_STATES=False, **common)
         launcher(_segment_combine_kernel)[(N * HV, cdiv(V, BV))](
             summary, seg_start, h0 if h0 is not None else o, seq_segments, HV=HV, K=K, V=V, BK=BK, BV=BV,
             SK=SK, SV=SV, HAS_H0=h0 is not None, num_warps=4, num_stages=1)
