@@ -98,7 +98,7 @@ TARGETS = {
               ("HAS_H0, STORE_FINAL, L2NORM, BETA, SEG, STORE_STATES, STAGES, GK)),",
                "HAS_H0, STORE_FINAL, L2NORM, BETA, SEG, STORE_STATES, STAGES, GK, prof)),", 2)],
         init="    zero = gl.zeros([BT, BVC], gl.float32, acc)\n",
-        end="    tma.store_wait(0)\n    if STORE_FINAL:\n",
+        end="    tma.store_wait(0)\n    if SEG == 1:",
         chains=2),
 }
 CLOCK = '''
