@@ -45,6 +45,9 @@ VARIANTS = {
     "gluon-dual-bv64-s3": dict(SCAN_BLOCK_V=64, SCAN_DUAL=True, SCAN_STAGES=3),
     "gluon-dual-bv128": dict(SCAN_BLOCK_V=128, SCAN_DUAL=True),         # two chains of 64 columns
     "gluon-summary": dict(SUMMARY_SM90=True),   # the segment summaries on the two-chain scan too
+    "gluon-summary-seg16": dict(SUMMARY_SM90=True, segment_chunks=16),
+    "gluon-summary-seg32": dict(SUMMARY_SM90=True, segment_chunks=32),
+    "gluon-summary-seg64": dict(SUMMARY_SM90=True, segment_chunks=64),
     "gluon-bv128": dict(SCAN_BLOCK_V=128),
     "gluon-s3": dict(SCAN_BLOCK_V=64, SCAN_STAGES=3),   # three stages do not fit at 128 columns (216 KB at 64)
     "gluon-noseg": dict(segment_chunks=0),  # the plan's segments (sequence parallelism) on the sm_90 tier
@@ -136,8 +139,8 @@ def main() -> int:
                 setattr(gluon_chunk, a, over[a])
             if tier == "gluon":                    # lower-case keys: the launch plan (default_config) too
                 over = {a: x for a, x in (over or {}).items() if not a.isupper()} or None
-            chunk_delta.default_config = lambda p, o=over: (
-                original(p) if o is None else dataclasses.replace(original(p), **o))
+            chunk_delta.default_config = lambda p, o=over, **kw: (
+                original(p, **kw) if o is None else dataclasses.replace(original(p, **kw), **o))
             variant = chunk_delta.default_config
             # a variant's inverse_heads is what runs (not capped by the occupancy rule)
             chunk_prepare.INVERSE_PROGRAMS_PER_SM = 0 if "inverse_heads" in (over or {}) else programs_per_sm
@@ -150,6 +153,8 @@ def main() -> int:
                     err_fla = rel(o, fla_o) if fla_o is not None else None
                     us = 1e3 * do_bench_cudagraph(call, rep=100)
                     split = kernel_split(call)
+                    plan = gluon_chunk.plan if tier == "gluon" else variant            # (the sm_90 tier's split gain)
+                    config = dataclasses.asdict(plan(problem_of(kw)))
             except Exception as exc:  # a variant that does not compile or launch is reported, not fatal
                 print(f"{shape:28s} {name:16s} FAILED {type(exc).__name__}: {str(exc)[:200]}", flush=True)
                 rows.append(dict(shape=shape, variant=name, error=str(exc)[:400]))
@@ -161,7 +166,7 @@ def main() -> int:
                     setattr(gluon_chunk, a, value)
             prep = sum(v for k, v in split.items() if "inverse" in k or "scores" in k)
             scan = sum(v for k, v in split.items() if "scan" in k)                # both tiers' scan kernels
-            rows.append(dict(shape=shape, variant=name, config=dataclasses.asdict(variant(problem_of(kw))), us=us, prepare_us=prep,
+            rows.append(dict(shape=shape, variant=name, config=config, us=us, prepare_us=prep,
                              scan_us=scan, kernels=split, err_vs_first=err_first, err_vs_fla=err_fla, fla_us=fla_us))
             speed = f"{fla_us / us:5.2f}x" if fla_us else "  -  "
             print(f"{shape:28s} {name:16s} {us:9.1f} us (prepare {prep:8.1f}, scan {scan:8.1f}) FLA {fla_us or 0:9.1f} "

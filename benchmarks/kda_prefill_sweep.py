@@ -119,7 +119,7 @@ def main() -> int:
             wide.BLOCK_K, wide.WARPS, wide.STAGES = over.pop("wide", default_wide)
             gluon_chunk.SCAN_DUAL = over.pop("scan_dual", False)
             gluon_chunk.SCAN_BLOCK_V = over.pop("scan_bv", None)
-            chunk_delta.default_config = lambda p, o=over: dataclasses.replace(original(p), **o)
+            chunk_delta.default_config = lambda p, o=over, **kw: dataclasses.replace(original(p, **kw), **o)
             try:
                 with use_tier(args.tier, strict=True), torch.no_grad():
                     call = lambda: chunk_kda(**kw)  # noqa: E731

@@ -86,7 +86,7 @@ def test_varlen(block_v):
 @pytest.mark.parametrize("v_first", [False, True])
 def test_segments(v_first, block_v, monkeypatch):
     from fastla.backends.triton import chunk_delta
-    monkeypatch.setattr(chunk_delta, "default_config", lambda p: chunk_delta.ChunkConfig(segment_chunks=2))
+    monkeypatch.setattr(chunk_delta, "default_config", lambda p, **kw: chunk_delta.ChunkConfig(segment_chunks=2))
     lengths = [1, 300, 64, 129]
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
     t = bf16_inputs(B=1, T=sum(lengths), H=1, HV=2, K=128, V=128, N=len(lengths), v_first=v_first)
@@ -102,7 +102,7 @@ def test_segment_summaries_on_sm90(v_first, width, monkeypatch):
     from fastla.backends.triton import chunk_delta
     monkeypatch.setattr(gluon_chunk, "SUMMARY_SM90", True)
     monkeypatch.setattr(gluon_chunk, "SCAN_BLOCK_V", width)
-    monkeypatch.setattr(chunk_delta, "default_config", lambda p: chunk_delta.ChunkConfig(segment_chunks=2))
+    monkeypatch.setattr(chunk_delta, "default_config", lambda p, **kw: chunk_delta.ChunkConfig(segment_chunks=2))
     lengths = [1, 300, 64, 129]
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
     t = bf16_inputs(B=1, T=sum(lengths), H=1, HV=2, K=128, V=128, N=len(lengths), v_first=v_first)

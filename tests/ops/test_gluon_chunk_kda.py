@@ -35,7 +35,7 @@ def test_varlen_segment_replays(monkeypatch):
     """Sequence parallelism on a varlen batch (4-chunk segments, replays in the sm_90 scan)."""
     from fastla.backends.triton import chunk_delta
     original = chunk_delta.default_config
-    monkeypatch.setattr(chunk_delta, "default_config", lambda p: dataclasses.replace(original(p), segment_chunks=4))
+    monkeypatch.setattr(chunk_delta, "default_config", lambda p, **kw: dataclasses.replace(original(p, **kw), segment_chunks=4))
     check_fp64(*bf16_case("varlen"), tier="gluon")
 
 
@@ -46,7 +46,7 @@ def test_varlen_segment_summaries_on_sm90(monkeypatch):
     original = chunk_delta.default_config
     monkeypatch.setattr(gluon_chunk, "SUMMARY_SM90", True)
     monkeypatch.setattr(gluon_chunk, "SCAN_BLOCK_V", 64)
-    monkeypatch.setattr(chunk_delta, "default_config", lambda p: dataclasses.replace(original(p), segment_chunks=4))
+    monkeypatch.setattr(chunk_delta, "default_config", lambda p, **kw: dataclasses.replace(original(p, **kw), segment_chunks=4))
     check_fp64(*bf16_case("varlen"), tier="gluon")
 
 
@@ -57,9 +57,9 @@ def test_segments_and_intermediate_states(monkeypatch):
     original = chunk_delta.default_config
     t, opts = bf16_case("bounded-gate")
     t = {n: x[:1] for n, x in t.items()}
-    monkeypatch.setattr(chunk_delta, "default_config", lambda p: dataclasses.replace(original(p), segment_chunks=0))
+    monkeypatch.setattr(chunk_delta, "default_config", lambda p, **kw: dataclasses.replace(original(p, **kw), segment_chunks=0))
     (h_whole,) = check_fp64(t, opts, tier="gluon", return_intermediate_states=True)
-    monkeypatch.setattr(chunk_delta, "default_config", lambda p: dataclasses.replace(original(p), segment_chunks=8))
+    monkeypatch.setattr(chunk_delta, "default_config", lambda p, **kw: dataclasses.replace(original(p, **kw), segment_chunks=8))
     (h,) = check_fp64(t, opts, tier="gluon", return_intermediate_states=True)
     check_fp64(t, opts, tier="gluon")                      # the replays at the planned width (no states)
     assert torch.isfinite(h).all()

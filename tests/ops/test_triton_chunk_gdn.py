@@ -152,7 +152,7 @@ def test_launch_variants(variant, device, monkeypatch):
               "segments_of_two_chunks": chunk_delta.ChunkConfig(segment_chunks=2, scan_block_v=16),
               "inverse_per_value_head": chunk_delta.ChunkConfig(inverse_heads=1, inverse_warps=2),
               "inverse_shared_heads": chunk_delta.ChunkConfig(inverse_heads=2)}[variant]
-    monkeypatch.setattr(chunk_delta, "default_config", lambda p: config)
+    monkeypatch.setattr(chunk_delta, "default_config", lambda p, **kw: config)
     lengths = [1, 63, 64, 65, 130]
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
     t = make_inputs(SPEC, B=1, T=sum(lengths), H=1, HV=2, K=32, V=64, N=len(lengths), device=device)
@@ -165,7 +165,7 @@ def test_sequence_parallel_segments(v_first, h0, monkeypatch):
     """Segments of a long sequence run in parallel from their exact start states (summary pass:
     end state from zero and transition; combine; replay): output, final and chunk states match."""
     from fastla.backends.triton import chunk_delta
-    monkeypatch.setattr(chunk_delta, "default_config", lambda p: chunk_delta.ChunkConfig(segment_chunks=2))
+    monkeypatch.setattr(chunk_delta, "default_config", lambda p, **kw: chunk_delta.ChunkConfig(segment_chunks=2))
     t = make_inputs(SPEC, B=2, T=330, H=1, HV=2, K=32, V=16, h0=h0, v_first=v_first)
     opts = dict(output_final_state=True, return_intermediate_states=True, state_v_first=v_first)
     with torch.inference_mode():
@@ -187,6 +187,13 @@ def test_segment_heuristic():
     assert plan(8, [128]) == 16                     # 1x8k HV8: 8 and 16 tie, the longer wins (measured)
     assert plan(8, [12]) == 0                       # too short
     assert plan(8, [512]) % chunk_delta.MIN_SEGMENT_CHUNKS == 0
+    # with the sm_90 tier's summary pass (its gain): 1x8k HV16 splits, varlen 9x16k HV8 does not
+    from fastla.backends.gluon.chunk_delta import SEGMENT_GAIN_SM90 as gain
+    varlen = [-(-n // 64) for n in (7000, 1300, 547, 2048, 963, 271, 3063, 1, 1191)]
+    assert chunk_delta.segment_length(16, 2, 4, [128], 132, gain) == 16
+    assert chunk_delta.segment_length(72, 2, 4, varlen, 132, gain) == 0
+    assert chunk_delta.segment_length(8, 2, 4, [512], 132, gain) == 32
+    assert chunk_delta.segment_length(32, 2, 4, [512], 132, gain) == 0    # 1x32k HV32: measured a loss
 
 
 def test_inverse_heads_per_program():
@@ -204,7 +211,7 @@ def test_empty_sequence_keeps_its_initial_state(segments, monkeypatch):
     """An empty sequence in a varlen batch: zero output rows, final state = its initial state,
     with and without the segment split (an empty sequence gets one empty segment)."""
     from fastla.backends.triton import chunk_delta
-    monkeypatch.setattr(chunk_delta, "default_config", lambda p: chunk_delta.ChunkConfig(segment_chunks=segments))
+    monkeypatch.setattr(chunk_delta, "default_config", lambda p, **kw: chunk_delta.ChunkConfig(segment_chunks=segments))
     lengths = [130, 0, 65]
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
     t = make_inputs(SPEC, B=1, T=sum(lengths), H=1, HV=2, K=16, V=16, N=len(lengths))

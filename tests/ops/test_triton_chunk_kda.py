@@ -69,7 +69,7 @@ def test_segments_and_intermediate_states(monkeypatch):
     """Sequence parallelism (summary with the exact per-channel transition, combine, replay) and
     the chunk-start states, against the torch tier."""
     from fastla.backends.triton import chunk_delta
-    monkeypatch.setattr(chunk_delta, "default_config", lambda p: chunk_delta.ChunkConfig(segment_chunks=1))
+    monkeypatch.setattr(chunk_delta, "default_config", lambda p, **kw: chunk_delta.ChunkConfig(segment_chunks=1))
     t = make_inputs(SPEC, B=1, T=150, H=1, K=16, V=16)
     opts = dict(output_final_state=True, return_intermediate_states=True)
     with torch.inference_mode():
@@ -87,7 +87,7 @@ def test_prologue_launch_variants(warps, block_k, monkeypatch):
     runs two or four channel slices."""
     from fastla.backends.triton import chunk_delta
     config = chunk_delta.ChunkConfig(kda_prepare_warps=warps, kda_prepare_block_k=block_k)
-    monkeypatch.setattr(chunk_delta, "default_config", lambda p: config)
+    monkeypatch.setattr(chunk_delta, "default_config", lambda p, **kw: config)
     check(make_inputs(SPEC, B=1, T=70, H=1, K=64, V=16))
 
 
@@ -150,8 +150,8 @@ def test_bf16_prologue_launch_variants(case, warps, block_k, maxnreg, monkeypatc
     """The prologue's launch shapes that the sweep times, against fp64 on the GPU."""
     from fastla.backends.triton import chunk_delta
     original = chunk_delta.default_config
-    monkeypatch.setattr(chunk_delta, "default_config", lambda p: dataclasses.replace(
-        original(p), kda_prepare_warps=warps, kda_prepare_block_k=block_k, kda_prepare_maxnreg=maxnreg))
+    monkeypatch.setattr(chunk_delta, "default_config", lambda p, **kw: dataclasses.replace(
+        original(p, **kw), kda_prepare_warps=warps, kda_prepare_block_k=block_k, kda_prepare_maxnreg=maxnreg))
     check_fp64(*bf16_case(case))
 
 
@@ -164,9 +164,9 @@ def test_bf16_segments_and_intermediate_states(monkeypatch):
     original = chunk_delta.default_config
     t, opts = bf16_case("bounded-gate")
     t = {n: x[:1] for n, x in t.items()}
-    monkeypatch.setattr(chunk_delta, "default_config", lambda p: dataclasses.replace(original(p), segment_chunks=0))
+    monkeypatch.setattr(chunk_delta, "default_config", lambda p, **kw: dataclasses.replace(original(p, **kw), segment_chunks=0))
     (h_whole,) = check_fp64(t, opts, return_intermediate_states=True)
-    monkeypatch.setattr(chunk_delta, "default_config", lambda p: dataclasses.replace(original(p), segment_chunks=8))
+    monkeypatch.setattr(chunk_delta, "default_config", lambda p, **kw: dataclasses.replace(original(p, **kw), segment_chunks=8))
     (h,) = check_fp64(t, opts, return_intermediate_states=True)
     assert torch.isfinite(h).all()
     assert_close("h", h, h_whole, 2e-2)

@@ -31,9 +31,13 @@ SCAN_SPECIALIZED = False
 SCAN_DUAL = True
 DUAL_WIDTHS = {False: (32, 64, 128), True: (64,)}       # by GK
 # The segment summary pass (sequence parallelism) on the two-chain scan too (its SEG 1: the V + K
-# columns from [0 | I], no queries, scores nor output) instead of the Triton scan. Opt-in: built
-# and compile-checked, not yet run on the GPU (branch wip/gluon-summary)
-SUMMARY_SM90 = False
+# columns from [0 | I], no queries, scores nor output) instead of the Triton scan: 1x32k HV8 442 ->
+# 327 us, 1x32k HV16 778 -> 557 (docs/notes/gdn-prefill.md, v12). False: the Triton summary (A/B)
+SUMMARY_SM90 = True
+# With it, a split pays at a higher predicted cost (triton_chunk.segment_length's gain; the Triton
+# summary's is 0.4): 1x8k HV16 (model 0.44 at 16 chunks) 212 -> 182 us split; varlen 9x16k HV8
+# (0.70 at 24) 234 -> 240 at 16 chunks, so it stays whole (gdn_prefill_sweep-v14-summary.json)
+SEGMENT_GAIN_SM90 = 0.5
 # KDA's prologue on the sm_90 kernel (chunk_prepare_kda_sm90.py) where it serves (K % 32 == 0, a
 # bf16 or fp32 gate), else on the Triton one (backends/triton/chunk_prepare_kda.py); False for A/B sweeps
 KDA_PROLOGUE_SM90 = True
@@ -81,11 +85,17 @@ def scan_tile(lanes: float, V: int, sms: int, widths=STEP_US) -> tuple[int, int]
     return bv, WARPGROUPS[bv]
 
 
+def plan(p: Problem) -> triton_chunk.ChunkConfig:
+    """The launch plan of the Triton chunked forward's driver, split with this tier's summary cost."""
+    summaries = SUMMARY_SM90 and SCAN_DUAL
+    return triton_chunk.default_config(p, segment_gain=SEGMENT_GAIN_SM90 if summaries else None)
+
+
 def supports(p: Problem) -> str | None:
     reason = available(p.device)
     if reason:
         return reason
-    reason = triton_chunk.supports(p)
+    reason = triton_chunk.supports(p, plan(p))
     if reason:
         return f"the Triton prologue cannot serve it: {reason}"
     if any(x.dtype != torch.bfloat16 for x in (p.q, p.k, p.v)):
@@ -202,7 +212,7 @@ def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments
 def run(p: Problem):
     from fastla.backends.gluon import chunk_prepare_kda_sm90 as kda_prologue
 
-    config = triton_chunk.default_config(p)
+    config = plan(p)
     prologue = None
     if p.gk is not None and KDA_PROLOGUE_SM90:                             # (supports: bf16 inputs)
         why = kda_prologue.serves(p)

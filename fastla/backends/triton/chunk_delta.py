@@ -239,7 +239,7 @@ class ChunkConfig:
     kda_prepare_maxnreg: int | None = None   # register cap (more programs per SM; spills past ~168)
 
 
-def default_config(p: Problem) -> ChunkConfig:
+def default_config(p: Problem, segment_gain: float | None = None) -> ChunkConfig:
     """Measured on the H200 (docs/notes/gdn-prefill.md, benchmarks/results/gdn_prefill_sweep*.json).
     The scan (output fused) runs 32-column state tiles: 233 registers and 111 KB of shared memory
     at two stages, two programs per SM. When one program per SM covers every lane, three stages
@@ -247,9 +247,11 @@ def default_config(p: Problem) -> ChunkConfig:
     with more lanes two stages are (1x32k HV64: 1.80 ms vs 2.56). 64-column tiles spill at 4 warps
     and lose at 8 (one program per SM: 1x32k HV64 2.34 ms). Sequences are split into segments
     when the plan predicts a gain (1x32k HV8 scan: 0.44 ms split at BV 32 vs 1.99 whole at BV 64).
-    The plan is cached per (chunk counts, heads, head dims, SMs): the split's search is host work
-    that grows with the number of sequences."""
-    config = _planned_config(_chunk_counts(p), p.HV, p.V, p.K, sm_count(p.device))
+    The plan is cached per (chunk counts, heads, head dims, SMs, gain): the split's search is host
+    work that grows with the number of sequences. ``segment_gain``: segment_length's threshold,
+    by the tier that runs the segment summaries (the sm_90 tier's is cheaper; None: this tier's)."""
+    gain = SEGMENT_GAIN if segment_gain is None else segment_gain
+    config = _planned_config(_chunk_counts(p), p.HV, p.V, p.K, sm_count(p.device), gain)
     if p.gk is not None:
         # KDA's scan reads three [BT, K] tiles per chunk (kg, kd, qg): 64-column tiles at 8 warps
         # (benchmarks/results/kda_prefill_sweep-v1.json: 1x8k H64 scan 544 us vs 988 at 32 columns)
@@ -258,8 +260,8 @@ def default_config(p: Problem) -> ChunkConfig:
 
 
 @functools.lru_cache(maxsize=1024)
-def _planned_config(counts: tuple[int, ...], HV: int, V: int, K: int, sms: int) -> ChunkConfig:
-    length = segment_length(len(counts) * HV, cdiv(V, 64), cdiv(V + K, 64), counts, sms)
+def _planned_config(counts: tuple[int, ...], HV: int, V: int, K: int, sms: int, gain: float) -> ChunkConfig:
+    length = segment_length(len(counts) * HV, cdiv(V, 64), cdiv(V + K, 64), counts, sms, gain)
     if length:
         return ChunkConfig(segment_chunks=length)
     if len(counts) * HV * cdiv(V, 32) <= sms:
@@ -328,7 +330,8 @@ PROGRAMS_PER_SM = 2             # scan programs resident per SM (registers and s
 SEGMENT_GAIN = 0.4
 
 
-def segment_length(lanes: int, tiles: int, summary_tiles: int, chunk_counts, sms: int) -> int:
+def segment_length(lanes: int, tiles: int, summary_tiles: int, chunk_counts, sms: int,
+                   gain: float = SEGMENT_GAIN) -> int:
     """Chunks per segment for intra-card sequence parallelism, or 0 for none.
 
     Cost model in chunk-steps of one scan program, with R = PROGRAMS_PER_SM x SMs programs
@@ -338,7 +341,8 @@ def segment_length(lanes: int, tiles: int, summary_tiles: int, chunk_counts, sms
     of the longest sequence for the combine. Ties go to the longer segment: the model counts a
     combine as one step and the summaries' fixed costs not at all (1x8k HV 8 ties 8 and 16
     chunks: 200 us at 8, 180 at 16, gdn_prefill_sweep-v11-small-heads.json). ``lanes`` =
-    sequences x value heads, ``sms`` the GPU's SM count."""
+    sequences x value heads, ``sms`` the GPU's SM count; a split must cost below ``gain`` x the
+    whole sequences' steps (the summary pass's tier sets it)."""
     longest = max(chunk_counts, default=0)
     resident = PROGRAMS_PER_SM * sms
     heads = lanes // max(len(chunk_counts), 1)
@@ -348,7 +352,7 @@ def segment_length(lanes: int, tiles: int, summary_tiles: int, chunk_counts, sms
     while length < longest:
         n = sum(-(-c // length) for c in chunk_counts) * heads
         cost = (-(-n * summary_tiles // resident) + -(-n * tiles // resident)) * length + -(-longest // length)
-        if cost < SEGMENT_GAIN * whole and cost <= best_cost:
+        if cost < gain * whole and cost <= best_cost:
             best, best_cost = length, cost
         length += MIN_SEGMENT_CHUNKS
     return best
@@ -395,7 +399,8 @@ def _varlen_chunk_counts(cu: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(-(-(e - s) // BT) for s, e in zip(cu[:-1], cu[1:]))
 
 
-def supports(p: Problem) -> str | None:
+def supports(p: Problem, config: ChunkConfig | None = None) -> str | None:
+    """None when this tier serves ``p`` (under ``config``, default_config's when None), else why not."""
     from fastla.backends.triton import available
 
     reason = available(p.device)
@@ -413,7 +418,7 @@ def supports(p: Problem) -> str | None:
         if p.cu_seqlens is not None and not HOST_TABLES.cached(_varlen_key(p)):
             return "a first call with these cu_seqlens must come before CUDA-graph capture (it builds the chunk index)"
         counts = _chunk_counts(p)
-        length = _segments(p, default_config(p), counts)
+        length = _segments(p, config or default_config(p), counts)
         if length and not HOST_TABLES.cached(_segment_key(p, counts, length)):
             return "a first call with this shape must come before CUDA-graph capture (it builds the segment table)"
     tensors = [p.q, p.k, p.v, p.g, p.gk, p.beta, p.initial_state, p.A_log, p.dt_bias]
