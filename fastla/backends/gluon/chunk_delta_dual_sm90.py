@@ -15,14 +15,23 @@ chain 1 (warps 4-7), the loader (warp 8). Chain c covers the columns of value ti
 ``2 i_v + c`` of width BV / 2: its output tile, value tile and state columns are the plain
 kernel's for that tile.
 
-Budget (K = V = 128, two stages, sm_90 compile; tests/backends/test_gluon_sm90.py): chain 0 runs
-at 256 registers, chain 1 at CHAIN_REGS, the loader at LOADER_REGS (setmaxnreg); shared memory
-128 KB at BV 32, 160 KB at 64 (184 KB with KDA's kd tiles), 224 KB at 128, one program per SM;
-no spills except 64 bytes at 128 columns (values computed before the fork, reloaded once and
-once a step). Measured (H200, docs/notes/gdn-prefill.md v11): a step 14% shorter than the
-one-chain kernel's at 64 and 128 columns (1x32k HV64 scan 1142 -> 981 us; 4x8k HV32 411 -> 354),
-6-10% at 32, 15% on KDA's 64 (1x8k H64 345 -> 294 us); KDA at 32 columns (two chains of 16) lost
-35% and runs the one-chain kernel.
+Budget (K = V = 128, two stages, sm_90 compile; tests/backends/test_gluon_sm90.py): 384 threads
+at 168 registers, redistributed by setmaxnreg: chain 0 224, chain 1 CHAIN_REGS (248), the loader's
+warpgroup LOADER_REGS; shared memory 128 KB at BV 32, 160 KB at 64 (184 KB with KDA's kd tiles),
+224 KB at 128, one program per SM; no spills except 64 bytes at 128 columns (values computed
+before the fork, reloaded once and once a step). Measured (H200, docs/notes/gdn-prefill.md v11):
+a step 14% shorter than the one-chain kernel's at 64 and 128 columns (1x32k HV64 scan 1142 -> 981
+us; 4x8k HV32 411 -> 354), 6-10% at 32, 15% on KDA's 64 (1x8k H64 345 -> 294 us); KDA at 32
+columns (two chains of 16) lost 35% and runs the one-chain kernel.
+
+SCORES (GDN, opt-in: gluon/chunk_delta.SCAN_SCORES): a fourth partition (warps 8-11, a warpgroup
+for wgmma; the loader moves to warp 12) forms each chunk's q k^T, k k^T and q q^T from the stage's
+tiles, 1 / |k| and 1 / |q| from the diagonals into ``nrm_s`` and the causal scores into the stage's
+scores tile, then arrives on ``scored[s]`` (the chains wait on it) and on ``freed[s]`` (count 3).
+The prologue's scores kernel and the loader's scores tile are then not needed. Registers 168 /
+168 / 144 / 32 (chains, scores, loader); 32- and 64-column chains only. Correct on the GPU, but the
+step lengthens by ~1 us: the chains wait ~1750 cycles a step for ``scored`` and their products
+take 300-900 cycles longer (cycle profile, notes v13), so it is off.
 """
 from __future__ import annotations
 
@@ -39,9 +48,9 @@ from fastla.backends.gluon.chunk_delta_sm90 import (
 from fastla.backends.triton.chunk_prepare import _activate_beta
 
 CHAIN_REGS = 248        # registers per thread of chain 1 (setmaxnreg)
-LOADER_REGS = 32        # of the loader warp (chain 0 runs at 256: 128 x (256 + 248) + 32 x 32 = 65536)
+LOADER_REGS = 32        # of the loader's warpgroup (chain 0 gets the rest: 128 x (224 + 248 + 32) = 384 x 168)
 # with the scores partition (SCORES): chain 1 and the scores warpgroup; chain 0 gets the rest
-# (65536 - 128 x (160 + 152) - 32 x 32 = 128 x 184); 32-column chains compile without spills at 160
+# (512 threads at 128: 128 x (168 + 168 + 144 + 32))
 SCORES_CHAIN_REGS = 168
 SCORES_REGS = 144
 
