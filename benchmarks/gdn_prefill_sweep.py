@@ -44,6 +44,9 @@ VARIANTS = {
     "gluon-dual-bv64": dict(SCAN_BLOCK_V=64, SCAN_DUAL=True),           # two chains of 32 columns
     "gluon-dual-bv64-s3": dict(SCAN_BLOCK_V=64, SCAN_DUAL=True, SCAN_STAGES=3),
     "gluon-dual-bv128": dict(SCAN_BLOCK_V=128, SCAN_DUAL=True),         # two chains of 64 columns
+    "gluon-combine-w4s1": dict(COMBINE_WARPS=4, COMBINE_STAGES=1),     # the segment combine's launch
+    "gluon-combine-w4s2": dict(COMBINE_WARPS=4, COMBINE_STAGES=2),     # (two stages: the next summary
+    "gluon-combine-w8s1": dict(COMBINE_WARPS=8, COMBINE_STAGES=1),     # prefetched)
     "gluon-noscores": dict(SCAN_SCORES=False),  # the prologue's scores kernel (not the scan's partition)
     "gluon-stages3": dict(SCAN_STAGES=3),       # (widths up to 64 only: 128 columns do not fit three)
     "gluon-noscores-stages3": dict(SCAN_SCORES=False, SCAN_STAGES=3),

@@ -310,6 +310,25 @@ def test_launcher_builds_descriptors(monkeypatch):
     assert gluon_chunk.scores_in_scan(p, chunk_delta.default_config(p)) is False  # chunk states: one chain
 
 
+def test_plan_on_sm90():
+    """The sm_90 tier's plan: its split gain (1x8k HV16 splits, unlike the Triton tier's plan) and
+    the segment combine at 8 warps, two stages (the portable default: 4 and 1)."""
+    import torch
+
+    from fastla.backends.gluon import chunk_delta as gluon_chunk
+    from fastla.backends.triton import chunk_delta
+    from fastla.core.validation import build_problem
+
+    B, T, H, HV, K, V = 1, 8192, 4, 16, 128, 128
+    q, k = torch.empty(B, T, H, K, dtype=torch.bfloat16), torch.empty(B, T, H, K, dtype=torch.bfloat16)
+    v, g = torch.empty(B, T, HV, V, dtype=torch.bfloat16), torch.empty(B, T, HV)
+    p = build_problem("chunk_gated_delta_rule", q=q, k=k, v=v, g=g, beta=g, delta=True, gva=True)
+    base, sm90 = chunk_delta.default_config(p), gluon_chunk.plan(p)
+    assert base.segment_chunks == 0 and sm90.segment_chunks == 16
+    assert (base.combine_warps, base.combine_stages) == (4, 1)
+    assert (sm90.combine_warps, sm90.combine_stages) == (gluon_chunk.COMBINE_WARPS, gluon_chunk.COMBINE_STAGES) == (8, 2)
+
+
 def test_scan_tile_plan():
     """The tile plan (waves of one-program-per-SM tiles x step time) on the measured shapes."""
     from fastla.backends.gluon.chunk_delta import scan_tile

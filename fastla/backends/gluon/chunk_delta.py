@@ -5,6 +5,7 @@ the two-chain scan (chunk_delta_dual_sm90.py) where it serves, else the one-chai
 step."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -38,6 +39,10 @@ SUMMARY_SM90 = True
 # summary's is 0.4): 1x8k HV16 (model 0.44 at 16 chunks) 212 -> 182 us split; varlen 9x16k HV8
 # (0.70 at 24) 234 -> 240 at 16 chunks, so it stays whole (gdn_prefill_sweep-v14-summary.json)
 SEGMENT_GAIN_SM90 = 0.5
+# The segment combine (Triton) on sm_90: 8 warps, two stages; 1x32k HV8 46 -> 38 us, 1x8k HV8
+# 22 -> 18 (gdn_prefill_sweep-v16-combine.json; outputs bit-equal)
+COMBINE_WARPS = 8
+COMBINE_STAGES = 2
 # GDN's causal scores and 1 / |q|, 1 / |k| formed in the two-chain scan by a scores warpgroup
 # (chunk_delta_dual_sm90._scores_partition) instead of the prologue's scores kernel, at the widths
 # whose chains fit beside it (168 registers; 64-column chains need 224). Opt-in: correct (GPU
@@ -93,9 +98,12 @@ def scan_tile(lanes: float, V: int, sms: int, widths=STEP_US) -> tuple[int, int]
 
 
 def plan(p: Problem) -> triton_chunk.ChunkConfig:
-    """The launch plan of the Triton chunked forward's driver, split with this tier's summary cost."""
+    """The launch plan of the Triton chunked forward's driver, split with this tier's summary cost;
+    the segment combine at COMBINE_WARPS with its next summary prefetched (two stages: 128 KB of
+    shared memory at K = 128, an H200's; the portable default stays at one)."""
     summaries = SUMMARY_SM90 and SCAN_DUAL
-    return triton_chunk.default_config(p, segment_gain=SEGMENT_GAIN_SM90 if summaries else None)
+    config = triton_chunk.default_config(p, segment_gain=SEGMENT_GAIN_SM90 if summaries else None)
+    return dataclasses.replace(config, combine_warps=COMBINE_WARPS, combine_stages=COMBINE_STAGES)
 
 
 def supports(p: Problem) -> str | None:

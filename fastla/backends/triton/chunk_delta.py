@@ -230,6 +230,9 @@ class ChunkConfig:
     scan_stages: int = 2
     segment_chunks: int | None = None   # sequence parallelism: chunks per segment (None: heuristic, 0: off)
     scores_warps: int = 4
+    # the segment combine: one step (Phi_s S_s + E_s, Phi_s 64 KB at K = 128) per segment, in order
+    combine_warps: int = 4
+    combine_stages: int = 1
     # KDA prologue (chunk_prepare_kda.py): warps and channels per slice. One warp measured fastest
     # (no barriers; 1x8k H64 both launches 1005 us vs 1468 at 2 warps and 1765 at 4 / 32 before
     # the blocks were made independent, 1031 us after; docs/notes/kda-prefill.md); at 16 channels
@@ -556,7 +559,7 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, kda_p
                                                                  BV=BV, SEG=1, STORE_STATES=False, **common)
         launcher(_segment_combine_kernel)[(N * HV, cdiv(V, BV))](
             summary, seg_start, h0 if h0 is not None else o, seq_segments, HV=HV, K=K, V=V, BK=BK, BV=BV,
-            SK=SK, SV=SV, HAS_H0=h0 is not None, num_warps=4, num_stages=1)
+            SK=SK, SV=SV, HAS_H0=h0 is not None, num_warps=config.combine_warps, num_stages=config.combine_stages)
         if sequence_scan is not None:
             sequence_scan(p, seq_pass, 2, segments, seg_start, n_seg)
         else:
