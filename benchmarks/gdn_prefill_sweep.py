@@ -47,9 +47,6 @@ VARIANTS = {
     "gluon-combine-w4s1": dict(COMBINE_WARPS=4, COMBINE_STAGES=1),     # the segment combine's launch
     "gluon-combine-w4s2": dict(COMBINE_WARPS=4, COMBINE_STAGES=2),     # (two stages: the next summary
     "gluon-combine-w8s1": dict(COMBINE_WARPS=8, COMBINE_STAGES=1),     # prefetched)
-    "gluon-noscores": dict(SCAN_SCORES=False),  # the prologue's scores kernel (not the scan's partition)
-    "gluon-stages3": dict(SCAN_STAGES=3),       # (widths up to 64 only: 128 columns do not fit three)
-    "gluon-noscores-stages3": dict(SCAN_SCORES=False, SCAN_STAGES=3),
     "gluon-summary": dict(SUMMARY_SM90=True),   # the segment summaries on the two-chain scan too
     "gluon-summary-seg16": dict(SUMMARY_SM90=True, segment_chunks=16),
     "gluon-summary-seg32": dict(SUMMARY_SM90=True, segment_chunks=32),

@@ -91,11 +91,12 @@ TARGETS = {
         end="    tma.store_wait(0)\n    if STORE_FINAL:\n"),
     "dual": dict(
         file="chunk_delta_dual_sm90.py", kernel="_scan_dual_sm90_kernel", phases=DUAL_PHASES,
-        clock_before="\nCHAIN_REGS = ",
+        clock_before="CHAIN_REGS = ",
         prof=[("LOADER_NREG: gl.constexpr,\n):", "LOADER_NREG: gl.constexpr, prof=None,\n):"),
-              ("GK: gl.constexpr, SCORES: gl.constexpr):\n    \"\"\"Chain CH",
-               "GK: gl.constexpr, SCORES: gl.constexpr, prof):\n    \"\"\"Chain CH"),
-              ("\n                                GK, SCORES)),", "\n                                GK, SCORES, prof)),", 4)],
+              ("STAGES: gl.constexpr, GK: gl.constexpr):\n    \"\"\"Chain CH",
+               "STAGES: gl.constexpr, GK: gl.constexpr, prof):\n    \"\"\"Chain CH"),
+              ("HAS_H0, STORE_FINAL, L2NORM, BETA, SEG, STORE_STATES, STAGES, GK)),",
+               "HAS_H0, STORE_FINAL, L2NORM, BETA, SEG, STORE_STATES, STAGES, GK, prof)),", 2)],
         init="    zero = gl.zeros([BT, BVC], gl.float32, acc)\n",
         end="    tma.store_wait(0)\n    if SEG == 1:",
         chains=2),
@@ -196,12 +197,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--kernel", choices=list(TARGETS), default="dual")
     ap.add_argument("--shapes", default="gdn/h16-hv64/1x32768:64,gdn/h16-hv64/1x32768:32,gdn/h4-hv16/1x8192")
-    ap.add_argument("--scan-scores", choices=["on", "off"], default=None,
-                    help="the two-chain scan's scores partition (SCAN_SCORES; its wait counts in the first phase)")
     args = ap.parse_args()
-    if args.scan_scores:
-        from fastla.backends.gluon import chunk_delta as gluon_chunk
-        gluon_chunk.SCAN_SCORES = args.scan_scores == "on"
     from fastla.bench.inputs import call_kwargs, make_inputs
     from fastla.bench.registry import get_config
 

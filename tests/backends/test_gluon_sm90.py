@@ -64,13 +64,6 @@ SCAN_VARIANTS = {
     # the segment summary pass (SEG 1: the V + K columns [0 | I], no output) on the two chains
     "dual-bv64-summary-varlen": dict(DUAL=True, BV=64, SEG=1, VARLEN=True),
     "dual-kda-bv64-summary": dict(DUAL=True, BV=64, SEG=1, GK=True, L2NORM=False),
-    # the scores partition (SCORES: norms and causal scores formed in the scan; GDN at 32 and 64 columns)
-    "dual-scores-bv64": dict(DUAL=True, BV=64, SCORES=True),
-    "dual-scores-bv64-s3": dict(DUAL=True, BV=64, SCORES=True, STAGES=3),
-    "dual-scores-bv32-varlen": dict(DUAL=True, BV=32, SCORES=True, VARLEN=True),
-    "dual-scores-bv64-k64": dict(DUAL=True, BV=64, K=64, V=64, SK=64, SCORES=True),
-    "dual-scores-bv64-summary": dict(DUAL=True, BV=64, SEG=1, SCORES=True),
-    "dual-scores-bv64-no-l2norm": dict(DUAL=True, BV=64, SCORES=True, L2NORM=False),
 }
 
 
@@ -78,9 +71,7 @@ def _child_scan(name: str, folder: str) -> None:
     from triton.experimental.gluon import language as gl
 
     from fastla.backends.gluon.chunk_delta_sm90 import _scan_sm90_kernel
-    from fastla.backends.gluon.chunk_delta_dual_sm90 import (
-        CHAIN_REGS, LOADER_REGS, SCORES_CHAIN_REGS, SCORES_REGS, _scan_dual_sm90_kernel,
-    )
+    from fastla.backends.gluon.chunk_delta_dual_sm90 import CHAIN_REGS, LOADER_REGS, _scan_dual_sm90_kernel
     from fastla.backends.gluon.chunk_delta_ws_sm90 import PREP_REGS, _scan_ws_sm90_kernel
 
     consts = dict(H=16, HV=64, K=128, V=128, BV=32, SK=128, SV=1, HAS_H0=True, STORE_FINAL=True, L2NORM=True,
@@ -93,9 +84,7 @@ def _child_scan(name: str, folder: str) -> None:
     elif consts.pop("DUAL", False):
         kern = _scan_dual_sm90_kernel
         del consts["WARPGROUPS"]
-        scores = consts.setdefault("SCORES", False)
-        consts.update(CHAIN_NREG=SCORES_CHAIN_REGS if scores else CHAIN_REGS, SCORES_NREG=SCORES_REGS,
-                      LOADER_NREG=LOADER_REGS)
+        consts.update(CHAIN_NREG=CHAIN_REGS, LOADER_NREG=LOADER_REGS)
     else:
         kern = _scan_sm90_kernel
     tile = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
@@ -113,12 +102,9 @@ def _child_scan(name: str, folder: str) -> None:
     print(json.dumps(_compile_sm90(kern, sig, consts, folder, {"num_warps": 4 * consts.get("WARPGROUPS", 1)})))
 
 
-# Spills allowed by name (bytes of stack): values computed before the partitions fork, kept on the
-# stack across the workers' register hand-back (setmaxnreg) and reloaded after it: the two
-# 64-column chains at 224 + 248 registers (one reload a step), and the opt-in scores partition's
-# builds (SCAN_SCORES: four warpgroups at 168 / 168 / 144 / 32 registers)
-SCAN_SPILLS = {"dual-bv128": 64, "dual-scores-bv64": 64, "dual-scores-bv64-s3": 80, "dual-scores-bv32-varlen": 40,
-               "dual-scores-bv64-k64": 56, "dual-scores-bv64-no-l2norm": 64}
+# Spills allowed by name (bytes of stack): the two 64-column chains at 224 + 248 registers keep
+# the values computed before the partitions fork on the stack (reloaded once, one in the loop)
+SCAN_SPILLS = {"dual-bv128": 64}
 
 
 @pytest.mark.parametrize("name", list(SCAN_VARIANTS))
@@ -208,8 +194,7 @@ def test_launcher_builds_descriptors(monkeypatch):
     monkeypatch.setattr(chunk_delta_sm90, "_scan_sm90_kernel", Recorder("plain"))
     monkeypatch.setattr(chunk_delta_ws_sm90, "_scan_ws_sm90_kernel", Recorder("specialized"))
     dual_names = chunk_delta_dual_sm90._scan_dual_sm90_kernel.arg_names
-    assert dual_names == [n for n in names if n != "WARPGROUPS"] + ["SCORES", "CHAIN_NREG", "SCORES_NREG",
-                                                                    "LOADER_NREG"]
+    assert dual_names == [n for n in names if n != "WARPGROUPS"] + ["CHAIN_NREG", "LOADER_NREG"]
     monkeypatch.setattr(chunk_delta_dual_sm90, "_scan_dual_sm90_kernel", Recorder("dual"))
     monkeypatch.setattr(gluon_chunk, "SCAN_DUAL", False)                 # the plain kernel first
     B, T, H, HV, K, V = 1, 32768, 16, 64, 128, 128
@@ -283,31 +268,6 @@ def test_launcher_builds_descriptors(monkeypatch):
     grid, args, kw = launches[-1]
     assert kw["kernel"] == "dual" and kw["SEG"] == 1 and kw["BV"] == 64 and grid == (8 * HV, (V + K) // 64)
     assert args[dual_names.index("seg_state")] is summary
-
-    # GDN with the scores formed in the scan (SCAN_SCORES, opt-in; a SequencePass without scores): the scores partition,
-    # its register split, at most 64 columns (4x8k HV32 plans 128 without it), the scores tile unread
-    monkeypatch.setattr(gluon_chunk, "SCAN_SCORES", True)
-    assert gluon_chunk.scores_in_scan(p, chunk_delta.default_config(p)) is False      # 128 columns planned
-    sp = chunk_delta.SequencePass(q, k, v, beta, 1, scratch, None, g, g, g, v, None, None, None, None, None,
-                                  T, 128, g)
-    gluon_chunk._sequence_scan(p, sp, 0, g, g, B)
-    grid, args, kw = launches[-1]
-    assert kw["kernel"] == "dual" and kw["SCORES"] is True and kw["BV"] in gluon_chunk.SCORES_WIDTHS
-    assert kw["CHAIN_NREG"] == chunk_delta_dual_sm90.SCORES_CHAIN_REGS and not kw["GK"]
-    assert args[5].base is scratch                                               # a_desc: a placeholder
-    monkeypatch.setattr(gluon_chunk, "SCAN_BLOCK_V", 128)
-    with pytest.raises(RuntimeError, match="scores partition"):
-        gluon_chunk._sequence_scan(p, sp, 0, g, g, B)
-    B, T, HV = 1, 32768, 64                                                      # 1x32k HV64: 64 columns
-    v, g = torch.empty(B, T, HV, V, **bf), torch.empty(B, T, HV)
-    q, k = torch.empty(B, T, H, K, **bf), torch.empty(B, T, H, K, **bf)
-    p = build_problem("chunk_gated_delta_rule", q=q, k=k, v=v, g=g, beta=g, delta=True, gva=True)
-    assert gluon_chunk.scores_in_scan(p, chunk_delta.default_config(p)) is False  # (the override: 128)
-    monkeypatch.setattr(gluon_chunk, "SCAN_BLOCK_V", None)
-    assert gluon_chunk.scores_in_scan(p, chunk_delta.default_config(p)) is True
-    p = build_problem("chunk_gated_delta_rule", q=q, k=k, v=v, g=g, beta=g, delta=True, gva=True,
-                      return_intermediate_states=True)
-    assert gluon_chunk.scores_in_scan(p, chunk_delta.default_config(p)) is False  # chunk states: one chain
 
 
 def test_plan_on_sm90():

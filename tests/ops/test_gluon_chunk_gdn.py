@@ -109,26 +109,6 @@ def test_segment_summaries_on_sm90(v_first, width, monkeypatch):
     check(t, cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu, state_v_first=v_first)
 
 
-@pytest.mark.parametrize("l2norm", [True, False])
-@pytest.mark.parametrize("width", [32, 64])
-def test_scores_in_scan(width, l2norm, monkeypatch):
-    """The two-chain scan's scores partition (SCAN_SCORES, opt-in, at 32 and 64 columns): no
-    scores kernel for the Gluon runs (the Triton tier's run is the one call), varlen with a
-    length-1 sequence and partial chunks, the norms in the op or not."""
-    from fastla.backends.gluon import chunk_delta as gluon_chunk
-    from fastla.backends.triton import chunk_prepare
-    calls = []
-    original = chunk_prepare.launch_scores
-    monkeypatch.setattr(chunk_prepare, "launch_scores", lambda *a, **kw: calls.append(1) or original(*a, **kw))
-    monkeypatch.setattr(gluon_chunk, "SCAN_SCORES", True)
-    monkeypatch.setattr(gluon_chunk, "SCAN_BLOCK_V", width)
-    lengths = [1, 300, 64, 129, 700]
-    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
-    t = bf16_inputs(B=1, T=sum(lengths), H=1, HV=2, K=128, V=128, N=len(lengths))
-    check(t, cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu, use_qk_l2norm_in_kernel=l2norm)
-    assert len(calls) == 1
-
-
 def test_no_initial_state_and_strong_decay():
     check(bf16_inputs(B=2, T=200, H=1, HV=2, K=128, V=128, h0=False, strength=30.0))
 

@@ -43,13 +43,6 @@ SEGMENT_GAIN_SM90 = 0.5
 # 22 -> 18 (gdn_prefill_sweep-v16-combine.json; outputs bit-equal)
 COMBINE_WARPS = 8
 COMBINE_STAGES = 2
-# GDN's causal scores and 1 / |q|, 1 / |k| formed in the two-chain scan by a scores warpgroup
-# (chunk_delta_dual_sm90._scores_partition) instead of the prologue's scores kernel, at the widths
-# whose chains fit beside it (168 registers; 64-column chains need 224). Opt-in: correct (GPU
-# tests) but the scan's step lengthened by ~1 us (1x32k HV64 scan 953 -> 1485 us, more than the
-# scores kernel's 220 saved; docs/notes/gdn-prefill.md, v13)
-SCAN_SCORES = False
-SCORES_WIDTHS = (32, 64)
 # KDA's prologue on the sm_90 kernel (chunk_prepare_kda_sm90.py) where it serves (K % 32 == 0, a
 # bf16 or fp32 gate), else on the Triton one (backends/triton/chunk_prepare_kda.py); False for A/B sweeps
 KDA_PROLOGUE_SM90 = True
@@ -150,54 +143,29 @@ def tma_descriptor(x, rows: int, width: int, block, layout):
     return d
 
 
-def _scan_width(p: Problem, seg: int, programs: int, gk: bool, scores: bool):
-    """(value columns per program, warpgroups) of a sequence pass: scan_tile's plan over the pass's
-    lanes (sequences weighted by length, or ``programs`` segments), the sweep override if set."""
+def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments, seg_state, programs: int):
+    from fastla.backends.gluon.chunk_delta_sm90 import _scan_sm90_kernel
+    from fastla.backends.gluon.chunk_delta_dual_sm90 import CHAIN_REGS, LOADER_REGS, _scan_dual_sm90_kernel
+    from fastla.backends.gluon.chunk_delta_ws_sm90 import PREP_REGS, _scan_ws_sm90_kernel
+
+    BT = BK = 64                                                            # the kernel's tile sides
     if seg:
         lanes = programs * p.HV                                             # segments of (about) one length
     else:
         counts = triton_chunk._chunk_counts(p)
         lanes = p.HV * sum(counts) / max(max(counts), 1)
+    gk = sp.kd is not None
+    h_chunks = None if seg == 1 else sp.h_chunks                            # (a summary stores no chunk states)
+    cols = p.V + p.K if seg == 1 else p.V                                   # a summary's V + K columns
     table = GK_WIDTHS if gk else STEP_US
     if seg == 1:                                                            # on the two-chain scan only
         table = {bv: step for bv, step in table.items() if bv in DUAL_WIDTHS[gk]}
-    if scores:
-        table = {bv: step for bv, step in table.items() if bv in SCORES_WIDTHS}
-    BV, warpgroups = scan_tile(lanes, p.V + p.K if seg == 1 else p.V, sm_count(p.device), table)
+    BV, warpgroups = scan_tile(lanes, cols, sm_count(p.device), table)
     if SCAN_BLOCK_V:                                                        # sweep overrides
         widths = GK_WIDTHS if gk else WARPGROUPS
         if SCAN_BLOCK_V not in widths or p.V % SCAN_BLOCK_V:
             raise ValueError(f"SCAN_BLOCK_V = {SCAN_BLOCK_V}: one of {list(widths)} dividing V = {p.V}")
         BV, warpgroups = SCAN_BLOCK_V, WARPGROUPS[SCAN_BLOCK_V]
-    return BV, warpgroups
-
-
-def scores_in_scan(p: Problem, config: triton_chunk.ChunkConfig) -> bool:
-    """Whether the two-chain scan forms GDN's scores (SCAN_SCORES): at the output pass's planned
-    width, when that is one of SCORES_WIDTHS (at 128 columns the scores kernel and the wider
-    tiles measured faster than 64 columns without it)."""
-    if not (SCAN_SCORES and SCAN_DUAL and SUMMARY_SM90) or p.gk is not None or p.return_intermediate_states:
-        return False
-    counts = triton_chunk._chunk_counts(p)
-    length = triton_chunk._segments(p, config, counts)
-    programs = sum(max(1, -(-c // length)) for c in counts) if length else p.N
-    BV, _ = _scan_width(p, 2 if length else 0, programs, False, False)
-    return BV in SCORES_WIDTHS and BV in DUAL_WIDTHS[False] and not SCAN_SPECIALIZED
-
-
-def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments, seg_state, programs: int):
-    from fastla.backends.gluon.chunk_delta_sm90 import _scan_sm90_kernel
-    from fastla.backends.gluon.chunk_delta_dual_sm90 import (
-        CHAIN_REGS, LOADER_REGS, SCORES_CHAIN_REGS, SCORES_REGS, _scan_dual_sm90_kernel,
-    )
-    from fastla.backends.gluon.chunk_delta_ws_sm90 import PREP_REGS, _scan_ws_sm90_kernel
-
-    BT = BK = 64                                                            # the kernel's tile sides
-    gk = sp.kd is not None
-    scores = sp.scores is None                                              # formed in the scan (SCAN_SCORES)
-    h_chunks = None if seg == 1 else sp.h_chunks                            # (a summary stores no chunk states)
-    cols = p.V + p.K if seg == 1 else p.V                                   # a summary's V + K columns
-    BV, warpgroups = _scan_width(p, seg, programs, gk, scores)
     if gk and SCAN_STAGES != 2:
         raise ValueError(f"SCAN_STAGES = {SCAN_STAGES}: KDA's scan runs two stages (a third needs more than the "
                          "227 KB of shared memory at 64 columns)")
@@ -209,9 +177,6 @@ def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments
     dual = SCAN_DUAL and BV in DUAL_WIDTHS[gk] and h_chunks is None and not specialized
     if seg == 1 and not (dual and p.V % (BV // 2) == 0 and cols % BV == 0):
         raise RuntimeError(f"the segment summary runs on the two-chain scan only (BV = {BV}, V = {p.V})")
-    if scores and not (dual and BV in SCORES_WIDTHS):
-        raise RuntimeError(f"the scan's scores partition runs on the two-chain scan at {SCORES_WIDTHS} columns "
-                           f"(BV = {BV})")
     box_v = BV // 2 if dual else BV                                         # the dual chains' value tiles
     tile, vtile = _tile_layout(BT, BK), _tile_layout(BT, box_v)
 
@@ -221,9 +186,8 @@ def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments
     SK, SV = (1, p.K) if p.state_v_first else (p.V, 1)
     d = sp.dummy
     if dual:
-        kernel, launch = _scan_dual_sm90_kernel, dict(
-            STAGES=SCAN_STAGES, SCORES=scores, CHAIN_NREG=SCORES_CHAIN_REGS if scores else CHAIN_REGS,
-            SCORES_NREG=SCORES_REGS, LOADER_NREG=LOADER_REGS, num_warps=4)
+        kernel, launch = _scan_dual_sm90_kernel, dict(STAGES=SCAN_STAGES, CHAIN_NREG=CHAIN_REGS,
+                                                      LOADER_NREG=LOADER_REGS, num_warps=4)
     elif specialized:
         kernel, launch = _scan_ws_sm90_kernel, dict(PREP_NREG=PREP_REGS, num_warps=4)
     else:
@@ -237,8 +201,7 @@ def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments
         args.append(desc(sp.kd, qk_width, [BT, BK], tile) if gk else args[0])
         launch.update(GK=gk)
     args += [desc(sp.v, p.HV * p.V, [BT, box_v], vtile), desc(sp.inverse, p.HV * BT, [BT, BT], tile),
-             desc(sp.inverse if scores else sp.scores, p.HV * BT, [BT, BT], tile),     # (SCORES: not read)
-             desc(sp.o, p.HV * p.V, [BT, box_v], vtile),
+             desc(sp.scores, p.HV * BT, [BT, BT], tile), desc(sp.o, p.HV * p.V, [BT, box_v], vtile),
              sp.beta, sp.rq, sp.rk, sp.gcum if sp.gcum is not None else d]
     if takes_kd:
         args.append(sp.decay if gk else d)
@@ -266,7 +229,7 @@ def run(p: Problem):
         else:
             _log_once(f"KDA prologue on the Triton kernels: {why}")
     return triton_chunk.run(p, config, sequence_scan=_sequence_scan, kda_prologue=prologue,
-                            summaries=SUMMARY_SM90 and SCAN_DUAL, scan_scores=scores_in_scan(p, config))
+                            summaries=SUMMARY_SM90 and SCAN_DUAL)
 
 
 @functools.lru_cache(maxsize=None)

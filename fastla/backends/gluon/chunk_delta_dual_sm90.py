@@ -22,24 +22,15 @@ warpgroup LOADER_REGS; shared memory 128 KB at BV 32, 160 KB at 64 (184 KB with 
 before the fork, reloaded once and once a step). Measured (H200, docs/notes/gdn-prefill.md v11):
 a step 14% shorter than the one-chain kernel's at 64 and 128 columns (1x32k HV64 scan 1142 -> 981
 us; 4x8k HV32 411 -> 354), 6-10% at 32, 15% on KDA's 64 (1x8k H64 345 -> 294 us); KDA at 32
-columns (two chains of 16) lost 35% and runs the one-chain kernel.
-
-SCORES (GDN, opt-in: gluon/chunk_delta.SCAN_SCORES): a fourth partition (warps 8-11, a warpgroup
-for wgmma; the loader moves to warp 12) forms each chunk's q k^T, k k^T and q q^T from the stage's
-tiles, 1 / |k| and 1 / |q| from the diagonals into ``nrm_s`` and the causal scores into the stage's
-scores tile, then arrives on ``scored[s]`` (the chains wait on it) and on ``freed[s]`` (count 3).
-The prologue's scores kernel and the loader's scores tile are then not needed. Registers 168 /
-168 / 144 / 32 (chains, scores, loader); 32- and 64-column chains only. Correct on the GPU, but the
-step lengthens by ~1 us: the chains wait ~1750 cycles a step for ``scored`` and their products
-take 300-900 cycles longer (cycle profile, notes v13), so it is off.
+columns (two chains of 16) lost 35% and runs the one-chain kernel. A fourth partition forming
+GDN's causal scores from the stage's tiles (instead of the prologue's scores kernel) was correct
+but lengthened the step by ~1 us (notes v13; branch wip/scan-scores).
 """
 from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
-)
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from fastla.backends.gluon.chunk_delta_sm90 import (
     BK, BT, _chunk_decay, _chunk_step, _chunk_vectors, _initial_state, _program, _store_final, _store_half_pair,
@@ -49,27 +40,21 @@ from fastla.backends.triton.chunk_prepare import _activate_beta
 
 CHAIN_REGS = 248        # registers per thread of chain 1 (setmaxnreg)
 LOADER_REGS = 32        # of the loader's warpgroup (chain 0 gets the rest: 128 x (224 + 248 + 32) = 384 x 168)
-# with the scores partition (SCORES): chain 1 and the scores warpgroup; chain 0 gets the rest
-# (512 threads at 128: 128 x (168 + 168 + 144 + 32))
-SCORES_CHAIN_REGS = 168
-SCORES_REGS = 144
 
 
 @gluon.jit
 def _loader_partition(k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s,
                       loaded, freed, bos, c_begin, n_chunks, i_h, i_hv, i_v,
                       K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, GK: gl.constexpr,
-                      SEG: gl.constexpr, SCORES: gl.constexpr):
-    """Chunk i's tiles into stage i % STAGES once its readers have freed it (chunk i - STAGES).
+                      SEG: gl.constexpr):
+    """Chunk i's tiles into stage i % STAGES once both chains have freed it (chunk i - STAGES).
     A segment summary (SEG 1) loads no queries nor scores, and the value tiles of its identity
-    columns (past V) from column 0 of the head (read as zeros by the chains); with SCORES the
-    scores partition writes the scores tile, so it is not loaded."""
+    columns (past V) from column 0 of the head (read as zeros by the chains)."""
     NK: gl.constexpr = K // BK
     BVC: gl.constexpr = BV // 2
     OUTPUT: gl.constexpr = SEG != 1
-    LOAD_SCORES: gl.constexpr = OUTPUT and not SCORES
     n_qk: gl.constexpr = (1 if OUTPUT else 0) + (1 if GK else 0) + 1
-    nbytes: gl.constexpr = (n_qk * NK * BT * BK + BT * BV + (2 if LOAD_SCORES else 1) * BT * BT) * 2
+    nbytes: gl.constexpr = (n_qk * NK * BT * BK + BT * BV + (2 if OUTPUT else 1) * BT * BT) * 2
     for i in range(0, n_chunks):
         stage = (i % STAGES).to(gl.int32)
         mbarrier.wait(freed.index(stage), (((i // STAGES) & 1) ^ 1).to(gl.int32))
@@ -90,89 +75,19 @@ def _loader_partition(k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s,
                 col = i_hv * V + gl.where(col < V, col, 0)
             tma.async_copy_global_to_shared(v_desc, [t0, col], bar, v_s.index(stage * 2 + ch))
         tma.async_copy_global_to_shared(p_desc, [t0, i_hv * BT], bar, p_s.index(stage))
-        if LOAD_SCORES:
+        if OUTPUT:
             tma.async_copy_global_to_shared(a_desc, [t0, i_hv * BT], bar, a_s.index(stage))
 
 
 @gluon.jit
-def _scores_partition(k_s, q_s, a_s, nrm_s, loaded, scored, freed, gcum, bos, eos, c_begin, n_chunks, i_hv, scale,
-                      HV: gl.constexpr, K: gl.constexpr, L2NORM: gl.constexpr, SEG: gl.constexpr,
-                      STAGES: gl.constexpr):
-    """SCORES (GDN): per chunk, from the stage's key and query tiles, 1 / |k| and 1 / |q| into
-    nrm_s (rows 2 stage and 2 stage + 1; 0 past the sequence) and the causal scores
-    ``scale diag(rq) q k^T diag(rk) e^(G_i - G_j)`` (bf16) into a_s, then ``scored``; what the
-    prologue's scores kernel writes to HBM and the loader would read back. A segment summary
-    (SEG 1) takes 1 / |k| only."""
-    NK: gl.constexpr = K // BK
-    OUTPUT: gl.constexpr = SEG != 1
-    acc: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 16])
-    rows: gl.constexpr = gl.SliceLayout(1, acc)
-    cols: gl.constexpr = gl.SliceLayout(0, acc)
-    r = gl.arange(0, BT, layout=rows)
-    j = gl.arange(0, BT, layout=cols)
-    causal = r[:, None] >= j[None, :]
-    eye = r[:, None] == j[None, :]
-    zero = gl.zeros([BT, BT], gl.float32, acc)
-    for i in range(0, n_chunks):
-        stage = (i % STAGES).to(gl.int32)
-        t0 = bos + (c_begin + i) * BT
-        n_left = eos - t0
-        m_r = r < n_left
-        if OUTPUT:                                                          # G of the chunk's rows, both sides
-            G_r = gl.load(gcum + (t0 + r) * HV + i_hv, mask=m_r, other=0.0)
-            G_c = gl.load(gcum + (t0 + j) * HV + i_hv, mask=j < n_left, other=0.0)
-        phase = ((i // STAGES) & 1).to(gl.int32)
-        mbarrier.wait(loaded.index(stage), phase)
-        kb = stage * NK
-        # q k^T, and with the l2norm k k^T and q q^T for the squared norms on their diagonals
-        if OUTPUT:
-            qk = _gram(q_s, k_s, kb, zero, NK)
-        if L2NORM:
-            kk = _gram(k_s, k_s, kb, zero, NK)
-            if OUTPUT:
-                qq = _gram(q_s, q_s, kb, zero, NK)
-                qk, kk, qq = warpgroup_mma_wait(num_outstanding=0, deps=(qk, kk, qq))
-                rq = gl.where(m_r, gl.rsqrt(gl.sum(gl.where(eye, qq, 0.0), 1) + 1e-6), 0.0)
-            else:
-                kk = warpgroup_mma_wait(num_outstanding=0, deps=(kk,))
-            rk = gl.where(m_r, gl.rsqrt(gl.sum(gl.where(eye, kk, 0.0), 1) + 1e-6), 0.0)
-        else:
-            if OUTPUT:
-                qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
-            rk = gl.where(m_r, 1.0, 0.0)
-            rq = rk
-        mbarrier.arrive(freed.index(stage), count=1)                        # done with the key and query tiles
-        nrm_s.index(2 * stage).store(rk)
-        if OUTPUT:
-            nrm_s.index(2 * stage + 1).store(rq)
-            x = qk * (scale * rq)[:, None] * gl.convert_layout(rk, cols)[None, :]
-            keep = causal & m_r[:, None]                                    # (rows past the end: 0, not 0 x inf)
-            a = gl.where(keep, x * gl.exp(gl.where(keep, G_r[:, None] - G_c[None, :], 0.0)), 0.0)
-            a_s.index(stage).store(a.to(gl.bfloat16))
-        fence_async_shared()                # the scores tile is read by the chains' wgmma (async proxy)
-        gl.thread_barrier()
-        mbarrier.arrive(scored.index(stage), count=1)
-
-
-@gluon.jit
-def _gram(a_s, b_s, kb, zero, NK: gl.constexpr):
-    """a b^T [BT, BT] (async wgmma, not waited) of two chunk tiles at ring index kb (and kb + 1)."""
-    x = warpgroup_mma(a_s.index(kb), b_s.index(kb).permute((1, 0)), zero, use_acc=False, is_async=True)
-    if NK == 2:
-        x = warpgroup_mma(a_s.index(kb + 1), b_s.index(kb + 1).permute((1, 0)), x, is_async=True)
-    return x
-
-
-@gluon.jit
-def _chain_partition(CH: gl.constexpr, k_s, q_s, kd_s, v_s, p_s, a_s, s_s, y_s, vn_s, vd_s, o_s, nrm_s, loaded,
-                     scored, freed, o_desc, beta, rq, rk, gcum, decay, o, h0, ht, h_chunks, seg_state,
+def _chain_partition(CH: gl.constexpr, k_s, q_s, kd_s, v_s, p_s, a_s, s_s, y_s, vn_s, vd_s, o_s, loaded, freed,
+                     o_desc, beta, rq, rk, gcum, decay, o, h0, ht, h_chunks, seg_state,
                      bos, eos, c_begin, n_chunks, first_chunk, is_last, i_n, i_s, i_h, i_hv, i_v, n_rows, scale,
                      H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
                      SK: gl.constexpr, SV: gl.constexpr, HAS_H0: gl.constexpr, STORE_FINAL: gl.constexpr,
                      L2NORM: gl.constexpr, BETA: gl.constexpr, SEG: gl.constexpr, STORE_STATES: gl.constexpr,
-                     STAGES: gl.constexpr, GK: gl.constexpr, SCORES: gl.constexpr):
-    """Chain CH: the columns of value tile 2 i_v + CH (width BV / 2), chunk by chunk. SCORES: the
-    norms come from nrm_s and the scores from a_s, both written by the scores partition."""
+                     STAGES: gl.constexpr, GK: gl.constexpr):
+    """Chain CH: the columns of value tile 2 i_v + CH (width BV / 2), chunk by chunk."""
     NK: gl.constexpr = K // BK
     BVC: gl.constexpr = BV // 2
     acc: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BVC, 16])
@@ -194,9 +109,8 @@ def _chain_partition(CH: gl.constexpr, k_s, q_s, kd_s, v_s, p_s, a_s, s_s, y_s, 
     fence_async_shared()
 
     zero = gl.zeros([BT, BVC], gl.float32, acc)
-    NORMS: gl.constexpr = L2NORM and not SCORES                            # 1 / |k|, 1 / |q| from HBM
     n_G, n_Gl, n_beta, n_rk, n_rq = _chunk_vectors(gcum, beta, rq, rk, r, bos, eos, c_begin, n_chunks > 0,
-                                                   i_h, i_hv, H, HV, NORMS, GK)
+                                                   i_h, i_hv, H, HV, L2NORM, GK)
     for i in range(0, n_chunks):
         c = c_begin + i
         stage = (i % STAGES).to(gl.int32)
@@ -205,18 +119,12 @@ def _chain_partition(CH: gl.constexpr, k_s, q_s, kd_s, v_s, p_s, a_s, s_s, y_s, 
         b_G, b_Gl, b_rk, b_rq = n_G, n_Gl, n_rk, n_rq
         b_beta = _activate_beta(n_beta, m_t, BETA)
         n_G, n_Gl, n_beta, n_rk, n_rq = _chunk_vectors(gcum, beta, rq, rk, r, bos, eos, c + 1, i + 1 < n_chunks,
-                                                       i_h, i_hv, H, HV, NORMS, GK)
+                                                       i_h, i_hv, H, HV, L2NORM, GK)
         b_dec0, b_dec1 = _chunk_decay(decay, first_chunk + c, i_hv, o_j, HV, K, GK)
         if STORE_STATES:
             _store_half_pair(h_chunks + ((first_chunk + c) * HV + i_hv) * K * V + p_half, S0, S1, K, SK)
 
-        if SCORES:                  # (the scores partition waited for the tiles first)
-            mbarrier.wait(scored.index(stage), ((i // STAGES) & 1).to(gl.int32))
         mbarrier.wait(loaded.index(stage), ((i // STAGES) & 1).to(gl.int32))
-        if SCORES:
-            b_rk = nrm_s.index(2 * stage).load(rows)
-            if SEG != 1:
-                b_rq = nrm_s.index(2 * stage + 1).load(rows)
         S0, S1, out = _chunk_step(k_s, q_s, kd_s, stage * NK, v_s.index(stage * 2 + CH), p_s.index(stage),
                                   a_s.index(stage), s_s, CH * NK, y_t, vn_t, vd_t, S0, S1, zero,
                                   b_G, b_Gl, b_beta, b_rk, b_rq, b_dec0, b_dec1, m_t, scale, tile_v * BVC < V,
@@ -241,8 +149,8 @@ def _scan_dual_sm90_kernel(
     H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
     SK: gl.constexpr, SV: gl.constexpr, HAS_H0: gl.constexpr, STORE_FINAL: gl.constexpr,
     L2NORM: gl.constexpr, VARLEN: gl.constexpr, SEG: gl.constexpr, BETA: gl.constexpr,
-    STORE_STATES: gl.constexpr, STAGES: gl.constexpr, GK: gl.constexpr, SCORES: gl.constexpr,
-    CHAIN_NREG: gl.constexpr, SCORES_NREG: gl.constexpr, LOADER_NREG: gl.constexpr,
+    STORE_STATES: gl.constexpr, STAGES: gl.constexpr, GK: gl.constexpr, CHAIN_NREG: gl.constexpr,
+    LOADER_NREG: gl.constexpr,
 ):
     NK: gl.constexpr = K // BK
     BVC: gl.constexpr = BV // 2
@@ -270,56 +178,28 @@ def _scan_dual_sm90_kernel(
     else:
         vd_s = gl.allocate_shared_memory(gl.bfloat16, [2, BT, BVC], vtile)
     o_s = gl.allocate_shared_memory(gl.bfloat16, [2, BT, BVC], o_desc.layout)
-    # SCORES: 1 / |k| and 1 / |q| per stage (rows 2 stage, 2 stage + 1)
-    nrm_s = gl.allocate_shared_memory(gl.float32, [2 * STAGES if SCORES else 1, BT],
-                                      gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     bar: gl.constexpr = mbarrier.MBarrierLayout()
     loaded = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
-    scored = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
     freed = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
     for st in gl.static_range(STAGES):
         mbarrier.init(loaded.index(st), count=1)
-        mbarrier.init(scored.index(st), count=1)
-        mbarrier.init(freed.index(st), count=3 if SCORES else 2)           # its readers: the chains (and scores)
+        mbarrier.init(freed.index(st), count=2)
     fence_async_shared()
 
     i_hv32 = i_hv.to(gl.int32)
     i_h32 = i_hv32 if GK else i_h.to(gl.int32)                           # the column block of k, q (and kd)
-    if SCORES:              # warps 0-3, 4-7, 8-11 (a warpgroup each, for wgmma), 12
-        gl.warp_specialize([
-            (_chain_partition, (0, k_s, q_s, kd_s, v_s, p_s, a_s, s_s, y_s, vn_s, vd_s, o_s, nrm_s, loaded, scored,
-                                freed, o_desc, beta, rq, rk, gcum, decay, o, h0, ht, h_chunks, seg_state, bos, eos,
-                                c_begin, n_chunks, first_chunk, is_last, i_n, i_s, i_h, i_hv32, i_v, n_rows, scale,
-                                H, HV, K, V, BV, SK, SV, HAS_H0, STORE_FINAL, L2NORM, BETA, SEG, STORE_STATES, STAGES,
-                                GK, SCORES)),
-            (_chain_partition, (1, k_s, q_s, kd_s, v_s, p_s, a_s, s_s, y_s, vn_s, vd_s, o_s, nrm_s, loaded, scored,
-                                freed, o_desc, beta, rq, rk, gcum, decay, o, h0, ht, h_chunks, seg_state, bos, eos,
-                                c_begin, n_chunks, first_chunk, is_last, i_n, i_s, i_h, i_hv32, i_v, n_rows, scale,
-                                H, HV, K, V, BV, SK, SV, HAS_H0, STORE_FINAL, L2NORM, BETA, SEG, STORE_STATES, STAGES,
-                                GK, SCORES)),
-            (_scores_partition, (k_s, q_s, a_s, nrm_s, loaded, scored, freed, gcum, bos, eos, c_begin, n_chunks,
-                                 i_hv32, scale, HV, K, L2NORM, SEG, STAGES)),
-            (_loader_partition, (k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s,
-                                 loaded, freed, bos, c_begin, n_chunks, i_h32, i_hv32, i_v, K, V, BV, STAGES, GK, SEG,
-                                 SCORES)),
-        ], [4, 4, 1], [CHAIN_NREG, SCORES_NREG, LOADER_NREG])
-    else:
-        gl.warp_specialize([
-            (_chain_partition, (0, k_s, q_s, kd_s, v_s, p_s, a_s, s_s, y_s, vn_s, vd_s, o_s, nrm_s, loaded, scored,
-                                freed, o_desc, beta, rq, rk, gcum, decay, o, h0, ht, h_chunks, seg_state, bos, eos,
-                                c_begin, n_chunks, first_chunk, is_last, i_n, i_s, i_h, i_hv32, i_v, n_rows, scale,
-                                H, HV, K, V, BV, SK, SV, HAS_H0, STORE_FINAL, L2NORM, BETA, SEG, STORE_STATES, STAGES,
-                                GK, SCORES)),
-            (_chain_partition, (1, k_s, q_s, kd_s, v_s, p_s, a_s, s_s, y_s, vn_s, vd_s, o_s, nrm_s, loaded, scored,
-                                freed, o_desc, beta, rq, rk, gcum, decay, o, h0, ht, h_chunks, seg_state, bos, eos,
-                                c_begin, n_chunks, first_chunk, is_last, i_n, i_s, i_h, i_hv32, i_v, n_rows, scale,
-                                H, HV, K, V, BV, SK, SV, HAS_H0, STORE_FINAL, L2NORM, BETA, SEG, STORE_STATES, STAGES,
-                                GK, SCORES)),
-            (_loader_partition, (k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s,
-                                 loaded, freed, bos, c_begin, n_chunks, i_h32, i_hv32, i_v, K, V, BV, STAGES, GK, SEG,
-                                 SCORES)),
-        ], [4, 1], [CHAIN_NREG, LOADER_NREG])
+    gl.warp_specialize([
+        (_chain_partition, (0, k_s, q_s, kd_s, v_s, p_s, a_s, s_s, y_s, vn_s, vd_s, o_s, loaded, freed, o_desc,
+                            beta, rq, rk, gcum, decay, o, h0, ht, h_chunks, seg_state, bos, eos, c_begin, n_chunks,
+                            first_chunk, is_last, i_n, i_s, i_h, i_hv32, i_v, n_rows, scale, H, HV, K, V, BV, SK, SV,
+                            HAS_H0, STORE_FINAL, L2NORM, BETA, SEG, STORE_STATES, STAGES, GK)),
+        (_chain_partition, (1, k_s, q_s, kd_s, v_s, p_s, a_s, s_s, y_s, vn_s, vd_s, o_s, loaded, freed, o_desc,
+                            beta, rq, rk, gcum, decay, o, h0, ht, h_chunks, seg_state, bos, eos, c_begin, n_chunks,
+                            first_chunk, is_last, i_n, i_s, i_h, i_hv32, i_v, n_rows, scale, H, HV, K, V, BV, SK, SV,
+                            HAS_H0, STORE_FINAL, L2NORM, BETA, SEG, STORE_STATES, STAGES, GK)),
+        (_loader_partition, (k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s,
+                             loaded, freed, bos, c_begin, n_chunks, i_h32, i_hv32, i_v, K, V, BV, STAGES, GK, SEG)),
+    ], [4, 1], [CHAIN_NREG, LOADER_NREG])
     for st in gl.static_range(STAGES):
         mbarrier.invalidate(loaded.index(st))
-        mbarrier.invalidate(scored.index(st))
         mbarrier.invalidate(freed.index(st))

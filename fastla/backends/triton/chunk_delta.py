@@ -442,7 +442,7 @@ class SequencePass:
     beta: torch.Tensor
     beta_mode: int
     inverse: torch.Tensor
-    scores: torch.Tensor | None             # None: the scan forms the scores and norms (run's scan_scores)
+    scores: torch.Tensor
     rq: torch.Tensor
     rk: torch.Tensor
     gcum: torch.Tensor
@@ -459,18 +459,13 @@ class SequencePass:
     decay: torch.Tensor | None = None       # and e^(G_last) [chunks, HV, K] for the GK step
 
 
-def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, kda_prologue=None, summaries=False,
-        scan_scores=False):
+def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, kda_prologue=None, summaries=False):
     """The chunked forward. ``sequence_scan(p, SequencePass, seg, segments, seg_state, programs)``,
     when given, launches the sequence passes (seg 0 or 2) instead of the Triton scan; it must
     write the output; with ``summaries`` it runs the segment summary pass too (seg 1: the V + K
     columns from [0 | I], ``[segments, HV, K, V + K]`` into seg_state). ``kda_prologue``, when
     given, runs KDA's prologue instead of chunk_prepare_kda.launch (same arguments less q, k and
-    the launch shape). ``scan_scores`` (GDN, with ``sequence_scan`` running every pass): the
-    sequence scan forms the causal scores and the norms itself, so the scores kernel does not run
-    (the SequencePass's scores are None, its rq and rk placeholders)."""
-    if scan_scores and (sequence_scan is None or not summaries or p.gk is not None or p.return_intermediate_states):
-        raise ValueError("scan_scores needs a GDN sequence scan that runs every pass (summaries too), no chunk states")
+    the launch shape)."""
     config = config or default_config(p)
     B, T, H, HV, K, V, N = p.B, p.T, p.H, p.HV, p.K, p.V, p.N
     dev = p.device
@@ -494,7 +489,7 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, kda_p
     else:
         beta_mode = BETA_SIGMOID2 if p.allow_neg_eigval else BETA_SIGMOID
     inverse = call_plan.empty((B, T, HV, BT), op_dtype, dev)
-    scores = None if scan_scores else call_plan.empty((B, T, HV, BT), op_dtype, dev)
+    scores = call_plan.empty((B, T, HV, BT), op_dtype, dev)
     BK, BVF = max(16, next_pow2(K)), max(16, next_pow2(V))   # tl.dot needs >= 16
     tables = (cu, chunk_index) if varlen else (None, None)
     channel_gate = p.gk is not None
@@ -514,15 +509,14 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, kda_p
         g = p.g if p.g is not None else call_plan.full((B, T, HV), 0.0, torch.float32, dev)
         gcum = call_plan.empty((B, T, HV), torch.float32, dev)
         # 1 / |q| and 1 / |k| only with the l2norm in the op (the kernels read them under L2NORM)
-        rq, rk = ((call_plan.empty((B, T, H), torch.float32, dev) for _ in range(2))
-                  if p.use_qk_l2norm and not scan_scores else (None, None))
+        rq, rk = ((call_plan.empty((B, T, H), torch.float32, dev) for _ in range(2)) if p.use_qk_l2norm
+                  else (None, None))
         dummy = gcum
         kd = decay = None
         q, k = (p.q, p.k) if p.q.dtype == op_dtype or bf16 else (p.q.to(op_dtype), p.k.to(op_dtype))
         if total:
             chunk_prepare.launch(p, g, beta, beta_mode, total, tables, gcum, inverse, dot, config)
-            if not scan_scores:
-                chunk_prepare.launch_scores(p, q, k, total, tables, gcum, scores, rq, rk, dot, config)
+            chunk_prepare.launch_scores(p, q, k, total, tables, gcum, scores, rq, rk, dot, config)
 
     o = call_plan.empty((B, T, HV, V), p.o_dtype, dev)
     state_shape = (HV, V, K) if p.state_v_first else (HV, K, V)
@@ -540,7 +534,7 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, kda_p
                   num_warps=config.scan_warps, num_stages=config.scan_stages)
     if rq is None:
         rq = rk = dummy
-    args = (q, k, p.v, beta, inverse, scores if scores is not None else inverse, rq, rk, gcum if gcum is not None else dummy,
+    args = (q, k, p.v, beta, inverse, scores, rq, rk, gcum if gcum is not None else dummy,
             kd if kd is not None else dummy, decay if decay is not None else dummy, o,
             h0 if h0 is not None else o, ht if ht is not None else o, h_chunks,
             cu if varlen else dummy, chunk_start if varlen else dummy)
