@@ -37,8 +37,10 @@ GLUON = pathlib.Path(__file__).resolve().parents[1] / "fastla" / "backends" / "g
 # may be named twice, before and after). The products are one phase since they moved into
 # chunk_delta_sm90._chunk_step (shared with the two-chain scan); v9's per-product phases
 # (docs/notes/gdn-prefill.md) were read before that
+# the step's first line in the one- and two-chain kernels (chunk_delta_sm90._chunk_rows)
+ROWS_LINE = "        t0, m_t, b_G, b_Gl, b_beta, b_rk, b_rq, b_dec0, b_dec1, n_G, n_Gl, n_beta, n_rk, n_rq = _chunk_rows(\n"
 PHASES = [
-    ("        b_G, b_Gl, b_rk, b_rq = n_G, n_Gl, n_rk, n_rq\n", None, True),
+    (ROWS_LINE, None, True),
     ("        mbarrier.wait(bars.index(stage), ((i // STAGES) & 1).to(gl.int32))\n", "top of the step, TMA wait", False),
     ("        _store_output(out, o_desc, o_s, o, t0, eos, r, o_v, i_hv32, i_v, n_rows, HV, V, BV)\n", "the chunk's products",
      True),
@@ -60,7 +62,7 @@ WS_PHASES = [
 ]
 # the two-chain scan's chain partitions (both instrumented; cycles averaged over chains too)
 DUAL_PHASES = [
-    ("        b_G, b_Gl, b_rk, b_rq = n_G, n_Gl, n_rk, n_rq\n", None, True),
+    (ROWS_LINE, None, True),
     ("        mbarrier.wait(loaded.index(stage), ((i // STAGES) & 1).to(gl.int32))\n", "top of the step, TMA wait", False),
     ("        mbarrier.arrive(freed.index(stage), count=1)                        # this chain is done with the stage\n",
      "the chunk's products", True),

@@ -33,10 +33,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from fastla.backends.gluon.chunk_delta_sm90 import (
-    BK, BT, _chunk_decay, _chunk_step, _chunk_vectors, _initial_state, _program, _store_final, _store_half_pair,
+    BK, BT, _chunk_rows, _chunk_step, _chunk_vectors, _initial_state, _program, _store_final, _store_half_pair,
     _store_output,
 )
-from fastla.backends.triton.chunk_prepare import _activate_beta
 
 CHAIN_REGS = 248        # registers per thread of chain 1 (setmaxnreg)
 LOADER_REGS = 32        # of the loader's warpgroup (chain 0 gets the rest: 128 x (224 + 248 + 32) = 384 x 168)
@@ -114,15 +113,9 @@ def _chain_partition(CH: gl.constexpr, k_s, q_s, kd_s, v_s, p_s, a_s, s_s, y_s, 
     for i in range(0, n_chunks):
         c = c_begin + i
         stage = (i % STAGES).to(gl.int32)
-        t0 = bos + c * BT
-        m_t = r < eos - t0
-        b_G, b_Gl, b_rk, b_rq = n_G, n_Gl, n_rk, n_rq
-        b_beta = _activate_beta(n_beta, m_t, BETA)
-        n_G, n_Gl, n_beta, n_rk, n_rq = _chunk_vectors(gcum, beta, rq, rk, r, bos, eos, c + 1, i + 1 < n_chunks,
-                                                       i_h, i_hv, H, HV, L2NORM, GK)
-        b_dec0, b_dec1 = _chunk_decay(decay, first_chunk + c, i_hv, o_j, HV, K, GK)
-        if STORE_STATES:
-            _store_half_pair(h_chunks + ((first_chunk + c) * HV + i_hv) * K * V + p_half, S0, S1, K, SK)
+        t0, m_t, b_G, b_Gl, b_beta, b_rk, b_rq, b_dec0, b_dec1, n_G, n_Gl, n_beta, n_rk, n_rq = _chunk_rows(
+            gcum, beta, rq, rk, decay, h_chunks, r, o_j, p_half, S0, S1, n_G, n_Gl, n_beta, n_rk, n_rq, bos, eos,
+            c, i, n_chunks, first_chunk, i_h, i_hv, H, HV, K, V, SK, L2NORM, BETA, GK, STORE_STATES)
 
         mbarrier.wait(loaded.index(stage), ((i // STAGES) & 1).to(gl.int32))
         S0, S1, out = _chunk_step(k_s, q_s, kd_s, stage * NK, v_s.index(stage * 2 + CH), p_s.index(stage),

@@ -182,6 +182,27 @@ def _chunk_decay(decay, chunk, i_hv, o_j, HV: gl.constexpr, K: gl.constexpr, GK:
 
 
 @gluon.jit
+def _chunk_rows(gcum, beta, rq, rk, decay, h_chunks, r, o_j, p_half, S0, S1, n_G, n_Gl, n_beta, n_rk, n_rq,
+                bos, eos, c, i, n_chunks, first_chunk, i_h, i_hv, H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr,
+                V: gl.constexpr, SK: gl.constexpr, L2NORM: gl.constexpr, BETA: gl.constexpr, GK: gl.constexpr,
+                STORE_STATES: gl.constexpr):
+    """A step's work before its tiles are waited for: chunk c's first token t0 and row mask, its row
+    vectors (loaded a chunk ago, beta activated now), the next chunk's row vectors issued (if step i
+    has a next one), the chunk's decays (GK) and, with STORE_STATES, the state entering it stored.
+    Returns t0, m_t, G, G_last, beta, 1/|k|, 1/|q|, the decays, and the next chunk's five loads."""
+    t0 = bos + c * BT
+    m_t = r < eos - t0
+    b_G, b_Gl, b_rk, b_rq = n_G, n_Gl, n_rk, n_rq
+    b_beta = _activate_beta(n_beta, m_t, BETA)
+    n_G, n_Gl, n_beta, n_rk, n_rq = _chunk_vectors(gcum, beta, rq, rk, r, bos, eos, c + 1, i + 1 < n_chunks,
+                                                   i_h, i_hv, H, HV, L2NORM, GK)
+    b_dec0, b_dec1 = _chunk_decay(decay, first_chunk + c, i_hv, o_j, HV, K, GK)
+    if STORE_STATES:
+        _store_half_pair(h_chunks + ((first_chunk + c) * HV + i_hv) * K * V + p_half, S0, S1, K, SK)
+    return t0, m_t, b_G, b_Gl, b_beta, b_rk, b_rq, b_dec0, b_dec1, n_G, n_Gl, n_beta, n_rk, n_rq
+
+
+@gluon.jit
 def _chunk_step(k_s, q_s, kd_s, kb, v_t, p_t, a_t, s_s, sb, y_t, vn_t, vd_t, S0, S1, zero,
                 b_G, b_Gl, b_beta, b_rk, b_rq, b_dec0, b_dec1, m_t, scale, has_v,
                 acc: gl.constexpr, NK: gl.constexpr, GK: gl.constexpr, OUTPUT: gl.constexpr):
@@ -352,15 +373,9 @@ def _scan_sm90_kernel(
     for i in range(0, n_chunks):
         c = c_begin + i
         stage = (i % STAGES).to(gl.int32)
-        t0 = bos + c * BT
-        m_t = r < eos - t0
-        b_G, b_Gl, b_rk, b_rq = n_G, n_Gl, n_rk, n_rq
-        b_beta = _activate_beta(n_beta, m_t, BETA)
-        n_G, n_Gl, n_beta, n_rk, n_rq = _chunk_vectors(gcum, beta, rq, rk, r, bos, eos, c + 1, i + 1 < n_chunks,
-                                                       i_h, i_hv, H, HV, L2NORM, GK)
-        b_dec0, b_dec1 = _chunk_decay(decay, first_chunk + c, i_hv, o_j, HV, K, GK)
-        if STORE_STATES:
-            _store_half_pair(h_chunks + ((first_chunk + c) * HV + i_hv) * K * V + p_half, S0, S1, K, SK)
+        t0, m_t, b_G, b_Gl, b_beta, b_rk, b_rq, b_dec0, b_dec1, n_G, n_Gl, n_beta, n_rk, n_rq = _chunk_rows(
+            gcum, beta, rq, rk, decay, h_chunks, r, o_j, p_half, S0, S1, n_G, n_Gl, n_beta, n_rk, n_rq, bos, eos,
+            c, i, n_chunks, first_chunk, i_h, i_hv, H, HV, K, V, SK, L2NORM, BETA, GK, STORE_STATES)
 
         mbarrier.wait(bars.index(stage), ((i // STAGES) & 1).to(gl.int32))
         S0, S1, out = _chunk_step(k_s, q_s, kd_s, stage * NK, v_s.index(stage), p_s.index(stage), a_s.index(stage),
