@@ -247,7 +247,11 @@ def default_config(p: Problem) -> DecodeConfig:
     - plenty of work and an fp32 state (>= 8 programs per SM at BV 64): BV 64, 2 warps
       (N=256: 277 us vs 294 us at BV 32 / 4 warps, 3.9 TB/s of state traffic);
     - otherwise, while BV 32 still gives >= 2 programs per SM: BV 32, 1 warp (bf16 state
-      N=16: 9.8 us vs 13.4 us at 4 warps);
+      N=16: 9.8 us vs 13.4 us at 4 warps), 2 warps for an fp32 state from 12 programs per SM
+      (HV 32, FLA's form, N=16: KDA 19.1 us vs 20.5 at one warp, GDN 20.2 vs 20.8; pool form
+      13.2 vs 14.1 and 14.1 vs 14.7; at N=4 and 8, 4 and 8 programs per SM, one warp was as
+      fast or faster: 4.96 vs 5.11 us GDN N=4, 7.67 vs 8.03 GDN N=8;
+      benchmarks/results/decode_sweep-v7-*.json);
     - few sequences: BV 16, 1 warp, spreading one state over more CTAs (N=1: 3.1 us vs 3.5 us
       at BV 8).
     """
@@ -257,7 +261,7 @@ def default_config(p: Problem) -> DecodeConfig:
     if fp32_state and p.V >= 64 and programs(64) >= 8 * sms:
         return DecodeConfig(64, 2)
     if p.V >= 32 and programs(32) >= 2 * sms:
-        return DecodeConfig(32, 1)
+        return DecodeConfig(32, 2 if fp32_state and programs(32) >= 12 * sms else 1)
     return DecodeConfig(min(16, next_pow2(p.V)), 1)
 
 
