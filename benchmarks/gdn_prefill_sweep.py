@@ -47,6 +47,8 @@ VARIANTS = {
     "gluon-combine-w4s1": dict(COMBINE_WARPS=4, COMBINE_STAGES=1),     # the segment combine's launch
     "gluon-combine-w4s2": dict(COMBINE_WARPS=4, COMBINE_STAGES=2),     # (two stages: the next summary
     "gluon-combine-w8s1": dict(COMBINE_WARPS=8, COMBINE_STAGES=1),     # prefetched)
+    "gluon-inv-nreg200": dict(inverse_maxnreg=200),     # the inverse at 10 / 12 programs an SM (spills)
+    "gluon-inv-nreg168": dict(inverse_maxnreg=168),
     "gluon-summary": dict(SUMMARY_SM90=True),   # the segment summaries on the two-chain scan too
     "gluon-summary-seg16": dict(SUMMARY_SM90=True, segment_chunks=16),
     "gluon-summary-seg32": dict(SUMMARY_SM90=True, segment_chunks=32),
