@@ -109,6 +109,62 @@ def test_segment_summaries_on_sm90(v_first, width, monkeypatch):
     check(t, cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu, state_v_first=v_first)
 
 
+SCORES_CASES = {
+    # name: (inputs, op options)
+    "dense": (dict(B=2, T=200, H=2, HV=8, K=128, V=128), {}),
+    "varlen": (dict(B=1, T=630, H=2, HV=8, K=128, V=128, N=7), "varlen"),
+    "k64-no-gva": (dict(B=1, T=300, H=2, HV=2, K=64, V=64), {}),
+    "everything-in-op": (dict(B=1, T=200, H=2, HV=4, K=128, V=128), "in-op"),
+    "strong-decay": (dict(B=2, T=200, H=1, HV=2, K=128, V=128, strength=30.0), {}),
+}
+
+
+@pytest.mark.parametrize("case", list(SCORES_CASES))
+def test_sm90_scores_match_triton(case, monkeypatch):
+    """The sm_90 scores kernel's scores and norms (chunk_scores_sm90.py) against the Triton scores
+    kernel's (chunk_prepare.py) on the same inputs, and the whole op against fp64 with each (check)."""
+    from fastla.backends.gluon import chunk_scores_sm90 as sm90
+    from fastla.backends.triton import chunk_prepare
+    from fastla.core import call_plan
+    shape, opts = SCORES_CASES[case]
+    monkeypatch.setattr(call_plan, "ENABLED", False)
+    seen = {}
+
+    def recorded(fn, tag):
+        def launch(*args, **kwargs):
+            fn(*args, **kwargs)
+            seen.update({tag + n: x.clone() if x is not None else None for n, x in zip(("S", "rq", "rk"), args[6:9])})
+        return launch
+
+    monkeypatch.setattr(sm90, "launch", recorded(sm90.launch, "sm90-"))
+    monkeypatch.setattr(chunk_prepare, "launch_scores", recorded(chunk_prepare.launch_scores, ""))
+    t = bf16_inputs(**shape)
+    if opts == "varlen":
+        lengths = [1, 63, 64, 65, 130, 7, 300]
+        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
+        opts = dict(cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu)
+    elif opts == "in-op":
+        HV = shape["HV"]
+        t["g"] = torch.randn_like(t["g"])
+        t["beta"] = torch.randn_like(t["beta"])
+        t["q"] = t["q"] * 3.0
+        opts = dict(use_gate_in_kernel=True, A_log=(torch.randn(HV) * 0.5).cuda(), dt_bias=torch.randn(HV).cuda(),
+                    use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True)
+    check(t, **opts)                                        # the sm_90 scores kernel (the default)
+    monkeypatch.setattr(sm90, "SCORES_SM90", False)
+    check(t, **opts)                                        # the Triton one
+    for name in ("S", "rq", "rk"):
+        ref, x = seen[name], seen["sm90-" + name]
+        if ref is None:
+            assert x is None, name
+            continue
+        x, ref = x.float(), ref.float()
+        assert torch.isfinite(x).all(), name
+        assert rel_rms(x, ref) <= (1e-5 if name != "S" else 5e-3), f"{name}: {rel_rms(x, ref):.2e}"
+        err = (x - ref).abs().max()                         # no error confined to a few rows
+        assert err <= 2e-2 * ref.abs().max(), f"{name}: max error {err:.3e}"
+
+
 def test_no_initial_state_and_strong_decay():
     check(bf16_inputs(B=2, T=200, H=1, HV=2, K=128, V=128, h0=False, strength=30.0))
 

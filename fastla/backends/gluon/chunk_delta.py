@@ -219,17 +219,24 @@ def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments
 
 def run(p: Problem):
     from fastla.backends.gluon import chunk_prepare_kda_sm90 as kda_prologue
+    from fastla.backends.gluon import chunk_scores_sm90 as gdn_scores
 
     config = plan(p)
-    prologue = None
+    kernels = {}
     if p.gk is not None and KDA_PROLOGUE_SM90:                             # (supports: bf16 inputs)
         why = kda_prologue.serves(p)
         if why is None:
-            prologue = kda_prologue.launch
+            kernels["kda_prologue"] = kda_prologue.launch
         else:
             _log_once(f"KDA prologue on the Triton kernels: {why}")
-    return triton_chunk.run(p, config, sequence_scan=_sequence_scan, kda_prologue=prologue,
-                            summaries=SUMMARY_SM90 and SCAN_DUAL)
+    elif p.gk is None:
+        why = gdn_scores.serves(p)
+        if why is None:
+            kernels["gdn_scores"] = gdn_scores.launch
+        else:
+            _log_once(f"GDN scores on the Triton kernel: {why}")
+    return triton_chunk.run(p, config, sequence_scan=_sequence_scan, summaries=SUMMARY_SM90 and SCAN_DUAL,
+                            **kernels)
 
 
 @functools.lru_cache(maxsize=None)
