@@ -373,6 +373,38 @@ def test_kda_prologue_compiles_for_sm90(name, tmp_path):
     assert res["shared_bytes"] <= 227 * 1024 // 2, res                    # two programs per SM
 
 
+GDN_SCORES_VARIANTS = {
+    # name: constexprs over the default launch (K = 128, GVA 4:1, l2norm)
+    "gdn-scores": {},
+    "gdn-scores-varlen-k64-raw": dict(VARLEN=True, L2NORM=False, K=64),
+}
+
+
+def _child_gdn_scores(name: str, folder: str) -> None:
+    from triton.experimental.gluon import language as gl
+
+    from fastla.backends.gluon.chunk_scores_sm90 import _gdn_scores_sm90_kernel as kern
+
+    consts = dict(H=16, HV=64, K=128, L2NORM=True, VARLEN=False)
+    consts.update(GDN_SCORES_VARIANTS[name])
+    box = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
+    pointers = {"gcum": "*fp32", "s_out": "*bf16", "rq_out": "*fp32", "rk_out": "*fp32", "cu_seqlens": "*i64",
+                "chunk_index": "*i32"}
+    sig = {n: (f"tensordesc<bf16[64, 64],{box!r}>" if n.endswith("_desc") else pointers.get(n)
+               or ("constexpr" if n in consts else ("i32" if n in ("T", "NT") else "fp32")))
+           for n in kern.arg_names}
+    print(json.dumps(_compile_sm90(kern, sig, consts, folder, {"num_warps": 4})))
+
+
+@pytest.mark.parametrize("name", list(GDN_SCORES_VARIANTS))
+def test_gdn_scores_compiles_for_sm90(name, tmp_path):
+    res = _run_child(f"_child_gdn_scores({name!r}, {str(tmp_path)!r})", tmp_path,
+                     module="tests.backends.test_gluon_sm90")
+    assert res["hgmma"] > 0 and res["utmaldg"] > 0, res                   # wgmma products, TMA loads
+    assert res["LOCAL"] == 0 and res["STACK"] == 0, f"spills: {res}"
+    assert res["REG"] <= 128 and res["shared_bytes"] <= 227 * 1024 // 4, res   # four programs per SM
+
+
 def test_kda_prologue_launch_builds_descriptors(monkeypatch):
     """The host side of the sm_90 KDA prologue on the CPU, up to its launches: q, k ([B T, H K])
     and the gate ([B T, HV K]) in [64, 32] TMA boxes, the grid, the register cap, no block flags for
