@@ -16,9 +16,9 @@ once (L2) and moves it to the rows' and the columns' vectors of the accumulator 
 e^(G_i - G_j) (the exponent masked to 0 above the diagonal) and stores the product in 16-byte runs
 (through a layout conversion: from the accumulator layout each thread would write pairs of bf16).
 
-Budget (K = 128): 32 KB of q / k tiles; 96 fp32 accumulator registers a thread with the l2norm
-during the products. Traffic per token: q and k read once per q/k head, 128 bytes of scores per
-value head. Measurements: docs/notes/gdn-prefill.md (v17).
+Budget (K = 128): 32 KB of q / k tiles, 122 registers (96 of them the three accumulators during the
+products, with the l2norm): four programs an SM, no spill. Traffic per token: q and k read once
+per q/k head, 128 bytes of scores per value head. Measurements: docs/notes/gdn-prefill.md (v17).
 """
 from __future__ import annotations
 
@@ -103,6 +103,7 @@ def _gdn_scores_sm90_kernel(
         e = gl.exp2(gl.where(causal, g_r[:, None] - g_c[None, :], 0.0))     # e^(G_i - G_j), 1 above the diagonal
         s = gl.convert_layout((qk * e).to(gl.bfloat16), out_l)
         gl.store(s_out + ((t0 + r_o) * HV + i_hv) * 64 + c_o, s, mask=r_o < n_left)
+
 
 SCORES_SM90 = True      # False: the Triton scores kernel on the Gluon tier too (A/B sweeps)
 
