@@ -67,12 +67,12 @@ def check(op, t, pool, idx, config) -> float:
 
 def fla_call(op, t, h0):
     if op == "gdn":
-        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as f
-        return lambda: f(t["q"], t["k"], t["v"], t["g"], beta=t["beta"], initial_state=h0, output_final_state=True,
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_gdn
+        return lambda: fla_gdn(t["q"], t["k"], t["v"], t["g"], beta=t["beta"], initial_state=h0, output_final_state=True,
                          use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=t["A_log"],
                          dt_bias=t["dt_bias"], use_beta_sigmoid_in_kernel=True)
-    from fla.ops.kda import fused_recurrent_kda as f
-    return lambda: f(t["q"], t["k"], t["v"], t["g"], t["beta"], A_log=t["A_log"], dt_bias=t["dt_bias"],
+    from fla.ops.kda import fused_recurrent_kda as fla_kda
+    return lambda: fla_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], A_log=t["A_log"], dt_bias=t["dt_bias"],
                      initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
                      use_beta_sigmoid_in_kernel=True, lower_bound=-5.0)
 
