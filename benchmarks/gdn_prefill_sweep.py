@@ -20,7 +20,6 @@ from triton.testing import do_bench_cudagraph
 
 import fastla  # noqa: F401  (registers the tiers)
 from fastla.backends.gluon import chunk_delta as gluon_chunk
-from fastla.backends.gluon import chunk_scores_sm90 as gdn_scores
 from fastla.backends.triton import chunk_delta, chunk_prepare
 from fastla.bench.inputs import call_kwargs, make_inputs
 from fastla.bench.registry import get_config
@@ -50,7 +49,7 @@ VARIANTS = {
     "gluon-combine-w8s1": dict(COMBINE_WARPS=8, COMBINE_STAGES=1),     # prefetched)
     "gluon-inv-nreg200": dict(inverse_maxnreg=200),     # the inverse at 10 / 12 programs an SM (spills)
     "gluon-inv-nreg168": dict(inverse_maxnreg=168),
-    "gluon-triton-scores": dict(SCORES_SM90=False),      # the Triton scores kernel on the sm_90 tier
+    "gluon-triton-scores": dict(GDN_SCORES_SM90=False),      # the Triton scores kernel on the sm_90 tier
     "gluon-summary": dict(SUMMARY_SM90=True),   # the segment summaries on the two-chain scan too
     "gluon-summary-seg16": dict(SUMMARY_SM90=True, segment_chunks=16),
     "gluon-summary-seg32": dict(SUMMARY_SM90=True, segment_chunks=32),
@@ -141,11 +140,9 @@ def main() -> int:
         for name in names:
             over = VARIANTS[name]
             tier = "gluon" if name.startswith("gluon") else "triton"
-            # upper-case keys: constants of gluon/chunk_delta.py, else of gluon/chunk_scores_sm90.py
-            owner = {a: gluon_chunk if hasattr(gluon_chunk, a) else gdn_scores for a in (over or {}) if a.isupper()}
-            saved = {a: getattr(m, a) for a, m in owner.items()} if tier == "gluon" else {}
-            for a in saved:
-                setattr(owner[a], a, over[a])
+            saved = {a: getattr(gluon_chunk, a) for a in (over or {}) if a.isupper()} if tier == "gluon" else {}
+            for a, value in saved.items():
+                setattr(gluon_chunk, a, over[a])
             if tier == "gluon":                    # lower-case keys: the launch plan (default_config) too
                 over = {a: x for a, x in (over or {}).items() if not a.isupper()} or None
             chunk_delta.default_config = lambda p, o=over, **kw: (
@@ -172,7 +169,7 @@ def main() -> int:
                 chunk_delta.default_config = original
                 chunk_prepare.INVERSE_PROGRAMS_PER_SM = programs_per_sm
                 for a, value in saved.items():
-                    setattr(owner[a], a, value)
+                    setattr(gluon_chunk, a, value)
             prep = sum(v for k, v in split.items() if "inverse" in k or "scores" in k)
             scan = sum(v for k, v in split.items() if "scan" in k)                # both tiers' scan kernels
             rows.append(dict(shape=shape, variant=name, config=config, us=us, prepare_us=prep,

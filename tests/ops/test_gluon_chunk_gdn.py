@@ -123,6 +123,7 @@ SCORES_CASES = {
 def test_sm90_scores_match_triton(case, monkeypatch):
     """The sm_90 scores kernel's scores and norms (chunk_scores_sm90.py) against the Triton scores
     kernel's (chunk_prepare.py) on the same inputs, and the whole op against fp64 with each (check)."""
+    from fastla.backends.gluon import chunk_delta as gluon_chunk
     from fastla.backends.gluon import chunk_scores_sm90 as sm90
     from fastla.backends.triton import chunk_prepare
     from fastla.core import call_plan
@@ -151,7 +152,7 @@ def test_sm90_scores_match_triton(case, monkeypatch):
         opts = dict(use_gate_in_kernel=True, A_log=(torch.randn(HV) * 0.5).cuda(), dt_bias=torch.randn(HV).cuda(),
                     use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True)
     check(t, **opts)                                        # the sm_90 scores kernel (the default)
-    monkeypatch.setattr(sm90, "SCORES_SM90", False)
+    monkeypatch.setattr(gluon_chunk, "GDN_SCORES_SM90", False)
     check(t, **opts)                                        # the Triton one
     for name in ("S", "rq", "rk"):
         ref, x = seen[name], seen["sm90-" + name]

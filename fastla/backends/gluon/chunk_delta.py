@@ -46,6 +46,9 @@ COMBINE_STAGES = 2
 # KDA's prologue on the sm_90 kernel (chunk_prepare_kda_sm90.py) where it serves (K % 32 == 0, a
 # bf16 or fp32 gate), else on the Triton one (backends/triton/chunk_prepare_kda.py); False for A/B sweeps
 KDA_PROLOGUE_SM90 = True
+# GDN's scores on the sm_90 kernel (chunk_scores_sm90.py; 1x32k HV64 218 -> 190 us, gdn_prefill_sweep-
+# v17-scores-sm90.json), else on the Triton one (backends/triton/chunk_prepare.py); False for A/B sweeps
+GDN_SCORES_SM90 = True
 SPECIALIZED_WIDTHS = (32, 64)
 
 # Time of one chunk step of a program at each tile width (us, H200, K = V = 128 (applied to K = 64
@@ -229,7 +232,7 @@ def run(p: Problem):
             kernels["kda_prologue"] = kda_prologue.launch
         else:
             _log_once(f"KDA prologue on the Triton kernels: {why}")
-    elif p.gk is None:
+    elif p.gk is None and GDN_SCORES_SM90:
         why = gdn_scores.serves(p)
         if why is None:
             kernels["gdn_scores"] = gdn_scores.launch

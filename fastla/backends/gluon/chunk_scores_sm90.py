@@ -105,13 +105,8 @@ def _gdn_scores_sm90_kernel(
         gl.store(s_out + ((t0 + r_o) * HV + i_hv) * 64 + c_o, s, mask=r_o < n_left)
 
 
-SCORES_SM90 = True      # False: the Triton scores kernel on the Gluon tier too (A/B sweeps)
-
-
 def serves(p) -> str | None:
     """None when this kernel serves the problem (after gluon/chunk_delta.supports), else why not."""
-    if not SCORES_SM90:
-        return "SCORES_SM90 is off"
     if p.K % 64:
         return f"K = {p.K} is not a multiple of 64 (the [64, 64] TMA boxes)"
     return None
