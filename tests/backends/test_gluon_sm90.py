@@ -405,6 +405,47 @@ def test_gdn_scores_compiles_for_sm90(name, tmp_path):
     assert res["REG"] <= 128 and res["shared_bytes"] <= 227 * 1024 // 4, res   # four programs per SM
 
 
+GDN_INVERSE_VARIANTS = {
+    # name: constexprs over the default launch (K = 128, GVA 4:1, four value heads a program, gate in
+    # the op, l2norm, beta sigmoid)
+    "gdn-inverse": {},
+    "gdn-inverse-one-head": dict(VPP=1),
+    "gdn-inverse-varlen-k64-raw": dict(VARLEN=True, L2NORM=False, K=64, GATE=False, HAS_BIAS=False, BETA=1),
+}
+# spills at four value heads a program (the ten Gram blocks, 80 registers, live across the heads)
+GDN_INVERSE_STACK = {"gdn-inverse": 104, "gdn-inverse-varlen-k64-raw": 16}
+
+
+def _child_gdn_inverse(name: str, folder: str) -> None:
+    from triton.experimental.gluon import language as gl
+
+    from fastla.backends.gluon.chunk_inverse_sm90 import _gdn_inverse_sm90_kernel as kern
+
+    consts = dict(H=16, HV=64, K=128, VPP=4, L2NORM=True, GATE=True, HAS_BIAS=True, BETA=2, VARLEN=False)
+    consts.update(GDN_INVERSE_VARIANTS[name])
+    box = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
+    pointers = {"g": "*fp32", "beta": "*bf16", "A_log": "*fp32", "dt_bias": "*fp32", "p_out": "*bf16",
+                "gcum": "*fp32", "cu_seqlens": "*i64", "chunk_index": "*i32"}
+    sig = {n: (f"tensordesc<bf16[64, 64],{box!r}>" if n.endswith("_desc") else pointers.get(n)
+               or ("constexpr" if n in consts else ("i32" if n in ("T", "NT") else "fp32")))
+           for n in kern.arg_names}
+    res = _compile_sm90(kern, sig, consts, folder, {"num_warps": 1})
+    sass = subprocess.run([str(pathlib.Path(__import__("triton").__file__).parent / "backends" / "nvidia" / "bin"
+                               / "cuobjdump"), "-sass", str(pathlib.Path(folder) / "k.cubin")],
+                          capture_output=True, text=True, check=True).stdout
+    res["hmma"] = sass.count("HMMA")
+    print(json.dumps(res))
+
+
+@pytest.mark.parametrize("name", list(GDN_INVERSE_VARIANTS))
+def test_gdn_inverse_compiles_for_sm90(name, tmp_path):
+    res = _run_child(f"_child_gdn_inverse({name!r}, {str(tmp_path)!r})", tmp_path,
+                     module="tests.backends.test_gluon_sm90")
+    assert res["hmma"] > 0 and res["utmaldg"] > 0, res                    # mma.sync products, TMA loads
+    assert res["LOCAL"] == 0 and res["STACK"] <= GDN_INVERSE_STACK.get(name, 0), f"spills: {res}"
+    assert res["shared_bytes"] <= 227 * 1024 // 8, res                    # eight one-warp programs per SM
+
+
 def test_kda_prologue_launch_builds_descriptors(monkeypatch):
     """The host side of the sm_90 KDA prologue on the CPU, up to its launches: q, k ([B T, H K])
     and the gate ([B T, HV K]) in [64, 32] TMA boxes, the grid, the register cap, no block flags for

@@ -166,6 +166,64 @@ def test_sm90_scores_match_triton(case, monkeypatch):
         assert err <= 2e-2 * ref.abs().max(), f"{name}: max error {err:.3e}"
 
 
+INVERSE_CASES = {
+    # name: (inputs, op options, value heads a program)
+    "dense": (dict(B=2, T=200, H=2, HV=8, K=128, V=128), {}, 1),
+    "dense-4-heads-a-program": (dict(B=2, T=200, H=2, HV=8, K=128, V=128), {}, 4),
+    "varlen-2-heads-a-program": (dict(B=1, T=630, H=2, HV=8, K=128, V=128, N=7), "varlen", 2),
+    "k64-no-gva": (dict(B=1, T=300, H=2, HV=2, K=64, V=64), {}, 1),
+    "everything-in-op": (dict(B=1, T=200, H=2, HV=4, K=128, V=128), "in-op", 2),
+    "strong-decay": (dict(B=2, T=200, H=1, HV=2, K=128, V=128, strength=30.0), {}, 2),
+}
+
+
+@pytest.mark.parametrize("case", list(INVERSE_CASES))
+def test_sm90_inverse_matches_triton(case, monkeypatch):
+    """The sm_90 inverse kernel's P and G (chunk_inverse_sm90.py) against the Triton inverse
+    kernel's (chunk_prepare.py) on the same inputs, and the whole op against fp64 with each (check)."""
+    import dataclasses
+
+    from fastla.backends.gluon import chunk_inverse_sm90 as sm90
+    from fastla.backends.triton import chunk_delta, chunk_prepare
+    from fastla.core import call_plan
+    shape, opts, heads = INVERSE_CASES[case]
+    monkeypatch.setattr(call_plan, "ENABLED", False)
+    monkeypatch.setattr(chunk_prepare, "INVERSE_PROGRAMS_PER_SM", 0)     # the heads a program asked for
+    original = chunk_delta.default_config
+    monkeypatch.setattr(chunk_delta, "default_config",
+                        lambda p, **kw: dataclasses.replace(original(p, **kw), inverse_heads=heads))
+    seen = {}
+
+    def recorded(fn, tag):
+        def launch(*args, **kwargs):
+            fn(*args, **kwargs)
+            seen.update({tag + n: x.clone() for n, x in zip(("G", "P"), args[6:8])})
+        return launch
+
+    monkeypatch.setattr(sm90, "launch", recorded(sm90.launch, "sm90-"))
+    monkeypatch.setattr(chunk_prepare, "launch", recorded(chunk_prepare.launch, ""))
+    t = bf16_inputs(**shape)
+    if opts == "varlen":
+        lengths = [1, 63, 64, 65, 130, 7, 300]
+        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
+        opts = dict(cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu)
+    elif opts == "in-op":
+        HV = shape["HV"]
+        t["g"] = torch.randn_like(t["g"])
+        t["beta"] = torch.randn_like(t["beta"])
+        opts = dict(use_gate_in_kernel=True, A_log=(torch.randn(HV) * 0.5).cuda(), dt_bias=torch.randn(HV).cuda(),
+                    use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True)
+    check(t, **opts)                                        # the sm_90 inverse kernel (the default)
+    monkeypatch.setattr(gluon_chunk, "GDN_INVERSE_SM90", False)
+    check(t, **opts)                                        # the Triton one
+    for name in ("G", "P"):
+        ref, x = seen[name].float(), seen["sm90-" + name].float()
+        assert torch.isfinite(x).all(), name
+        assert rel_rms(x, ref) <= (1e-5 if name == "G" else 1e-2), f"{name}: {rel_rms(x, ref):.2e}"
+        err = (x - ref).abs().max()                         # no error confined to a few rows
+        assert err <= 2e-2 * ref.abs().max(), f"{name}: max error {err:.3e}"
+
+
 def test_no_initial_state_and_strong_decay():
     check(bf16_inputs(B=2, T=200, H=1, HV=2, K=128, V=128, h0=False, strength=30.0))
 

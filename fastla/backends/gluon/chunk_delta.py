@@ -49,6 +49,9 @@ KDA_PROLOGUE_SM90 = True
 # GDN's scores on the sm_90 kernel (chunk_scores_sm90.py; 1x32k HV64 218 -> 190 us, gdn_prefill_sweep-
 # v17-scores-sm90.json), else on the Triton one (backends/triton/chunk_prepare.py); False for A/B sweeps
 GDN_SCORES_SM90 = True
+# GDN's inverse on the sm_90 kernel (chunk_inverse_sm90.py), else on the Triton one
+# (backends/triton/chunk_prepare.py); False for A/B sweeps
+GDN_INVERSE_SM90 = True
 SPECIALIZED_WIDTHS = (32, 64)
 
 # Time of one chunk step of a program at each tile width (us, H200, K = V = 128 (applied to K = 64
@@ -222,6 +225,7 @@ def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments
 
 def run(p: Problem):
     from fastla.backends.gluon import chunk_prepare_kda_sm90 as kda_prologue
+    from fastla.backends.gluon import chunk_inverse_sm90 as gdn_inverse
     from fastla.backends.gluon import chunk_scores_sm90 as gdn_scores
 
     config = plan(p)
@@ -232,12 +236,14 @@ def run(p: Problem):
             kernels["kda_prologue"] = kda_prologue.launch
         else:
             _log_once(f"KDA prologue on the Triton kernels: {why}")
-    elif p.gk is None and GDN_SCORES_SM90:
-        why = gdn_scores.serves(p)
-        if why is None:
-            kernels["gdn_scores"] = gdn_scores.launch
-        else:
-            _log_once(f"GDN scores on the Triton kernel: {why}")
+    elif p.gk is None:
+        for name, module, on in (("gdn_scores", gdn_scores, GDN_SCORES_SM90),
+                                 ("gdn_inverse", gdn_inverse, GDN_INVERSE_SM90)):
+            why = module.serves(p) if on else "switched off"
+            if why is None:
+                kernels[name] = module.launch
+            elif on:
+                _log_once(f"GDN {name[4:]} on the Triton kernel: {why}")
     return triton_chunk.run(p, config, sequence_scan=_sequence_scan, summaries=SUMMARY_SM90 and SCAN_DUAL,
                             **kernels)
 

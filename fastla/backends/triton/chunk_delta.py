@@ -461,14 +461,14 @@ class SequencePass:
 
 
 def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, kda_prologue=None, summaries=False,
-        gdn_scores=None):
+        gdn_scores=None, gdn_inverse=None):
     """The chunked forward. ``sequence_scan(p, SequencePass, seg, segments, seg_state, programs)``,
     when given, launches the sequence passes (seg 0 or 2) instead of the Triton scan; it must
     write the output; with ``summaries`` it runs the segment summary pass too (seg 1: the V + K
     columns from [0 | I], ``[segments, HV, K, V + K]`` into seg_state). ``kda_prologue``, when
     given, runs KDA's prologue instead of chunk_prepare_kda.launch (same arguments less q, k and
-    the launch shape); ``gdn_scores``, GDN's scores kernel instead of chunk_prepare.launch_scores
-    (same arguments and outputs)."""
+    the launch shape); ``gdn_scores`` and ``gdn_inverse``, GDN's scores and inverse kernels instead
+    of chunk_prepare.launch_scores and chunk_prepare.launch (same arguments and outputs)."""
     config = config or default_config(p)
     B, T, H, HV, K, V, N = p.B, p.T, p.H, p.HV, p.K, p.V, p.N
     dev = p.device
@@ -518,7 +518,7 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, kda_p
         kd = decay = None
         q, k = (p.q, p.k) if p.q.dtype == op_dtype or bf16 else (p.q.to(op_dtype), p.k.to(op_dtype))
         if total:
-            chunk_prepare.launch(p, g, beta, beta_mode, total, tables, gcum, inverse, dot, config)
+            (gdn_inverse or chunk_prepare.launch)(p, g, beta, beta_mode, total, tables, gcum, inverse, dot, config)
             (gdn_scores or chunk_prepare.launch_scores)(p, q, k, total, tables, gcum, scores, rq, rk, dot, config)
 
     o = call_plan.empty((B, T, HV, V), p.o_dtype, dev)

@@ -1,0 +1,283 @@
+"""Hopper (sm_90) inverse kernel of the GDN prologue: Gluon, the Triton inverse kernel's contract
+and algorithm (backends/triton/chunk_prepare.py, ``_inverse_kernel``) with explicit layouts, so that
+the four diagonal blocks' substitution runs by columns (no reductions across lanes) and every
+scratch stays in shared memory.
+
+Per 64-token chunk and value head, with G = cumsum(g) over the chunk and unit keys (l2norm in the
+op) or raw keys:
+    A = strict_lower(beta_i (k_i . k_j) rk_i rk_j e^(G_i - G_j))   [64, 64],   P = (I + A)^-1
+written as P ``[B, T, HV, 64]`` (bf16 whole rows, zeros above the block diagonal) and G
+``[B, T, HV]`` (fp32).
+
+Grid ``(chunks, HV / VPP)``, one warp: a program takes one chunk of VPP value heads sharing a q/k
+head. The chunk's keys by TMA ([64, 64] boxes); the ten lower [16, 16] Gram blocks K_b K_c^T by
+mma.sync (bf16, fp32 accumulation; the key norms from their diagonals). Per value head: the gate,
+beta and G ([64] vectors, G by a scan), A's ten blocks; the diagonal blocks' inverses D_b by
+column substitution: A_b^T goes to shared memory, a thread holds one column of two blocks with
+its 16 rows in registers, and step j reads column j of A_b as a broadcast and updates the rows
+with 16 FMAs (15 steps); the six blocks below by block forward substitution on tf32 mma.sync,
+P_bc = -D_b sum_(c <= d < b) A_bd P_dc (the Triton kernel's products); P assembled in shared
+memory and stored in 16-byte runs.
+
+Status: compile-checked on the CPU (sm_90), not yet run on a GPU (branch wip/gdn-inverse-sm90;
+docs/notes/gdn-prefill.md, v17).
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+
+from fastla.backends.triton.chunk_index import _chunk
+from fastla.backends.triton.chunk_prepare import _activate_beta
+from fastla.backends.triton.recurrent import _softplus
+
+MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
+ROWS = gl.constexpr(gl.SliceLayout(1, MMA))
+COLS = gl.constexpr(gl.SliceLayout(0, MMA))
+
+
+@gluon.jit
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def _mm(a, b):
+    """[16, 16] x [16, 16] on tf32 mma.sync, fp32 accumulation (the Triton kernel's merge precision)."""
+    ta: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=1)
+    tb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=1)
+    return mma_v2(gl.convert_layout(a, ta), gl.convert_layout(b, tb), gl.zeros([16, 16], gl.float32, MMA),
+                  input_precision="tf32")
+
+
+@gluon.jit
+def _gram(k_s, b: gl.constexpr, c: gl.constexpr, NK: gl.constexpr):
+    """K_b K_c^T [16, 16] over the NK [64, 64] key slices in shared memory (bf16 mma.sync)."""
+    da: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    db: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    acc = gl.zeros([16, 16], gl.float32, MMA)
+    for kk in gl.static_range(NK):
+        kt = k_s.index(kk)
+        acc = mma_v2(kt.slice(16 * b, 16, dim=0).load(da), kt.slice(16 * c, 16, dim=0).permute((1, 0)).load(db), acc)
+    return acc
+
+
+@gluon.jit
+def _a_block(gram, scale_r, rk_c, G_r, G_c, DIAG: gl.constexpr):
+    """A's block from a Gram block [16, 16]: scale_r = beta rk of the rows, rk_c of the columns,
+    e^(G_i - G_j); strictly lower on a diagonal block (the exponent clamped where unused)."""
+    d = G_r[:, None] - G_c[None, :]
+    x = gram * scale_r[:, None] * rk_c[None, :]
+    if DIAG:
+        r = gl.arange(0, 16, layout=ROWS)[:, None]
+        c = gl.arange(0, 16, layout=COLS)[None, :]
+        x = gl.where(r > c, x * gl.exp(gl.where(r > c, d, 0.0)), 0.0)
+    else:
+        x = x * gl.exp(d)
+    return x
+
+
+@gluon.jit
+def _block_row(buf, b: gl.constexpr, layout: gl.constexpr):
+    """Row b of a [4, 16] shared buffer as a [16] vector in ``layout``."""
+    x = buf.slice(b, 1, dim=0).load(gl.BlockedLayout([1, 1], [1, 32], [1, 1], [1, 0]))
+    return gl.convert_layout(gl.reshape(x, [16]), layout)
+
+
+@gluon.jit
+def _store_block(buf, b: gl.constexpr, x):
+    """x [16, 16] into block b of a [4, 16, 16] shared buffer."""
+    buf.slice(b, 1, dim=0).store(gl.reshape(x, [1, 16, 16]))
+
+
+@gluon.jit
+def _load_block_t(buf, b: gl.constexpr):
+    """The transpose of block b [16, 16] of a [4, 16, 16] shared buffer, in the mma layout."""
+    x = buf.slice(b, 1, dim=0).load(gl.BlockedLayout([1, 1, 4], [1, 4, 8], [1, 1, 1], [2, 1, 0]))
+    return gl.convert_layout(gl.permute(gl.reshape(x, [16, 16]), (1, 0)), MMA)
+
+
+@gluon.jit
+def _diagonal_inverses(dg_s, dp_s, CS: gl.constexpr):
+    """D_b = (I + A_b)^-1 of the four strictly lower diagonal blocks, A_b^T in dg_s [4, 16 (j), 16 (i)]:
+    by columns (x = e_c, then x_i -= A_b[i, j] x_j for j = 0 .. 14; A_b[i, j] = 0 for i <= j, so every
+    row is updated), a column's 16 rows in one thread (layout CS). Leaves D_b^T in dp_s [4, c, i]."""
+    ci = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, CS)))[None, :, None]   # [1, 16, 1] column
+    ii = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, CS)))[None, None, :]   # [1, 1, 16] row
+    X = gl.where(ii == ci, 1.0, 0.0) + gl.zeros([4, 16, 16], gl.float32, CS)
+    for j in gl.static_range(15):
+        a_j = dg_s.slice(j, 1, dim=1).load(CS)                              # [4, 1, 16]: A_b[i, j]
+        x_j = gl.sum(gl.where(ii == j, X, 0.0), 2)                          # [4, 16]: x_j of each column
+        X = X - a_j * gl.expand_dims(x_j, 2)
+    dp_s.store(X)
+
+
+@gluon.jit(do_not_specialize=["T", "NT"])
+def _gdn_inverse_sm90_kernel(
+    k_desc, g, beta, A_log, dt_bias, p_out, gcum, cu_seqlens, chunk_index, T, NT,
+    H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, VPP: gl.constexpr, L2NORM: gl.constexpr,
+    GATE: gl.constexpr, HAS_BIAS: gl.constexpr, BETA: gl.constexpr, VARLEN: gl.constexpr,
+):
+    gl.static_assert(K % 64 == 0, "K in [64, 64] boxes")
+    NK: gl.constexpr = K // 64
+    vec_l: gl.constexpr = gl.BlockedLayout([2], [32], [1], [0])             # [64] token vectors
+    CS: gl.constexpr = gl.BlockedLayout([1, 1, 16], [2, 16, 1], [1, 1, 1], [2, 1, 0])   # [4, 16, 16] by columns
+    out_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])  # P's rows in 16-byte runs
+    plain2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+    plain3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
+
+    i_c = gl.program_id(0).to(gl.int64)
+    hv0 = gl.program_id(1) * VPP                                            # VPP value heads of one q/k head
+    i_h = hv0 // (HV // H)
+    i_n, c_seq, bos, eos = _chunk(chunk_index, cu_seqlens, i_c, T, NT, VARLEN)
+    t0 = bos + c_seq * 64                                                   # first token (int64)
+    n_left = eos - t0                                                       # tokens of the chunk from t0, >= 1
+
+    k_s = gl.allocate_shared_memory(gl.bfloat16, [NK, 64, 64], k_desc.layout)
+    dg_s = gl.allocate_shared_memory(gl.float32, [4, 16, 16], plain3)       # A_b^T of the diagonal blocks
+    dp_s = gl.allocate_shared_memory(gl.float32, [4, 16, 16], plain3)       # D_b^T
+    gv_s = gl.allocate_shared_memory(gl.float32, [4, 16], plain2)           # G by blocks
+    bv_s = gl.allocate_shared_memory(gl.float32, [4, 16], plain2)           # beta by blocks
+    bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(bar, count=1)
+    fence_async_shared()
+    mbarrier.expect(bar, NK * 64 * 64 * 2)
+    for kk in gl.static_range(NK):
+        tma.async_copy_global_to_shared(k_desc, [t0.to(gl.int32), i_h * K + kk * 64], bar, k_s.index(kk))
+    mbarrier.wait(bar, 0)
+    mbarrier.invalidate(bar)
+
+    # the ten lower Gram blocks [16, 16] and the key norms from the diagonal ones
+    g00 = _gram(k_s, 0, 0, NK)
+    g10 = _gram(k_s, 1, 0, NK)
+    g11 = _gram(k_s, 1, 1, NK)
+    g20 = _gram(k_s, 2, 0, NK)
+    g21 = _gram(k_s, 2, 1, NK)
+    g22 = _gram(k_s, 2, 2, NK)
+    g30 = _gram(k_s, 3, 0, NK)
+    g31 = _gram(k_s, 3, 1, NK)
+    g32 = _gram(k_s, 3, 2, NK)
+    g33 = _gram(k_s, 3, 3, NK)
+    o16 = gl.arange(0, 16, layout=ROWS)
+    if L2NORM:
+        eye = o16[:, None] == gl.arange(0, 16, layout=COLS)[None, :]
+        r0 = gl.rsqrt(gl.sum(gl.where(eye, g00, 0.0), 1) + 1e-6)            # [16] rows
+        r1 = gl.rsqrt(gl.sum(gl.where(eye, g11, 0.0), 1) + 1e-6)
+        r2 = gl.rsqrt(gl.sum(gl.where(eye, g22, 0.0), 1) + 1e-6)
+        r3 = gl.rsqrt(gl.sum(gl.where(eye, g33, 0.0), 1) + 1e-6)
+    else:
+        r0 = gl.full([16], 1.0, gl.float32, ROWS)
+        r1 = r0
+        r2 = r0
+        r3 = r0
+    # P is assembled where the keys were (8 KB; zeros above the block diagonal, written once)
+    gl.thread_barrier()
+    p_s = k_s._reinterpret(gl.bfloat16, [64, 64], plain2)
+    p_s.store(gl.zeros([64, 64], gl.bfloat16, out_l))
+    c0 = gl.convert_layout(r0, COLS)                                        # the same as columns' vectors
+    c1 = gl.convert_layout(r1, COLS)
+    c2 = gl.convert_layout(r2, COLS)
+    c3 = gl.convert_layout(r3, COLS)
+
+    o_t = gl.arange(0, 64, layout=vec_l)
+    m_t = o_t < n_left
+    r_o = gl.arange(0, 64, layout=gl.SliceLayout(1, out_l))[:, None]
+    c_o = gl.arange(0, 64, layout=gl.SliceLayout(0, out_l))[None, :]
+    for jv in range(VPP):
+        i_hv = hv0 + jv
+        base = t0 * HV + i_hv                                               # chunk row 0 in g, beta, gcum
+        x = gl.load(g + base + o_t * HV, mask=m_t, other=0.0).to(gl.float32)
+        if GATE:
+            if HAS_BIAS:
+                x = x + gl.load(dt_bias + i_hv).to(gl.float32)
+            x = gl.where(m_t, -gl.exp(gl.load(A_log + i_hv).to(gl.float32)) * _softplus(x), 0.0)
+        bt = _activate_beta(gl.load(beta + base + o_t * HV, mask=m_t, other=0.0), m_t, BETA)
+        G = gl.associative_scan(x, 0, _add)                                 # [64] cumsum
+        gl.store(gcum + base + o_t * HV, G, mask=m_t)
+        gl.thread_barrier()                                                 # (the last head's reads are done)
+        gv_s.store(gl.reshape(G, [4, 16]))
+        bv_s.store(gl.reshape(bt, [4, 16]))
+        gl.thread_barrier()
+        G0 = _block_row(gv_s, 0, ROWS)
+        G1 = _block_row(gv_s, 1, ROWS)
+        G2 = _block_row(gv_s, 2, ROWS)
+        G3 = _block_row(gv_s, 3, ROWS)
+        H0 = _block_row(gv_s, 0, COLS)
+        H1 = _block_row(gv_s, 1, COLS)
+        H2 = _block_row(gv_s, 2, COLS)
+        H3 = _block_row(gv_s, 3, COLS)
+        s0 = _block_row(bv_s, 0, ROWS) * r0                                 # beta rk of each block's rows
+        s1 = _block_row(bv_s, 1, ROWS) * r1
+        s2 = _block_row(bv_s, 2, ROWS) * r2
+        s3 = _block_row(bv_s, 3, ROWS) * r3
+
+        a00 = _a_block(g00, s0, c0, G0, H0, True)
+        a11 = _a_block(g11, s1, c1, G1, H1, True)
+        a22 = _a_block(g22, s2, c2, G2, H2, True)
+        a33 = _a_block(g33, s3, c3, G3, H3, True)
+        _store_block(dg_s, 0, gl.permute(a00, (1, 0)))
+        _store_block(dg_s, 1, gl.permute(a11, (1, 0)))
+        _store_block(dg_s, 2, gl.permute(a22, (1, 0)))
+        _store_block(dg_s, 3, gl.permute(a33, (1, 0)))
+        gl.thread_barrier()
+        _diagonal_inverses(dg_s, dp_s, CS)
+        a10 = _a_block(g10, s1, c0, G1, H0, False)
+        a21 = _a_block(g21, s2, c1, G2, H1, False)
+        a32 = _a_block(g32, s3, c2, G3, H2, False)
+        a20 = _a_block(g20, s2, c0, G2, H0, False)
+        a31 = _a_block(g31, s3, c1, G3, H1, False)
+        a30 = _a_block(g30, s3, c0, G3, H0, False)
+        gl.thread_barrier()
+        p00 = _load_block_t(dp_s, 0)                                        # D_b [16, 16]
+        p11 = _load_block_t(dp_s, 1)
+        p22 = _load_block_t(dp_s, 2)
+        p33 = _load_block_t(dp_s, 3)
+        p10 = -_mm(p11, _mm(a10, p00))
+        p21 = -_mm(p22, _mm(a21, p11))
+        p32 = -_mm(p33, _mm(a32, p22))
+        p20 = -_mm(p22, _mm(a20, p00) + _mm(a21, p10))
+        p31 = -_mm(p33, _mm(a31, p11) + _mm(a32, p21))
+        p30 = -_mm(p33, _mm(a30, p00) + _mm(a31, p10) + _mm(a32, p20))
+        p_s.slice(0, 16, dim=0).slice(0, 16, dim=1).store(p00.to(gl.bfloat16))
+        p_s.slice(16, 16, dim=0).slice(0, 16, dim=1).store(p10.to(gl.bfloat16))
+        p_s.slice(16, 16, dim=0).slice(16, 16, dim=1).store(p11.to(gl.bfloat16))
+        p_s.slice(32, 16, dim=0).slice(0, 16, dim=1).store(p20.to(gl.bfloat16))
+        p_s.slice(32, 16, dim=0).slice(16, 16, dim=1).store(p21.to(gl.bfloat16))
+        p_s.slice(32, 16, dim=0).slice(32, 16, dim=1).store(p22.to(gl.bfloat16))
+        p_s.slice(48, 16, dim=0).slice(0, 16, dim=1).store(p30.to(gl.bfloat16))
+        p_s.slice(48, 16, dim=0).slice(16, 16, dim=1).store(p31.to(gl.bfloat16))
+        p_s.slice(48, 16, dim=0).slice(32, 16, dim=1).store(p32.to(gl.bfloat16))
+        p_s.slice(48, 16, dim=0).slice(48, 16, dim=1).store(p33.to(gl.bfloat16))
+        gl.thread_barrier()
+        gl.store(p_out + (base + r_o * HV) * 64 + c_o, p_s.load(out_l), mask=r_o < n_left)
+
+
+def serves(p) -> str | None:
+    """None when this kernel serves the problem (after gluon/chunk_delta.supports), else why not."""
+    if p.K % 64:
+        return f"K = {p.K} is not a multiple of 64 (the [64, 64] TMA boxes)"
+    return None
+
+
+def launch(p, g, beta, beta_mode: int, total: int, tables, gcum, inverse, dot, config) -> None:
+    """chunk_prepare.launch's contract (``dot`` unused: bf16 keys): G into ``gcum`` ``[B, T, HV]``
+    and P into ``inverse`` ``[B, T, HV, 64]``; value heads a program by chunk_prepare's rule."""
+    from fastla.backends.gluon.chunk_delta import _tile_layout, tma_descriptor
+    from fastla.backends.triton import sm_count
+    from fastla.backends.triton.chunk_prepare import values_per_program
+    from fastla.backends.triton.launch import launcher
+
+    cu, chunk_index = tables
+    varlen = cu is not None
+    NT = -(-p.T // 64)
+    vpp = values_per_program(p.HV // p.H, config.inverse_heads, total * p.HV, sm_count(p.device))
+    d = gcum
+    launcher(_gdn_inverse_sm90_kernel, p.T, NT)[(total, p.HV // vpp)](
+        tma_descriptor(p.k, p.B * p.T, p.H * p.K, [64, 64], _tile_layout(64, 64)), g, beta,
+        p.A_log if p.A_log is not None else d, p.dt_bias if p.dt_bias is not None else d, inverse, gcum,
+        cu if varlen else d, chunk_index if varlen else d, p.T, NT,
+        H=p.H, HV=p.HV, K=p.K, VPP=vpp, L2NORM=p.use_qk_l2norm, GATE=p.gate_in_op == "gdn",
+        HAS_BIAS=p.dt_bias is not None, BETA=beta_mode, VARLEN=varlen, num_warps=1,
+    )
