@@ -183,6 +183,7 @@ def test_sm90_inverse_matches_triton(case, monkeypatch):
     kernel's (chunk_prepare.py) on the same inputs, and the whole op against fp64 with each (check)."""
     import dataclasses
 
+    from fastla.backends.gluon import chunk_delta as gluon_chunk
     from fastla.backends.gluon import chunk_inverse_sm90 as sm90
     from fastla.backends.triton import chunk_delta, chunk_prepare
     from fastla.core import call_plan
