@@ -47,7 +47,7 @@ VARIANTS = {
     "dual": dict(scan_dual=True, scan_bv=64),      # the two-chain sm_90 scan at 64 columns (2 x 32)
     "dual-bv32": dict(scan_dual=True, scan_bv=32),
     "bv32-gluon": dict(scan_bv=32),                # the plain sm_90 scan at 32 columns
-    "sm90-r168": dict(sm90_maxnreg=168),           # the sm_90 prologue capped (three programs per SM; the default)
+    "sm90-r168": dict(sm90_maxnreg=168),           # the sm_90 prologue capped (three programs per SM)
     "sm90-uncapped": dict(sm90_maxnreg=None),
     "sm90-r128": dict(sm90_maxnreg=128),
     "sm90-bounded-only": dict(sm90_unbounded=False),   # unbounded / given gates on the Triton prologue
@@ -101,6 +101,7 @@ def main() -> int:
     original = chunk_delta.default_config
     default_maxnreg, default_unbounded = sm90_prologue.MAXNREG, sm90_prologue.UNBOUNDED
     default_wide = wide.BLOCK_K, wide.WARPS, wide.STAGES
+    default_dual = gluon_chunk.SCAN_DUAL
     for shape in args.shapes.split(","):
         kw = with_gate(call_kwargs(make_inputs(get_config(shape), "cuda")), args.gate)
         fla_o = fla_us = None
@@ -117,7 +118,7 @@ def main() -> int:
             sm90_prologue.INVERSE_WARPS = over.pop("inverse_warps", 1)
             sm90_prologue.UNBOUNDED = over.pop("sm90_unbounded", default_unbounded)
             wide.BLOCK_K, wide.WARPS, wide.STAGES = over.pop("wide", default_wide)
-            gluon_chunk.SCAN_DUAL = over.pop("scan_dual", False)
+            gluon_chunk.SCAN_DUAL = over.pop("scan_dual", default_dual)
             gluon_chunk.SCAN_BLOCK_V = over.pop("scan_bv", None)
             chunk_delta.default_config = lambda p, o=over, **kw: dataclasses.replace(original(p, **kw), **o)
             try:
@@ -137,7 +138,7 @@ def main() -> int:
                 sm90_prologue.MAXNREG, sm90_prologue.INVERSE_WARPS = default_maxnreg, 1
                 sm90_prologue.UNBOUNDED = default_unbounded
                 wide.BLOCK_K, wide.WARPS, wide.STAGES = default_wide
-                gluon_chunk.SCAN_DUAL, gluon_chunk.SCAN_BLOCK_V = False, None
+                gluon_chunk.SCAN_DUAL, gluon_chunk.SCAN_BLOCK_V = default_dual, None
             prep = sum(v for k, v in split.items() if any(w in k for w in ("prepare", "prologue", "inverse", "wide", "list")))
             scan = sum(v for k, v in split.items() if "scan" in k)
             rows.append(dict(shape=shape, variant=name, tier=args.tier, gate=args.gate, us=us, prepare_us=prep, scan_us=scan, kernels=split,
