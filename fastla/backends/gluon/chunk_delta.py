@@ -49,8 +49,8 @@ KDA_PROLOGUE_SM90 = True
 # GDN's scores on the sm_90 kernel (chunk_scores_sm90.py; 1x32k HV64 218 -> 190 us, gdn_prefill_sweep-
 # v17-scores-sm90.json), else on the Triton one (backends/triton/chunk_prepare.py); False for A/B sweeps
 GDN_SCORES_SM90 = True
-# GDN's inverse on the sm_90 kernel (chunk_inverse_sm90.py), else on the Triton one
-# (backends/triton/chunk_prepare.py); False for A/B sweeps
+# GDN's inverse on the sm_90 kernel (chunk_inverse_sm90.py; 1x32k HV64 397 -> 363 us, gdn_prefill_
+# sweep-v18-inverse-sm90.json), else on the Triton one (backends/triton/chunk_prepare.py); False for A/B
 GDN_INVERSE_SM90 = True
 SPECIALIZED_WIDTHS = (32, 64)
 
