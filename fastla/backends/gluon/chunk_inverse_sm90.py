@@ -138,8 +138,13 @@ def _gdn_inverse_sm90_kernel(
     n_left = eos - t0                                                       # tokens of the chunk from t0, >= 1
 
     k_s = gl.allocate_shared_memory(gl.bfloat16, [NK, 64, 64], k_desc.layout)
-    dg_s = gl.allocate_shared_memory(gl.float32, [4, 16, 16], plain3)       # A_b^T of the diagonal blocks
-    dp_s = gl.allocate_shared_memory(gl.float32, [4, 16, 16], plain3)       # D_b^T
+    if NK >= 2:   # A_b^T of the diagonal blocks and D_b^T where the keys' second slice was (after the Gram)
+        scratch = k_s._reinterpret(gl.float32, [8 * NK, 16, 16], plain3)   # [16, 16] fp32 blocks, 1 KB each
+        dg_s = scratch.slice(8, 4, dim=0)
+        dp_s = scratch.slice(12, 4, dim=0)
+    else:
+        dg_s = gl.allocate_shared_memory(gl.float32, [4, 16, 16], plain3)
+        dp_s = gl.allocate_shared_memory(gl.float32, [4, 16, 16], plain3)
     gv_s = gl.allocate_shared_memory(gl.float32, [4, 16], plain2)           # G by blocks
     bv_s = gl.allocate_shared_memory(gl.float32, [4, 16], plain2)           # beta by blocks
     bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
