@@ -329,11 +329,9 @@ KDA_PROLOGUE_VARIANTS = {
     "kda-prologue-softplus-gate": dict(GATE=2, FLAG=True),
     "kda-prologue-wide-bounded-neg-eigval": dict(FLAG=True, BETA=3),
 }
-# Spills known and left (sm_90 compile): every build sits at 255 registers; K = 64 spills 88 bytes,
-# the given gates 16 (bf16 and fp32), the softplus gate and the bare varlen build 8; the
-# registry's build none
-KDA_PROLOGUE_STACK = {"kda-prologue-k64": 96, "kda-prologue-given-gate": 16, "kda-prologue-given-fp32-gate": 16,
-                      "kda-prologue-softplus-gate": 8, "kda-prologue-varlen-bare": 8}
+# Spills known and left (sm_90 compile): every build sits at 255 registers; K = 64 spills 80 bytes,
+# the bare varlen build 8; the others none (since the norms moved onto wgmma)
+KDA_PROLOGUE_STACK = {"kda-prologue-k64": 80, "kda-prologue-varlen-bare": 8}
 
 
 def _child_kda_prologue(name: str, folder: str) -> None:
@@ -413,7 +411,7 @@ GDN_INVERSE_VARIANTS = {
     "gdn-inverse-varlen-k64-raw": dict(VARLEN=True, L2NORM=False, K=64, GATE=False, HAS_BIAS=False, BETA=1),
 }
 # spills at four value heads a program (the ten Gram blocks, 80 registers, live across the heads)
-GDN_INVERSE_STACK = {"gdn-inverse": 104, "gdn-inverse-varlen-k64-raw": 16}
+GDN_INVERSE_STACK = {"gdn-inverse": 56, "gdn-inverse-varlen-k64-raw": 16}
 
 
 def _child_gdn_inverse(name: str, folder: str) -> None:
@@ -443,7 +441,9 @@ def test_gdn_inverse_compiles_for_sm90(name, tmp_path):
                      module="tests.backends.test_gluon_sm90")
     assert res["hmma"] > 0 and res["utmaldg"] > 0, res                    # mma.sync products, TMA loads
     assert res["LOCAL"] == 0 and res["STACK"] <= GDN_INVERSE_STACK.get(name, 0), f"spills: {res}"
-    assert res["shared_bytes"] <= 227 * 1024 // 8, res                    # eight one-warp programs per SM
+    # twelve one-warp programs per SM by shared memory (the scratch on the keys' tiles); at four heads a
+    # program the registers hold it to eight
+    assert res["shared_bytes"] <= 227 * 1024 // 12, res
 
 
 def test_kda_prologue_launch_builds_descriptors(monkeypatch):
