@@ -34,8 +34,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from fastla.backends.triton.chunk_index import _chunk
-from fastla.backends.triton.chunk_prepare import _activate_beta
-from fastla.backends.triton.recurrent import _softplus
+from fastla.backends.triton.chunk_prepare import _activate_beta, _gdn_gate
 
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
 ROWS = gl.constexpr(gl.SliceLayout(1, MMA))
@@ -199,9 +198,7 @@ def _gdn_inverse_sm90_kernel(
         base = t0 * HV + i_hv                                               # chunk row 0 in g, beta, gcum
         x = gl.load(g + base + o_t * HV, mask=m_t, other=0.0).to(gl.float32)
         if GATE:
-            if HAS_BIAS:
-                x = x + gl.load(dt_bias + i_hv).to(gl.float32)
-            x = gl.where(m_t, -gl.exp(gl.load(A_log + i_hv).to(gl.float32)) * _softplus(x), 0.0)
+            x = _gdn_gate(x, m_t, A_log, dt_bias, i_hv, HAS_BIAS)
         bt = _activate_beta(gl.load(beta + base + o_t * HV, mask=m_t, other=0.0), m_t, BETA)
         G = gl.associative_scan(x, 0, _add)                                 # [64] cumsum
         gl.store(gcum + base + o_t * HV, G, mask=m_t)

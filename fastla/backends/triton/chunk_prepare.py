@@ -50,6 +50,15 @@ def _activate_beta(b, mask, BETA: tl.constexpr):
 
 
 @triton.jit
+def _gdn_gate(x, m, A_log, dt_bias, i_hv, HAS_BIAS: tl.constexpr):
+    """GDN's gate computed in the op, -exp(A_log) softplus(x + dt_bias) for value head i_hv; 0 where
+    not ``m`` (also called from the sm_90 inverse kernel, gluon/chunk_inverse_sm90.py)."""
+    if HAS_BIAS:
+        x = x + tl.load(dt_bias + i_hv).to(tl.float32)
+    return tl.where(m, -tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * _softplus(x), 0.0)
+
+
+@triton.jit
 def _gate_block(g, beta, A_log, dt_bias, base, blk: tl.constexpr, n_left, i_hv, HV: tl.constexpr,
                 GATE: tl.constexpr, HAS_BIAS: tl.constexpr, BETA: tl.constexpr):
     """Gate (after the GDN transform when GATE) and beta of the 16 tokens of block ``blk`` [16]; 0
@@ -58,9 +67,7 @@ def _gate_block(g, beta, A_log, dt_bias, base, blk: tl.constexpr, n_left, i_hv, 
     m = t < n_left
     b_g = tl.load(g + base + t * HV, mask=m, other=0.0).to(tl.float32)
     if GATE:
-        if HAS_BIAS:
-            b_g = b_g + tl.load(dt_bias + i_hv).to(tl.float32)
-        b_g = tl.where(m, -tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * _softplus(b_g), 0.0)
+        b_g = _gdn_gate(b_g, m, A_log, dt_bias, i_hv, HAS_BIAS)
     b_beta = _activate_beta(tl.load(beta + base + t * HV, mask=m, other=0.0), m, BETA)
     return b_g, b_beta
 
