@@ -119,26 +119,26 @@ SCORES_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(SCORES_CASES))
-def test_sm90_scores_match_triton(case, monkeypatch):
-    """The sm_90 scores kernel's scores and norms (chunk_scores_sm90.py) against the Triton scores
-    kernel's (chunk_prepare.py) on the same inputs, and the whole op against fp64 with each (check)."""
+def _compare_prologue_kernel(monkeypatch, sm90, triton_name, switch, tol, shape, opts):
+    """The op with an sm_90 prologue kernel (module ``sm90``, the default) and with the Triton one
+    (chunk_prepare.``triton_name``; gluon/chunk_delta.``switch`` off), each under the fp64 check;
+    then what each launch wrote, its arguments from index 6 on as named by ``tol`` (their relative
+    RMS bounds), compared (finite, and no error confined to a few rows). ``opts``: op options, or
+    "varlen" (sequence offsets) or "in-op" (the gate, beta and l2norm in the op)."""
     from fastla.backends.gluon import chunk_delta as gluon_chunk
-    from fastla.backends.gluon import chunk_scores_sm90 as sm90
     from fastla.backends.triton import chunk_prepare
     from fastla.core import call_plan
-    shape, opts = SCORES_CASES[case]
     monkeypatch.setattr(call_plan, "ENABLED", False)
     seen = {}
 
     def recorded(fn, tag):
         def launch(*args, **kwargs):
             fn(*args, **kwargs)
-            seen.update({tag + n: x.clone() if x is not None else None for n, x in zip(("S", "rq", "rk"), args[6:9])})
+            seen.update({tag + n: x.clone() if x is not None else None for n, x in zip(tol, args[6:])})
         return launch
 
     monkeypatch.setattr(sm90, "launch", recorded(sm90.launch, "sm90-"))
-    monkeypatch.setattr(chunk_prepare, "launch_scores", recorded(chunk_prepare.launch_scores, ""))
+    monkeypatch.setattr(chunk_prepare, triton_name, recorded(getattr(chunk_prepare, triton_name), ""))
     t = bf16_inputs(**shape)
     if opts == "varlen":
         lengths = [1, 63, 64, 65, 130, 7, 300]
@@ -151,19 +151,28 @@ def test_sm90_scores_match_triton(case, monkeypatch):
         t["q"] = t["q"] * 3.0
         opts = dict(use_gate_in_kernel=True, A_log=(torch.randn(HV) * 0.5).cuda(), dt_bias=torch.randn(HV).cuda(),
                     use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True)
-    check(t, **opts)                                        # the sm_90 scores kernel (the default)
-    monkeypatch.setattr(gluon_chunk, "GDN_SCORES_SM90", False)
+    check(t, **opts)                                        # the sm_90 kernel (the default)
+    monkeypatch.setattr(gluon_chunk, switch, False)
     check(t, **opts)                                        # the Triton one
-    for name in ("S", "rq", "rk"):
+    for name, bound in tol.items():
         ref, x = seen[name], seen["sm90-" + name]
         if ref is None:
             assert x is None, name
             continue
         x, ref = x.float(), ref.float()
         assert torch.isfinite(x).all(), name
-        assert rel_rms(x, ref) <= (1e-5 if name != "S" else 5e-3), f"{name}: {rel_rms(x, ref):.2e}"
+        assert rel_rms(x, ref) <= bound, f"{name}: {rel_rms(x, ref):.2e}"
         err = (x - ref).abs().max()                         # no error confined to a few rows
         assert err <= 2e-2 * ref.abs().max(), f"{name}: max error {err:.3e}"
+
+
+@pytest.mark.parametrize("case", list(SCORES_CASES))
+def test_sm90_scores_match_triton(case, monkeypatch):
+    """The sm_90 scores kernel's scores and norms (chunk_scores_sm90.py) against the Triton scores
+    kernel's (chunk_prepare.py) on the same inputs, and the whole op against fp64 with each (check)."""
+    from fastla.backends.gluon import chunk_scores_sm90 as sm90
+    _compare_prologue_kernel(monkeypatch, sm90, "launch_scores", "GDN_SCORES_SM90",
+                             dict(S=5e-3, rq=1e-5, rk=1e-5), *SCORES_CASES[case])
 
 
 INVERSE_CASES = {
@@ -183,46 +192,14 @@ def test_sm90_inverse_matches_triton(case, monkeypatch):
     kernel's (chunk_prepare.py) on the same inputs, and the whole op against fp64 with each (check)."""
     import dataclasses
 
-    from fastla.backends.gluon import chunk_delta as gluon_chunk
     from fastla.backends.gluon import chunk_inverse_sm90 as sm90
     from fastla.backends.triton import chunk_delta, chunk_prepare
-    from fastla.core import call_plan
     shape, opts, heads = INVERSE_CASES[case]
-    monkeypatch.setattr(call_plan, "ENABLED", False)
     monkeypatch.setattr(chunk_prepare, "INVERSE_PROGRAMS_PER_SM", 0)     # the heads a program asked for
     original = chunk_delta.default_config
     monkeypatch.setattr(chunk_delta, "default_config",
                         lambda p, **kw: dataclasses.replace(original(p, **kw), inverse_heads=heads))
-    seen = {}
-
-    def recorded(fn, tag):
-        def launch(*args, **kwargs):
-            fn(*args, **kwargs)
-            seen.update({tag + n: x.clone() for n, x in zip(("G", "P"), args[6:8])})
-        return launch
-
-    monkeypatch.setattr(sm90, "launch", recorded(sm90.launch, "sm90-"))
-    monkeypatch.setattr(chunk_prepare, "launch", recorded(chunk_prepare.launch, ""))
-    t = bf16_inputs(**shape)
-    if opts == "varlen":
-        lengths = [1, 63, 64, 65, 130, 7, 300]
-        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
-        opts = dict(cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu)
-    elif opts == "in-op":
-        HV = shape["HV"]
-        t["g"] = torch.randn_like(t["g"])
-        t["beta"] = torch.randn_like(t["beta"])
-        opts = dict(use_gate_in_kernel=True, A_log=(torch.randn(HV) * 0.5).cuda(), dt_bias=torch.randn(HV).cuda(),
-                    use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True)
-    check(t, **opts)                                        # the sm_90 inverse kernel (the default)
-    monkeypatch.setattr(gluon_chunk, "GDN_INVERSE_SM90", False)
-    check(t, **opts)                                        # the Triton one
-    for name in ("G", "P"):
-        ref, x = seen[name].float(), seen["sm90-" + name].float()
-        assert torch.isfinite(x).all(), name
-        assert rel_rms(x, ref) <= (1e-5 if name == "G" else 1e-2), f"{name}: {rel_rms(x, ref):.2e}"
-        err = (x - ref).abs().max()                         # no error confined to a few rows
-        assert err <= 2e-2 * ref.abs().max(), f"{name}: max error {err:.3e}"
+    _compare_prologue_kernel(monkeypatch, sm90, "launch", "GDN_INVERSE_SM90", dict(G=1e-5, P=1e-2), shape, opts)
 
 
 def test_no_initial_state_and_strong_decay():
