@@ -14,11 +14,12 @@ keys and queries when the l2norm is in the op, and per-channel products
 
 Grid ``(chunks, HV)``, 4 warps (one warpgroup), K in slices of 32 channels. q, k and the gate's
 input come by TMA into shared memory ([64, 32] boxes, every slice at once: rows past B * T are
-zero-filled, rows of the next sequence are masked). Elementwise work is in [4, 16, 32] tiles
-(block b, row in the block, channel): warp = block, lane = channel, a block's 16 rows in one
-thread, so the cumsum within a block is 15 adds in registers and the blocks' cumsum a 4-element
-scan across warps. Column block c of A and Aqk is referenced at M_c, the midpoint of G over
-block c (per channel):
+zero-filled, rows of the next sequence are masked); with the l2norm in the op, the rows' norms come
+from the diagonals of K K^T and Q Q^T by wgmma on those tiles. Elementwise work is in [4, 16, 32]
+tiles (block b, row in the block, channel): warp = block, lane = channel, a block's 16 rows in one
+thread, so the cumsum within a block is 15 adds in registers and the blocks' cumsum a 4-element scan
+across warps. Column block c of A and Aqk is referenced at M_c, the midpoint of G over block c (per
+channel):
     A[:, block c]   += (k 2^(G - M_c)) R_c^T,   R_c = k 2^(M_c - G) on block c's rows
     Aqk[:, block c] += (scale q 2^(G - M_c)) R_c^T
 (wgmma, M 64, N 16, K 32, one per column block and side). On block c's own rows both operands lie
