@@ -236,14 +236,11 @@ def run(p: Problem):
             kernels["kda_prologue"] = kda_prologue.launch
         else:
             _log_once(f"KDA prologue on the Triton kernels: {why}")
-    elif p.gk is None:
-        for name, module, on in (("gdn_scores", gdn_scores, GDN_SCORES_SM90),
-                                 ("gdn_inverse", gdn_inverse, GDN_INVERSE_SM90)):
-            why = module.serves(p) if on else "switched off"
-            if why is None:
-                kernels[name] = module.launch
-            elif on:
-                _log_once(f"GDN {name[4:]} on the Triton kernel: {why}")
+    elif p.gk is None:              # (supports: K = 64 or 128, whole [64, 64] TMA boxes of keys)
+        if GDN_SCORES_SM90:
+            kernels["gdn_scores"] = gdn_scores.launch
+        if GDN_INVERSE_SM90:
+            kernels["gdn_inverse"] = gdn_inverse.launch
     return triton_chunk.run(p, config, sequence_scan=_sequence_scan, summaries=SUMMARY_SM90 and SCAN_DUAL,
                             **kernels)
 

@@ -260,13 +260,6 @@ def _gdn_inverse_sm90_kernel(
         gl.store(p_out + (base + r_o * HV) * 64 + c_o, p_s.load(out_l), mask=r_o < n_left)
 
 
-def serves(p) -> str | None:
-    """None when this kernel serves the problem (after gluon/chunk_delta.supports), else why not."""
-    if p.K % 64:
-        return f"K = {p.K} is not a multiple of 64 (the [64, 64] TMA boxes)"
-    return None
-
-
 def launch(p, g, beta, beta_mode: int, total: int, tables, gcum, inverse, dot, config) -> None:
     """chunk_prepare.launch's contract (``dot`` unused: bf16 keys): G into ``gcum`` ``[B, T, HV]``
     and P into ``inverse`` ``[B, T, HV, 64]``; value heads a program by chunk_prepare's rule."""

@@ -105,13 +105,6 @@ def _gdn_scores_sm90_kernel(
         gl.store(s_out + ((t0 + r_o) * HV + i_hv) * 64 + c_o, s, mask=r_o < n_left)
 
 
-def serves(p) -> str | None:
-    """None when this kernel serves the problem (after gluon/chunk_delta.supports), else why not."""
-    if p.K % 64:
-        return f"K = {p.K} is not a multiple of 64 (the [64, 64] TMA boxes)"
-    return None
-
-
 def launch(p, q, k, total: int, tables, gcum, scores, rq, rk, dot, config) -> None:
     """chunk_prepare.launch_scores's contract (``q``, ``k`` are p.q, p.k here: bf16; ``dot`` and
     ``config`` unused): the causal scores into ``scores`` ``[B, T, HV, 64]`` from G in ``gcum``,
