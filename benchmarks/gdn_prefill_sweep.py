@@ -47,8 +47,6 @@ VARIANTS = {
     "gluon-combine-w4s1": dict(COMBINE_WARPS=4, COMBINE_STAGES=1),     # the segment combine's launch
     "gluon-combine-w4s2": dict(COMBINE_WARPS=4, COMBINE_STAGES=2),     # (two stages: the next summary
     "gluon-combine-w8s1": dict(COMBINE_WARPS=8, COMBINE_STAGES=1),     # prefetched)
-    "gluon-inv-nreg200": dict(inverse_maxnreg=200),     # the inverse at 10 / 12 programs an SM (spills)
-    "gluon-inv-nreg168": dict(inverse_maxnreg=168),
     "gluon-triton-scores": dict(GDN_SCORES_SM90=False),      # the Triton scores kernel on the sm_90 tier
     "gluon-triton-inverse": dict(GDN_INVERSE_SM90=False),    # the Triton inverse kernel on the sm_90 tier
     "gluon-inverse-vpp1": dict(inverse_heads=1),   # one value head a program (168 registers)

@@ -225,7 +225,6 @@ class ChunkConfig:
     inverse_stages: int = 1
     inverse_heads: int = 4              # value heads per inverse program (a divisor of HV / H up to this,
                                         # while 6 programs per SM remain: chunk_prepare.values_per_program)
-    inverse_maxnreg: int | None = None  # register cap of the inverse (255 at one warp: 8 programs per SM)
     scan_block_v: int = 32
     scan_warps: int = 4
     scan_stages: int = 2

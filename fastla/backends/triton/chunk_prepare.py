@@ -385,7 +385,6 @@ def launch(p, g, beta, beta_mode: int, total: int, tables, gcum, inverse, dot, c
         T, NT, H=H, HV=HV, K=K, BT=BT, BK=BK, VPP=vpp, DOT=dot, L2NORM=p.use_qk_l2norm, GATE=p.gate_in_op == "gdn",
         HAS_BIAS=p.dt_bias is not None, BETA=beta_mode, VARLEN=varlen,
         num_warps=config.inverse_warps, num_stages=config.inverse_stages,
-        **({"maxnreg": config.inverse_maxnreg} if config.inverse_maxnreg else {}),
     )
 
 
