@@ -63,6 +63,7 @@ VARIANTS = {
     "gluon-bv32-seg16": dict(SCAN_BLOCK_V=32, segment_chunks=16),
     "gluon-inv-vpp1": dict(inverse_heads=1),
     "gluon-inv-vpp2": dict(inverse_heads=2),
+    "gluon-given-order": dict(LONGEST_FIRST=False),    # whole varlen sequences scanned in the given order
     "bv16": dict(scan_block_v=16, scan_stages=2, scan_warps=4),
     "bv32s2": dict(scan_block_v=32, scan_stages=2, scan_warps=4),
     "bv32s3": dict(scan_block_v=32, scan_stages=3, scan_warps=4),

@@ -66,6 +66,7 @@ VARIANTS = {
     "bv16": dict(scan_block_v=16, scan_stages=2, scan_warps=4),
     "no-segments": dict(segment_chunks=0),
     "seg16": dict(segment_chunks=16),
+    "given-order": dict(longest_first=False),     # whole varlen sequences scanned in the given order
 }
 SHAPES = "kda/h64/1x8192,kda/h64/2x16384,kda/h96/varlen8x15193"
 
@@ -120,6 +121,7 @@ def main() -> int:
             wide.BLOCK_K, wide.WARPS, wide.STAGES = over.pop("wide", default_wide)
             gluon_chunk.SCAN_DUAL = over.pop("scan_dual", default_dual)
             gluon_chunk.SCAN_BLOCK_V = over.pop("scan_bv", None)
+            gluon_chunk.LONGEST_FIRST = over.pop("longest_first", True)
             chunk_delta.default_config = lambda p, o=over, **kw: dataclasses.replace(original(p, **kw), **o)
             try:
                 with use_tier(args.tier, strict=True), torch.no_grad():
@@ -139,6 +141,7 @@ def main() -> int:
                 sm90_prologue.UNBOUNDED = default_unbounded
                 wide.BLOCK_K, wide.WARPS, wide.STAGES = default_wide
                 gluon_chunk.SCAN_DUAL, gluon_chunk.SCAN_BLOCK_V = default_dual, None
+                gluon_chunk.LONGEST_FIRST = True
             prep = sum(v for k, v in split.items() if any(w in k for w in ("prepare", "prologue", "inverse", "wide", "list")))
             scan = sum(v for k, v in split.items() if "scan" in k)
             rows.append(dict(shape=shape, variant=name, tier=args.tier, gate=args.gate, us=us, prepare_us=prep, scan_us=scan, kernels=split,

@@ -196,6 +196,19 @@ def test_segment_heuristic():
     assert chunk_delta.segment_length(32, 2, 4, [512], 132, gain) == 0    # 1x32k HV32: measured a loss
 
 
+def test_varlen_sequence_orders():
+    """Whole varlen sequences in two orders: longest first (ties by index; the sm_90 scans'
+    dispatch order) and as given."""
+    from types import SimpleNamespace
+
+    from fastla.backends.triton import chunk_delta
+    cu = (0, 130, 130, 1000, 1001, 1065, 1930)              # 3, 0, 14, 1, 1 and 14 chunks
+    p = SimpleNamespace(cu_seqlens_host=cu, cu_seqlens=torch.tensor(cu), device=torch.device("cpu"))
+    index, starts, total, orders = chunk_delta._varlen_index(p)
+    assert total == 33 and starts.tolist() == [0, 3, 3, 17, 18, 19]
+    assert orders.tolist() == [[2, 5, 0, 3, 4, 1], [0, 1, 2, 3, 4, 5]]
+
+
 def test_inverse_heads_per_program():
     """Value heads share an inverse program while the grid keeps 6 programs per SM (H200: 792)."""
     from fastla.backends.triton.chunk_prepare import values_per_program

@@ -53,6 +53,10 @@ GDN_SCORES_SM90 = True
 # sweep-v18-inverse-sm90.json), else on the Triton one (backends/triton/chunk_prepare.py); False for A/B
 GDN_INVERSE_SM90 = True
 SPECIALIZED_WIDTHS = (32, 64)
+# Whole varlen sequences scanned longest first (chunk_delta_sm90._program; the order is
+# triton_chunk._varlen_index's): with the sequences as given, a long one's later value tiles can
+# wait behind a wave of short ones. False: the given order (A/B sweeps)
+LONGEST_FIRST = True
 
 # Time of one chunk step of a program at each tile width (us, H200, K = V = 128 (applied to K = 64
 # too, unmeasured there), a full grid, one program per SM at every width), on the shipped kernels
@@ -211,7 +215,9 @@ def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments
              sp.beta, sp.rq, sp.rk, sp.gcum if sp.gcum is not None else d]
     if takes_kd:
         args.append(sp.decay if gk else d)
-    launcher(kernel, sp.T, sp.NT)[(programs * p.HV, cols // BV)](
+    if seg == 0 and sp.cu_seqlens is not None and not LONGEST_FIRST:
+        segments = segments[1]                                              # the sequences as given (A/B)
+    launcher(kernel, sp.T, sp.NT)[(programs * p.HV * (cols // BV),)](
         *args, sp.o,
         sp.h0 if sp.h0 is not None else d, sp.ht if sp.ht is not None else d,
         h_chunks if h_chunks is not None else d,

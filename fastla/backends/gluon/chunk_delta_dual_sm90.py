@@ -10,8 +10,8 @@ chain when its products on the stage are done), so one chain's products run whil
 waits on its own: a chain's barriers are named barriers of its 4 warps, where the plain kernel's
 two warpgroups (WARPGROUPS = 2) meet at every CTA-wide barrier of the step (15 a chunk).
 
-Grid ``(sequences or segments x HV, V / BV)``; 9 warps: chain 0 (default partition, warps 0-3),
-chain 1 (warps 4-7), the loader (warp 8). Chain c covers the columns of value tile
+Grid ``(sequences or segments x HV x V / BV,)`` (``_program``); 9 warps: chain 0 (default
+partition, warps 0-3), chain 1 (warps 4-7), the loader (warp 8). Chain c covers the columns of value tile
 ``2 i_v + c`` of width BV / 2: its output tile, value tile and state columns are the plain
 kernel's for that tile.
 
@@ -147,9 +147,8 @@ def _scan_dual_sm90_kernel(
 ):
     NK: gl.constexpr = K // BK
     BVC: gl.constexpr = BV // 2
-    i_v = gl.program_id(1)
-    i_hv, i_h, i_s, i_n, bos, eos, first_chunk, c_begin, n_chunks, is_last = _program(
-        segments, cu_seqlens, chunk_start, T, NT, H, HV, VARLEN, SEG)
+    i_v, i_hv, i_h, i_s, i_n, bos, eos, first_chunk, c_begin, n_chunks, is_last = _program(
+        segments, cu_seqlens, chunk_start, T, NT, H, HV, K, V, BV, VARLEN, SEG)
 
     tile: gl.constexpr = k_desc.layout
     vtile: gl.constexpr = v_desc.layout                                    # [BT, BVC] boxes

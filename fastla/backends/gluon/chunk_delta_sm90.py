@@ -13,7 +13,7 @@ Rows past a sequence's end come from the next sequence (or TMA's zero fill): the
 beta and the update weights are zero there, and their outputs are not stored. Output o
 ``[B * T, HV * V]`` through a TMA descriptor of [64, BV] boxes (``n_rows`` = B * T).
 
-Grid ``(sequences or segments x HV, V / BV)``, 4 x WARPGROUPS warps: the state slab S
+Grid ``(sequences or segments x HV x V / BV,)`` (``_program``), 4 x WARPGROUPS warps: the state slab S
 ``[K, BV]`` fp32 lives in registers as K / 64 halves ``[64, BV]``, its columns split over the
 warpgroups (each issues its own products on the shared tiles). No producer/consumer
 specialization here: chunk_delta_dual_sm90.py runs this kernel's chunk step (``_chunk_step``) on
@@ -107,16 +107,25 @@ def _issue_chunk(k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s
 
 
 @gluon.jit
-def _program(segments, cu_seqlens, chunk_start, T, NT, H: gl.constexpr, HV: gl.constexpr, VARLEN: gl.constexpr,
-             SEG: gl.constexpr):
-    """This program's value head, q/k head, sequence (or segment) and chunk range: (i_hv, i_h,
-    i_s, i_n, bos, eos, first_chunk, c_begin, n_chunks, is_last), int64."""
+def _program(segments, cu_seqlens, chunk_start, T, NT, H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr,
+             V: gl.constexpr, BV: gl.constexpr, VARLEN: gl.constexpr, SEG: gl.constexpr):
+    """This program's value tile, value head, q/k head, sequence (or segment) and chunk range:
+    (i_v, i_hv, i_h, i_s, i_n, bos, eos, first_chunk, c_begin, n_chunks, is_last), i_v int32,
+    the rest int64. The grid is 1-D, the value tiles fastest, then the value heads, then the
+    sequences (or segments), so a sequence's programs are dispatched together; whole varlen
+    sequences (SEG 0) are taken in the order of the table ``segments`` (longest first: the
+    longest lane starts in the first wave instead of behind the short ones)."""
+    TILES: gl.constexpr = (V + K) // BV if SEG == 1 else V // BV       # a summary's V + K columns
     i_p = gl.program_id(0).to(gl.int64)
-    i_hv = i_p % HV
+    i_v = (i_p % TILES).to(gl.int32)
+    i_hv = (i_p // TILES) % HV
     i_h = i_hv // (HV // H)
-    i_s = i_p // HV
+    i_s = i_p // (TILES * HV)
     if SEG == 0:
-        i_n = i_s
+        if VARLEN:
+            i_n = gl.load(segments + i_s).to(gl.int64)
+        else:
+            i_n = i_s
         c_begin = i_n * 0
         is_last = i_n >= 0
     else:
@@ -128,7 +137,7 @@ def _program(segments, cu_seqlens, chunk_start, T, NT, H: gl.constexpr, HV: gl.c
         n_chunks = (eos - bos + BT - 1) // BT
     else:
         n_chunks = gl.load(segments + 4 * i_s + 2).to(gl.int64)
-    return i_hv, i_h, i_s, i_n, bos, eos, first_chunk, c_begin, n_chunks, is_last
+    return i_v, i_hv, i_h, i_s, i_n, bos, eos, first_chunk, c_begin, n_chunks, is_last
 
 
 @gluon.jit
@@ -323,9 +332,8 @@ def _scan_sm90_kernel(
     rows: gl.constexpr = gl.SliceLayout(1, acc)
     cols: gl.constexpr = gl.SliceLayout(0, acc)
 
-    i_v = gl.program_id(1)
-    i_hv, i_h, i_s, i_n, bos, eos, first_chunk, c_begin, n_chunks, is_last = _program(
-        segments, cu_seqlens, chunk_start, T, NT, H, HV, VARLEN, SEG)
+    i_v, i_hv, i_h, i_s, i_n, bos, eos, first_chunk, c_begin, n_chunks, is_last = _program(
+        segments, cu_seqlens, chunk_start, T, NT, H, HV, K, V, BV, VARLEN, SEG)
 
     r = gl.arange(0, BT, layout=rows)                                       # chunk rows
     o_j = gl.arange(0, BK, layout=rows)                                     # key rows of a state half

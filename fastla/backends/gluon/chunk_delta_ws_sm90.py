@@ -8,7 +8,7 @@ U and W do not depend on S: the prep partition forms them for chunk i + 1 while 
 partition steps chunk i.
 
 Inputs as in chunk_delta_sm90.py (same descriptors, prologue and row vectors). Grid
-``(sequences or segments x HV, V / BV)``; 8 warps in two partitions:
+``(sequences or segments x HV x V / BV,)`` (``_program``); 8 warps in two partitions:
   chain (default, warps 0-3; the state S ``[K, BV]`` fp32 in registers as K / 64 halves):
     wait W_i, U_i;  V_new = U - W S  and  Q = q S  issued together; release W_i, U_i
     V_new, D = diag(rk e^(G_last - G)) V_new -> smem
@@ -268,9 +268,8 @@ def _scan_ws_sm90_kernel(
     STORE_STATES: gl.constexpr, PREP_NREG: gl.constexpr,
 ):
     NK: gl.constexpr = K // BK
-    i_v = gl.program_id(1)
-    i_hv, i_h, i_s, i_n, bos, eos, first_chunk, c_begin, n_chunks, is_last = _program(
-        segments, cu_seqlens, chunk_start, T, NT, H, HV, VARLEN, SEG)
+    i_v, i_hv, i_h, i_s, i_n, bos, eos, first_chunk, c_begin, n_chunks, is_last = _program(
+        segments, cu_seqlens, chunk_start, T, NT, H, HV, K, V, BV, VARLEN, SEG)
 
     tile: gl.constexpr = k_desc.layout
     k_s = gl.allocate_shared_memory(gl.bfloat16, [3 * NK, BT, BK], tile)        # keys: three chunks

@@ -315,13 +315,17 @@ def _varlen_key(p: Problem):
 
 def _varlen_index(p: Problem):
     """(the (sequence, chunk) pair of every prepare/output program [chunks, 2] int32, each
-    sequence's first chunk [N] int64, the number of chunks)."""
+    sequence's first chunk [N] int64, the number of chunks, the sequences' orders [2, N] int32:
+    row 0 longest first (ties by index), row 1 as given; a scan that takes whole sequences
+    through a table (the sm_90 ones) starts the longest lanes first)."""
     def build():
         counts = _chunk_counts(p)
         starts = [0] + list(itertools.accumulate(counts))[:-1]
         pairs = [(n, c) for n, count in enumerate(counts) for c in range(count)]
+        longest_first = sorted(range(len(counts)), key=lambda n: -counts[n])
         return (torch.tensor(pairs or [(0, 0)], dtype=torch.int32, device=p.device),
-                torch.tensor(starts, dtype=torch.int64, device=p.device), len(pairs))
+                torch.tensor(starts, dtype=torch.int64, device=p.device), len(pairs),
+                torch.tensor([longest_first, list(range(len(counts)))], dtype=torch.int32, device=p.device))
     return HOST_TABLES.get(_varlen_key(p), build, pin=_capturing(p))
 
 
@@ -462,7 +466,8 @@ class SequencePass:
 def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, kda_prologue=None, summaries=False,
         gdn_scores=None, gdn_inverse=None):
     """The chunked forward. ``sequence_scan(p, SequencePass, seg, segments, seg_state, programs)``,
-    when given, launches the sequence passes (seg 0 or 2) instead of the Triton scan; it must
+    when given, launches the sequence passes (seg 0 or 2; seg 0's ``segments`` are varlen's
+    sequence orders, _varlen_index) instead of the Triton scan; it must
     write the output; with ``summaries`` it runs the segment summary pass too (seg 1: the V + K
     columns from [0 | I], ``[segments, HV, K, V + K]`` into seg_state). ``kda_prologue``, when
     given, runs KDA's prologue instead of chunk_prepare_kda.launch (same arguments less q, k and
@@ -474,11 +479,11 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, kda_p
     varlen = p.cu_seqlens is not None
     NT = cdiv(T, BT)
     if varlen:
-        chunk_index, chunk_start, total = _varlen_index(p)
+        chunk_index, chunk_start, total, orders = _varlen_index(p)
         cu = p.cu_seqlens
     else:
         total = B * NT
-        chunk_index = chunk_start = cu = None
+        chunk_index = chunk_start = cu = orders = None
 
     # bf16 products for bf16 inputs (as FLA), fp32 operands otherwise and always in the CPU
     # interpreter, whose bf16 products are wrong (Triton 3.6)
@@ -562,7 +567,7 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, kda_p
             launcher(_scan_kernel, T, NT)[(n_seg * HV, cdiv(V, BV))](*args, segments, seg_start, T, NT, p.scale, BV=BV, SEG=2,
                                                              STORE_STATES=store_states, **common)
     elif sequence_scan is not None:
-        sequence_scan(p, seq_pass, 0, dummy, dummy, N)
+        sequence_scan(p, seq_pass, 0, orders if varlen else dummy, dummy, N)
     else:
         launcher(_scan_kernel, T, NT)[(N * HV, cdiv(V, BV))](*args, dummy, dummy, T, NT, p.scale, BV=BV, SEG=0,
                                                      STORE_STATES=store_states, **common)
