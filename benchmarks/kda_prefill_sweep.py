@@ -66,7 +66,8 @@ VARIANTS = {
     "bv16": dict(scan_block_v=16, scan_stages=2, scan_warps=4),
     "no-segments": dict(segment_chunks=0),
     "seg16": dict(segment_chunks=16),
-    "given-order": dict(longest_first=False),     # whole varlen sequences scanned in the given order
+    "given-order": dict(longest_first=False),
+    "sm90-per-item": dict(sm90_programs_per_sm=None),   # the sm_90 prologue one program per item (not persistent)     # whole varlen sequences scanned in the given order
 }
 SHAPES = "kda/h64/1x8192,kda/h64/2x16384,kda/h96/varlen8x15193"
 
@@ -101,6 +102,7 @@ def main() -> int:
     rows = []
     original = chunk_delta.default_config
     default_maxnreg, default_unbounded = sm90_prologue.MAXNREG, sm90_prologue.UNBOUNDED
+    default_programs = sm90_prologue.PROGRAMS_PER_SM
     default_wide = wide.BLOCK_K, wide.WARPS, wide.STAGES
     default_dual = gluon_chunk.SCAN_DUAL
     for shape in args.shapes.split(","):
@@ -118,6 +120,7 @@ def main() -> int:
             sm90_prologue.MAXNREG = over.pop("sm90_maxnreg", default_maxnreg)
             sm90_prologue.INVERSE_WARPS = over.pop("inverse_warps", 1)
             sm90_prologue.UNBOUNDED = over.pop("sm90_unbounded", default_unbounded)
+            sm90_prologue.PROGRAMS_PER_SM = over.pop("sm90_programs_per_sm", default_programs)
             wide.BLOCK_K, wide.WARPS, wide.STAGES = over.pop("wide", default_wide)
             gluon_chunk.SCAN_DUAL = over.pop("scan_dual", default_dual)
             gluon_chunk.SCAN_BLOCK_V = over.pop("scan_bv", None)
@@ -139,6 +142,7 @@ def main() -> int:
                 gluon_chunk.KDA_PROLOGUE_SM90 = True
                 sm90_prologue.MAXNREG, sm90_prologue.INVERSE_WARPS = default_maxnreg, 1
                 sm90_prologue.UNBOUNDED = default_unbounded
+                sm90_prologue.PROGRAMS_PER_SM = default_programs
                 wide.BLOCK_K, wide.WARPS, wide.STAGES = default_wide
                 gluon_chunk.SCAN_DUAL, gluon_chunk.SCAN_BLOCK_V = default_dual, None
                 gluon_chunk.LONGEST_FIRST = True

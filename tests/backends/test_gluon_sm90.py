@@ -329,9 +329,12 @@ KDA_PROLOGUE_VARIANTS = {
     "kda-prologue-softplus-gate": dict(GATE=2, FLAG=True),
     "kda-prologue-wide-bounded-neg-eigval": dict(FLAG=True, BETA=3),
 }
-# Spills known and left (sm_90 compile): every build sits at 255 registers; K = 64 spills 80 bytes,
-# the bare varlen build 8; the others none (since the norms moved onto wgmma)
-KDA_PROLOGUE_STACK = {"kda-prologue-k64": 80, "kda-prologue-varlen-bare": 8}
+# Spills known and left (sm_90 compile): every build sits at 255 registers; the persistent loop (the
+# next item's coordinates live across the slices) spills 16 bytes on the default build, 40-56 with
+# the block flags, 120 at K = 64 and 168 with an fp32 gate; the bare varlen build none
+KDA_PROLOGUE_STACK = {"kda-prologue": 16, "kda-prologue-k64": 120, "kda-prologue-given-gate": 40,
+                      "kda-prologue-given-fp32-gate": 168, "kda-prologue-softplus-gate": 56,
+                      "kda-prologue-wide-bounded-neg-eigval": 56}
 
 
 def _child_kda_prologue(name: str, folder: str) -> None:
@@ -344,6 +347,7 @@ def _child_kda_prologue(name: str, folder: str) -> None:
                   FLAG=False)
     consts.update(KDA_PROLOGUE_VARIANTS[name])
     gate_fp32 = consts.pop("GATE_FP32", False)
+    consts["QK_BUFFERS"] = 1 if gate_fp32 else 2                           # as launch()
     box = gl.NVMMASharedLayout.get_default_for([64, 32], gl.bfloat16)
     gate_box = gl.NVMMASharedLayout.get_default_for([64, 32], gl.float32) if gate_fp32 else box
     pointers = {"beta": "*bf16", "A_log": "*fp32", "dt_bias": "*fp32", "a_kk": "*fp32", "a_qk": "*bf16",
@@ -357,7 +361,7 @@ def _child_kda_prologue(name: str, folder: str) -> None:
         elif n.endswith("_desc"):
             sig[n] = f"tensordesc<bf16[64, 32],{box!r}>"
         else:
-            sig[n] = pointers.get(n) or ("constexpr" if n in consts else ("i32" if n in ("T", "NT") else "fp32"))
+            sig[n] = pointers.get(n) or ("constexpr" if n in consts else ("i32" if n in ("T", "NT", "total") else "fp32"))
     options = {"num_warps": 4, **({"maxnreg": MAXNREG} if MAXNREG and consts["K"] == 128 else {})}   # as launch()
     print(json.dumps(_compile_sm90(kern, sig, consts, folder, options)))
 
@@ -454,7 +458,7 @@ def test_kda_prologue_launch_builds_descriptors(monkeypatch):
     import torch
 
     from fastla.backends.gluon import chunk_prepare_kda_sm90 as sm90
-    from fastla.backends.triton import chunk_prepare_kda, chunk_prepare_kda_wide, launch
+    from fastla.backends.triton import chunk_prepare_kda, chunk_prepare_kda_wide, launch, sm_count
     from fastla.core.validation import build_problem
 
     launches, inverses = [], []
@@ -476,7 +480,8 @@ def test_kda_prologue_launch_builds_descriptors(monkeypatch):
     sm90.launch(p, p.beta, 2, total, (None, None), *out, torch.empty(total, HV, K))
     ((grid, args, kw),) = launches
     names = sm90._kda_prologue_sm90_kernel.arg_names
-    assert grid == (total, HV) and kw["num_warps"] == 4 and kw.get("maxnreg") == sm90.MAXNREG
+    assert grid == (min(total * HV, sm90.PROGRAMS_PER_SM * sm_count(torch.device("cpu"))),)   # persistent
+    assert args[names.index("total")] == total and kw["QK_BUFFERS"] == 2 and kw["num_warps"] == 4 and kw.get("maxnreg") == sm90.MAXNREG
     assert kw["GATE"] == 3 and kw["FLAG"] is False
     q_desc, k_desc, g_desc = args[:3]
     assert list(q_desc.shape) == list(k_desc.shape) == [B * T, H * K]

@@ -91,6 +91,16 @@ def test_sm90_prologue_unbounded(case, monkeypatch):
         assert flags is not None and ((flags != 0) & (flags != 15)).any(), flags
 
 
+@pytest.mark.parametrize("case", ["bounded-gate", "bounded-varlen", "bounded-k64", "dense-fp32-gate", "one-wide-block"])
+def test_sm90_prologue_persistent(case, monkeypatch):
+    """The persistent prologue on two programs, so each takes many items in turn (the q / k
+    buffers and the gate's slots through many phases, the next item's loads under this one's
+    products): the same parity as on a full grid."""
+    from fastla.backends import triton as triton_backend
+    monkeypatch.setattr(triton_backend, "sm_count", lambda device: 1)
+    _prologue_parity(case, monkeypatch)
+
+
 def _prologue_parity(case, monkeypatch):
     from fastla.backends.gluon import chunk_delta as gluon_chunk
     from fastla.backends.gluon import chunk_prepare_kda_sm90 as sm90

@@ -89,13 +89,13 @@ def _slice(x_s, ks, valid, L3: gl.constexpr):
 
 
 @gluon.jit
-def _row_norms(x_s, NS: gl.constexpr, L3: gl.constexpr):
-    """1 / |x_t| [4, 16, 1] (FLA's eps) from the diagonal of X X^T, by wgmma over the NS slices in
-    shared memory (no sums across lanes; rows past the chunk's end are masked where they are used)."""
+def _row_norms(x_s, base, NS: gl.constexpr, L3: gl.constexpr):
+    """1 / |x_t| [4, 16, 1] (FLA's eps) from the diagonal of X X^T, by wgmma over the NS slices
+    base .. base + NS - 1 in shared memory (no sums across lanes; rows past the chunk's end are masked where they are used)."""
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     acc = gl.zeros([64, 64], gl.float32, acc_l)
     for ks in gl.static_range(NS):
-        acc = warpgroup_mma(x_s.index(ks), x_s.index(ks).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma(x_s.index(base + ks), x_s.index(base + ks).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     r = gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l))
     c = gl.arange(0, 64, layout=gl.SliceLayout(0, acc_l))
@@ -134,19 +134,53 @@ def _store_columns(a_kk, a_qk, row_off, r, valid_r, beta_r, c: gl.constexpr, akk
     gl.store(a_qk + off, gl.where(col <= r[:, None], aqk, 0.0).to(gl.bfloat16), mask=m)
 
 
-@gluon.jit(do_not_specialize=["T", "NT"])
+@gluon.jit
+def _item(j, total, chunk_index, cu_seqlens, T, NT, H: gl.constexpr, HV: gl.constexpr, VARLEN: gl.constexpr):
+    """Work item j (chunks fastest, then value heads): (i_c int64, i_hv, i_h, its first row t0,
+    its sequence's end eos)."""
+    i_c = (j % total).to(gl.int64)
+    i_hv = j // total
+    i_n, c, bos, eos = _chunk(chunk_index, cu_seqlens, i_c, T, NT, VARLEN)
+    return i_c, i_hv, i_hv // (HV // H), bos + c * 64, eos
+
+
+@gluon.jit
+def _load_qk(q_desc, k_desc, q_in, k_in, bar, buf, t0, i_h, pred, K: gl.constexpr, NS: gl.constexpr):
+    """An item's q and k tiles ([64, 32] per slice) into buffer ``buf`` by TMA (rows past B * T
+    zero-filled; rows of the next sequence are masked where they are used)."""
+    mbarrier.expect(bar, NS * 64 * BC * 2 * q_desc.dtype.primitive_bitwidth // 8, pred=pred)
+    for ks in gl.static_range(NS):
+        tma.async_copy_global_to_shared(q_desc, [t0.to(gl.int32), i_h * K + ks * BC], bar, q_in.index(buf * NS + ks),
+                                        pred=pred)
+        tma.async_copy_global_to_shared(k_desc, [t0.to(gl.int32), i_h * K + ks * BC], bar, k_in.index(buf * NS + ks),
+                                        pred=pred)
+
+
+@gluon.jit
+def _load_gate(g_desc, g_in, bar, slot, t0, i_hv, ks, pred, K: gl.constexpr):
+    """Slice ks of an item's gate input ([64, 32]) into slot ``slot`` by TMA."""
+    mbarrier.expect(bar, 64 * BC * g_desc.dtype.primitive_bitwidth // 8, pred=pred)
+    tma.async_copy_global_to_shared(g_desc, [t0.to(gl.int32), i_hv * K + ks * BC], bar, g_in.index(slot), pred=pred)
+
+
+@gluon.jit(do_not_specialize=["T", "NT", "total"])
 def _kda_prologue_sm90_kernel(
     q_desc, k_desc, g_desc, beta, A_log, dt_bias, lower_bound, scale, a_kk, a_qk, kg, kd, qg, decay, flags,
-    cu_seqlens, chunk_index, T, NT,
+    cu_seqlens, chunk_index, T, NT, total,
     H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, L2NORM: gl.constexpr, GATE: gl.constexpr,
     HAS_A: gl.constexpr, HAS_BIAS: gl.constexpr, BETA: gl.constexpr, VARLEN: gl.constexpr, FLAG: gl.constexpr,
+    QK_BUFFERS: gl.constexpr,
 ):
-    """GATE as recurrent.py numbers it: 3 the bounded gate in the op; 2 (-softplus) and 0 (the log
-    decay given) are unbounded and need FLAG: flags[chunk, head] gets bit b for a block b whose
-    span passes SPAN_LIMIT, all four bits for a rising (positive) gate anywhere in the chunk (what
-    depends on those blocks may be wrong: the wide-block kernel rewrites it)."""
+    """Persistent: program p takes items p, p + programs, ... (``total`` chunks x HV value heads,
+    chunks fastest). GATE as recurrent.py numbers it: 3 the bounded gate in the op; 2
+    (-softplus) and 0 (the log decay given) are unbounded and need FLAG: flags[chunk, head] gets
+    bit b for a block b whose span passes SPAN_LIMIT, all four bits for a rising (positive) gate
+    anywhere in the chunk (what depends on those blocks may be wrong: the wide-block kernel
+    rewrites it). QK_BUFFERS 2: the next item's q and k load while this one's products run; 1:
+    after them (an fp32 gate, for two programs an SM)."""
     gl.static_assert(K % BC == 0, "K in slices of 32 channels")
     NS: gl.constexpr = K // BC
+    gl.static_assert(NS % 2 == 0, "the gate's slices alternate between two slots")
     L3: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16, 1], threads_per_warp=[1, 1, 32],
                                         warps_per_cta=[4, 1, 1], order=[2, 1, 0])
     L_bc: gl.constexpr = gl.SliceLayout(1, L3)                              # [4, 32] (block, channel)
@@ -155,124 +189,149 @@ def _kda_prologue_sm90_kernel(
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16])
     x_tile: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     f_tile: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2)
-
-    i_c = gl.program_id(0).to(gl.int64)
-    i_hv = gl.program_id(1)
-    i_h = i_hv // (HV // H)                                                 # GVA: the q/k head
-    i_n, c, bos, eos = _chunk(chunk_index, cu_seqlens, i_c, T, NT, VARLEN)
-    t0 = bos + c * 64
-    n_left = eos - t0                                                       # tokens of the chunk from t0, >= 1
-    beta_base = t0 * HV + i_hv                                              # chunk row 0 in beta, A, Aqk
-    gate_base = beta_base * K                                               # chunk row 0 in g, kg, kd, qg
+    rows_l: gl.constexpr = gl.SliceLayout(1, acc_l)
+    cols_l: gl.constexpr = gl.SliceLayout(0, acc_l)
 
     ib3 = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))[:, None, None]
     ir3 = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))[None, :, None]
     o_c = gl.arange(0, BC, layout=gl.SliceLayout(0, L_bc))[None, None, :]  # [1, 1, 32]
     t = ib3 * 16 + ir3                                                      # [4, 16, 1] chunk rows
-    valid = t < n_left
     ib = gl.arange(0, 4, layout=gl.SliceLayout(1, L_bc))[:, None]           # [4, 1] block of a [4, 32]
     im = gl.arange(0, 4, layout=gl.SliceLayout(1, MR))[:, None]             # the same in MR
+    r = gl.arange(0, 64, layout=rows_l)
+    items = total * HV
+    programs = gl.num_programs(0)
 
-    # the chunk's q, k and gate tiles by TMA, [64, 32] per slice (rows past B * T zero-filled; rows
-    # of the next sequence are masked by valid)
-    q_in = gl.allocate_shared_memory(q_desc.dtype, [NS, 64, BC], q_desc.layout)
-    k_in = gl.allocate_shared_memory(k_desc.dtype, [NS, 64, BC], k_desc.layout)
-    g_in = gl.allocate_shared_memory(g_desc.dtype, [NS, 64, BC], g_desc.layout)
-    bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(bar, count=1)
-    fence_async_shared()
-    mbarrier.expect(bar, NS * 64 * BC * (2 * q_desc.dtype.primitive_bitwidth + g_desc.dtype.primitive_bitwidth) // 8)
-    row = t0.to(gl.int32)
-    for ks in gl.static_range(NS):
-        tma.async_copy_global_to_shared(q_desc, [row, i_h * K + ks * BC], bar, q_in.index(ks))
-        tma.async_copy_global_to_shared(k_desc, [row, i_h * K + ks * BC], bar, k_in.index(ks))
-        tma.async_copy_global_to_shared(g_desc, [row, i_hv * K + ks * BC], bar, g_in.index(ks))
-    mbarrier.wait(bar, 0)
-    mbarrier.invalidate(bar)
-
-    if L2NORM:
-        rk = _row_norms(k_in, NS, L3)
-        rq = _row_norms(q_in, NS, L3) * scale
-    else:
-        rk = gl.full([4, 16, 1], 1.0, gl.float32, L3)
-        rq = gl.full([4, 16, 1], 1.0, gl.float32, L3) * scale
-    if HAS_A:
-        a = gl.exp(gl.load(A_log + i_hv).to(gl.float32))
-    else:
-        a = 1.0
-
+    # q and k of QK_BUFFERS items, the gate's slices through two slots (slice u of the program's
+    # sequence of slices in slot u % 2), each buffer and slot with its mbarrier
+    q_in = gl.allocate_shared_memory(q_desc.dtype, [QK_BUFFERS * NS, 64, BC], q_desc.layout)
+    k_in = gl.allocate_shared_memory(k_desc.dtype, [QK_BUFFERS * NS, 64, BC], k_desc.layout)
+    g_in = gl.allocate_shared_memory(g_desc.dtype, [2, 64, BC], g_desc.layout)
+    qk_bar = gl.allocate_shared_memory(gl.int64, [QK_BUFFERS, 1], mbarrier.MBarrierLayout())
+    g_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(QK_BUFFERS):
+        mbarrier.init(qk_bar.index(i), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(g_bar.index(i), count=1)
     x_s = gl.allocate_shared_memory(gl.bfloat16, [4, BC, 64], x_tile)     # left operands (k) per column block
     q_s = gl.allocate_shared_memory(gl.bfloat16, [4, BC, 64], x_tile)     # left operands (q)
     f_s = gl.allocate_shared_memory(gl.bfloat16, [4 * BC, 16], f_tile)    # R_c^T in rows 32c .. 32c + 31
-    zero = gl.zeros([64, 16], gl.float32, acc_l)
-    k0, k1, k2, k3, q0, q1, q2, q3 = zero, zero, zero, zero, zero, zero, zero, zero
-    wide = gl.zeros([4, BC], gl.float32, L_bc)                             # widest span per block and lane, RISING
-                                                                            # where the gate rises (FLAG)
-    for ks in range(0, NS):
-        o_k = o_c + ks * BC
-        # the log decay in log2 units, 0 past n_left
-        x = _slice(g_in, ks, valid, L3)
-        if HAS_BIAS and GATE != 0:
-            x = x + gl.load(dt_bias + i_hv * K + o_k).to(gl.float32)
-        if GATE == 3:                                                       # lower_bound sigmoid(a (g + dt_bias))
-            x = gl.where(valid, (LOG2E * lower_bound) / (1.0 + gl.exp2(-LOG2E * a * x)), 0.0)
-        elif GATE == 2:                                                     # -a softplus(g + dt_bias)
-            x = gl.where(valid, -a * gl.where(x > 20.0, LOG2E * x, _log2_approx(1.0 + gl.exp2(LOG2E * x))), 0.0)
-        else:                                                               # given
-            x = x * LOG2E
-        L = gl.associative_scan(x, 1, _add)                                 # [4, 16, 32] G - c_(b-1) within each block
-        s = gl.sum(x, 1)                                                    # [4, 32] block sums (-span)
-        if FLAG:                                                            # in-thread maxima (reduced at the end)
-            wide = gl.maximum(wide, gl.where(gl.max(x, 1) > RISE_TOLERANCE, RISING, -s))
-        end = gl.convert_layout(gl.associative_scan(gl.convert_layout(s, B2), 0, _add), L_bc)   # c_b
-        mid = end - 0.5 * s                                                 # M_b, the block's midpoint
-        mids = gl.convert_layout(mid, MR)                                   # every block's M in each thread
-        c_last = gl.sum(s, 0)[None, :]                                      # G_last
-        kb = _slice(k_in, ks, valid, L3) * rk
-        qb = _slice(q_in, ks, valid, L3) * rq
-        e_mid = gl.exp2(L - gl.expand_dims(0.5 * s, 1))                     # 2^(G - M_b) within 2^(+-span / 2)
-        kmid = kb * e_mid
-        qmid = qb * e_mid
-        R = kb * gl.exp2(gl.expand_dims(0.5 * s, 1) - L)                    # k 2^(M_b - G)
-        f_s.store(gl.reshape(gl.permute(R, (0, 2, 1)), [4 * BC, 16]).to(gl.bfloat16))
-        out = gate_base + t * (HV * K) + o_k
-        gl.store(kd + out, (R * gl.expand_dims(gl.exp2(c_last - mid), 1)).to(kd.dtype.element_ty), mask=valid)
-        e_half = gl.expand_dims(gl.exp2(0.5 * s), 1)                        # 2^(M_b - c_(b-1)) in [2^-100, 1]
-        X = kmid * e_half                                                   # k 2^(G - c_(b-1)) <= |k|
-        Q = qmid * e_half
-        start = end - s                                                     # c_(b-1)
-        for cb in gl.static_range(4):
-            mid_c = gl.convert_layout(gl.sum(gl.where(im == cb, mids, 0.0), 0), gl.SliceLayout(0, L_bc))[None, :]
-            _column_operands(x_s, q_s, cb, ib3 == cb, kmid, qmid, X, Q,
-                             gl.where(ib > cb, gl.exp2(start - mid_c), 0.0))
-        fence_async_shared()
-        k0, q0 = _products(x_s, q_s, f_s, 0, k0, q0)
-        k1, q1 = _products(x_s, q_s, f_s, 1, k1, q1)
-        k2, q2 = _products(x_s, q_s, f_s, 2, k2, q2)
-        k3, q3 = _products(x_s, q_s, f_s, 3, k3, q3)
-        # the gated keys and queries from the chunk's start (while the products run)
-        e_start = gl.expand_dims(gl.exp2(start), 1)                         # 2^(c_(b-1)) <= 1
-        gl.store(kg + out, (X * e_start).to(kg.dtype.element_ty), mask=valid)
-        gl.store(qg + out, (Q * e_start).to(qg.dtype.element_ty), mask=valid)
-        o_d = (i_c * HV + i_hv) * K + ks * BC + gl.arange(0, BC, layout=gl.SliceLayout(0, L_bc))
-        gl.store(decay + o_d, gl.exp2(gl.sum(s, 0)))                        # replicated over warps: same value
-        k0, k1, k2, k3, q0, q1, q2, q3 = warpgroup_mma_wait(num_outstanding=0, deps=(k0, k1, k2, k3, q0, q1, q2, q3))
+    fence_async_shared()
 
-    rows_l: gl.constexpr = gl.SliceLayout(1, acc_l)
-    cols_l: gl.constexpr = gl.SliceLayout(0, acc_l)
-    r = gl.arange(0, 64, layout=rows_l)
-    valid_r = r < n_left
-    beta_r = _activate_beta(gl.load(beta + beta_base + r * HV, mask=valid_r, other=0.0), valid_r, BETA)
-    row_off = (beta_base + r * HV) * 64
-    _store_columns(a_kk, a_qk, row_off, r, valid_r, beta_r, 0, k0, q0, cols_l)
-    _store_columns(a_kk, a_qk, row_off, r, valid_r, beta_r, 1, k1, q1, cols_l)
-    _store_columns(a_kk, a_qk, row_off, r, valid_r, beta_r, 2, k2, q2, cols_l)
-    _store_columns(a_kk, a_qk, row_off, r, valid_r, beta_r, 3, k3, q3, cols_l)
-    if FLAG:                                                                # bit b: block b too wide; all if rising
-        bit = 1 << gl.arange(0, 4, layout=gl.SliceLayout(1, L_bc))
-        widest = gl.max(wide, 1)                                            # [4]
-        bits = gl.sum(gl.where(widest > SPAN_LIMIT, bit, 0), 0)
-        gl.store(flags + i_c * HV + i_hv, gl.where(gl.max(widest, 0) >= RISING, 15, bits))
+    j0 = gl.program_id(0)
+    _, hv0, h0, t00, _ = _item(j0, total, chunk_index, cu_seqlens, T, NT, H, HV, VARLEN)
+    _load_qk(q_desc, k_desc, q_in, k_in, qk_bar.index(0), 0, t00, h0, j0 < items, K, NS)
+    _load_gate(g_desc, g_in, g_bar.index(0), 0, t00, hv0, 0, j0 < items, K)
+    _load_gate(g_desc, g_in, g_bar.index(1), 1, t00, hv0, 1, j0 < items, K)
+    it = 0
+    for j in range(j0, items, programs):
+        i_c, i_hv, i_h, t0, eos = _item(j, total, chunk_index, cu_seqlens, T, NT, H, HV, VARLEN)
+        has_next = j + programs < items
+        _, hv_n, h_n, t0_n, _ = _item(gl.minimum(j + programs, items - 1), total, chunk_index, cu_seqlens, T, NT,
+                                      H, HV, VARLEN)
+        n_left = eos - t0                                                   # tokens of the chunk from t0, >= 1
+        valid = t < n_left
+        beta_base = t0 * HV + i_hv                                          # chunk row 0 in beta, A, Aqk
+        gate_base = beta_base * K                                           # chunk row 0 in g, kg, kd, qg
+        buf = it % QK_BUFFERS
+        if QK_BUFFERS == 2:                     # the next item's q and k (the other buffer: read last item)
+            gl.thread_barrier()
+            _load_qk(q_desc, k_desc, q_in, k_in, qk_bar.index(1 - buf), 1 - buf, t0_n, h_n, has_next, K, NS)
+        mbarrier.wait(qk_bar.index(buf), (it // QK_BUFFERS) & 1)
+
+        if L2NORM:
+            rk = _row_norms(k_in, buf * NS, NS, L3)
+            rq = _row_norms(q_in, buf * NS, NS, L3) * scale
+        else:
+            rk = gl.full([4, 16, 1], 1.0, gl.float32, L3)
+            rq = gl.full([4, 16, 1], 1.0, gl.float32, L3) * scale
+        if HAS_A:
+            a_h = gl.exp(gl.load(A_log + i_hv).to(gl.float32))
+        else:
+            a_h = 1.0
+
+        zero = gl.zeros([64, 16], gl.float32, acc_l)
+        k0, k1, k2, k3, q0, q1, q2, q3 = zero, zero, zero, zero, zero, zero, zero, zero
+        wide = gl.zeros([4, BC], gl.float32, L_bc)                         # widest span per block and lane,
+                                                                            # RISING where the gate rises (FLAG)
+        for ks in range(0, NS):
+            o_k = o_c + ks * BC
+            slot = ks % 2
+            mbarrier.wait(g_bar.index(slot), ((it * NS + ks) // 2) & 1)
+            # the log decay in log2 units, 0 past n_left
+            x = _slice(g_in, slot, valid, L3)
+            gl.thread_barrier()                 # the slot refilled: this item's slice ks + 2, else the next's
+            same = ks + 2 < NS
+            _load_gate(g_desc, g_in, g_bar.index(slot), slot, gl.where(same, t0, t0_n), gl.where(same, i_hv, hv_n),
+                       gl.where(same, ks + 2, ks + 2 - NS), same or has_next, K)
+            if HAS_BIAS and GATE != 0:
+                x = x + gl.load(dt_bias + i_hv * K + o_k).to(gl.float32)
+            if GATE == 3:                                                   # lower_bound sigmoid(a (g + dt_bias))
+                x = gl.where(valid, (LOG2E * lower_bound) / (1.0 + gl.exp2(-LOG2E * a_h * x)), 0.0)
+            elif GATE == 2:                                                 # -a softplus(g + dt_bias)
+                x = gl.where(valid, -a_h * gl.where(x > 20.0, LOG2E * x, _log2_approx(1.0 + gl.exp2(LOG2E * x))),
+                             0.0)
+            else:                                                           # given
+                x = x * LOG2E
+            L = gl.associative_scan(x, 1, _add)                             # [4, 16, 32] G - c_(b-1) within each block
+            s = gl.sum(x, 1)                                                # [4, 32] block sums (-span)
+            if FLAG:                                                        # in-thread maxima (reduced at the end)
+                wide = gl.maximum(wide, gl.where(gl.max(x, 1) > RISE_TOLERANCE, RISING, -s))
+            end = gl.convert_layout(gl.associative_scan(gl.convert_layout(s, B2), 0, _add), L_bc)   # c_b
+            mid = end - 0.5 * s                                             # M_b, the block's midpoint
+            mids = gl.convert_layout(mid, MR)                               # every block's M in each thread
+            c_last = gl.sum(s, 0)[None, :]                                  # G_last
+            kb = _slice(k_in, buf * NS + ks, valid, L3) * rk
+            qb = _slice(q_in, buf * NS + ks, valid, L3) * rq
+            e_mid = gl.exp2(L - gl.expand_dims(0.5 * s, 1))                 # 2^(G - M_b) within 2^(+-span / 2)
+            kmid = kb * e_mid
+            qmid = qb * e_mid
+            R = kb * gl.exp2(gl.expand_dims(0.5 * s, 1) - L)                # k 2^(M_b - G)
+            f_s.store(gl.reshape(gl.permute(R, (0, 2, 1)), [4 * BC, 16]).to(gl.bfloat16))
+            out = gate_base + t * (HV * K) + o_k
+            gl.store(kd + out, (R * gl.expand_dims(gl.exp2(c_last - mid), 1)).to(kd.dtype.element_ty), mask=valid)
+            e_half = gl.expand_dims(gl.exp2(0.5 * s), 1)                    # 2^(M_b - c_(b-1)) in [2^-100, 1]
+            X = kmid * e_half                                               # k 2^(G - c_(b-1)) <= |k|
+            Q = qmid * e_half
+            start = end - s                                                 # c_(b-1)
+            for cb in gl.static_range(4):
+                mid_c = gl.convert_layout(gl.sum(gl.where(im == cb, mids, 0.0), 0), gl.SliceLayout(0, L_bc))[None, :]
+                _column_operands(x_s, q_s, cb, ib3 == cb, kmid, qmid, X, Q,
+                                 gl.where(ib > cb, gl.exp2(start - mid_c), 0.0))
+            fence_async_shared()
+            k0, q0 = _products(x_s, q_s, f_s, 0, k0, q0)
+            k1, q1 = _products(x_s, q_s, f_s, 1, k1, q1)
+            k2, q2 = _products(x_s, q_s, f_s, 2, k2, q2)
+            k3, q3 = _products(x_s, q_s, f_s, 3, k3, q3)
+            # the gated keys and queries from the chunk's start (while the products run)
+            e_start = gl.expand_dims(gl.exp2(start), 1)                     # 2^(c_(b-1)) <= 1
+            gl.store(kg + out, (X * e_start).to(kg.dtype.element_ty), mask=valid)
+            gl.store(qg + out, (Q * e_start).to(qg.dtype.element_ty), mask=valid)
+            o_d = (i_c * HV + i_hv) * K + ks * BC + gl.arange(0, BC, layout=gl.SliceLayout(0, L_bc))
+            gl.store(decay + o_d, gl.exp2(gl.sum(s, 0)))                    # replicated over warps: same value
+            k0, k1, k2, k3, q0, q1, q2, q3 = warpgroup_mma_wait(num_outstanding=0,
+                                                                deps=(k0, k1, k2, k3, q0, q1, q2, q3))
+        if QK_BUFFERS == 1:                     # the next item's q and k, now that this one's are read
+            gl.thread_barrier()
+            _load_qk(q_desc, k_desc, q_in, k_in, qk_bar.index(0), 0, t0_n, h_n, has_next, K, NS)
+
+        valid_r = r < n_left
+        beta_r = _activate_beta(gl.load(beta + beta_base + r * HV, mask=valid_r, other=0.0), valid_r, BETA)
+        row_off = (beta_base + r * HV) * 64
+        _store_columns(a_kk, a_qk, row_off, r, valid_r, beta_r, 0, k0, q0, cols_l)
+        _store_columns(a_kk, a_qk, row_off, r, valid_r, beta_r, 1, k1, q1, cols_l)
+        _store_columns(a_kk, a_qk, row_off, r, valid_r, beta_r, 2, k2, q2, cols_l)
+        _store_columns(a_kk, a_qk, row_off, r, valid_r, beta_r, 3, k3, q3, cols_l)
+        if FLAG:                                                            # bit b: block b too wide; all if rising
+            bit = 1 << gl.arange(0, 4, layout=gl.SliceLayout(1, L_bc))
+            widest = gl.max(wide, 1)                                        # [4]
+            bits = gl.sum(gl.where(widest > SPAN_LIMIT, bit, 0), 0)
+            gl.store(flags + i_c * HV + i_hv, gl.where(gl.max(widest, 0) >= RISING, 15, bits))
+        it += 1
+    for i in gl.static_range(QK_BUFFERS):
+        mbarrier.invalidate(qk_bar.index(i))
+    for i in gl.static_range(2):
+        mbarrier.invalidate(g_bar.index(i))
 
 
 # Unbounded and precomputed gates on this prologue too (the blocks with a span past SPAN_LIMIT,
@@ -283,6 +342,9 @@ UNBOUNDED = True
 # +80 us, four: +180 us at 1x8k H64, benchmarks/results/kda_prefill_sweep-v4-knobs.json).
 MAXNREG = None
 INVERSE_WARPS = 1
+# Persistent programs per SM (shared memory: 108 KB at K = 128 with a bf16 gate, q and k of two
+# items; 92 KB with an fp32 gate, q and k of one); None: one program per item (A/B sweeps)
+PROGRAMS_PER_SM = 2
 
 
 def serves(p) -> str | None:
@@ -304,6 +366,7 @@ def launch(p, beta, beta_mode: int, total: int, tables, inverse, scores, kg, kd,
     ``kg``, ``kd``, ``qg`` ``[B, T, HV, K]``, e^(G_last) into ``decay`` ``[total, HV, K]``."""
     from fastla.backends.gluon.chunk_delta import _tile_layout, tma_descriptor
     from fastla.backends.triton import chunk_prepare_kda, chunk_prepare_kda_wide
+    from fastla.backends.triton import sm_count
     from fastla.backends.triton.launch import launcher
 
     def desc(x, heads):                      # [B * T, heads * K] in [64, 32] boxes (rows past B * T: zeros)
@@ -315,13 +378,15 @@ def launch(p, beta, beta_mode: int, total: int, tables, inverse, scores, kg, kd,
     a_kk = call_plan.empty((p.B, p.T, p.HV, 64), torch.float32, p.device)
     flag = not chunk_prepare_kda.bounded_spans(p)           # unbounded spans: flag the blocks past SPAN_LIMIT
     flags = call_plan.empty((total, p.HV), torch.int32, p.device) if flag else decay
-    launcher(_kda_prologue_sm90_kernel, p.T, NT)[(total, p.HV)](
+    items = total * p.HV
+    programs = min(items, PROGRAMS_PER_SM * sm_count(p.device)) if PROGRAMS_PER_SM else items
+    launcher(_kda_prologue_sm90_kernel, p.T, NT)[(programs,)](
         desc(p.q, p.H), desc(p.k, p.H), desc(p.gk, p.HV), beta, p.A_log if p.A_log is not None else decay,
         p.dt_bias if p.dt_bias is not None else decay, float(p.lower_bound or 0.0), p.scale,
         a_kk, scores, kg, kd, qg, decay, flags, cu if varlen else decay, chunk_index if varlen else decay, p.T, NT,
-        H=p.H, HV=p.HV, K=p.K, L2NORM=p.use_qk_l2norm, GATE=chunk_prepare_kda.gate_mode(p),
+        total, H=p.H, HV=p.HV, K=p.K, L2NORM=p.use_qk_l2norm, GATE=chunk_prepare_kda.gate_mode(p),
         HAS_A=p.A_log is not None, HAS_BIAS=p.dt_bias is not None, BETA=beta_mode, VARLEN=varlen, FLAG=flag,
-        num_warps=4, **({"maxnreg": MAXNREG} if MAXNREG and p.K == 128 else {}),
+        QK_BUFFERS=2 if p.gk.dtype == torch.bfloat16 else 1, num_warps=4, **({"maxnreg": MAXNREG} if MAXNREG and p.K == 128 else {}),
     )
     if flag:                                                # the flagged blocks again, exactly
         chunk_prepare_kda_wide.launch(p, beta, beta_mode, total, tables, a_kk, scores, kg, kd, qg, flags)
