@@ -12,10 +12,14 @@ keys and queries when the l2norm is in the op, and per-channel products
     kg = k 2^G,  qg = scale q 2^G,  kd = k 2^(G_last - G)     bf16  [B * T, HV, K]
     decay = 2^(G_last)                               fp32  [chunks, HV, K]
 
-Grid ``(chunks, HV)``, 4 warps (one warpgroup), K in slices of 32 channels. q, k and the gate's
-input come by TMA into shared memory ([64, 32] boxes, every slice at once: rows past B * T are
-zero-filled, rows of the next sequence are masked); with the l2norm in the op, the rows' norms come
-from the diagonals of K K^T and Q Q^T by wgmma on those tiles. Elementwise work is in [4, 16, 32]
+Persistent grid ``(min(chunks x HV, PROGRAMS_PER_SM x SMs),)``, 4 warps (one warpgroup): a program
+takes the items (chunk, value head; chunks fastest) p, p + programs, ... in turn, K in slices of
+32 channels. q and k come by TMA into shared memory ([64, 32] boxes, every slice: rows past B * T
+are zero-filled, rows of the next sequence are masked), the next item's into a second buffer while
+this one's products run (QK_BUFFERS 2; with an fp32 gate one buffer, reloaded after the slices, so
+that two programs fit an SM); the gate's input comes a slice at a time through two slots, each
+refilled with the slice two ahead (this item's or the next's) as soon as it is read. With the l2norm
+in the op, the rows' norms come from the diagonals of K K^T and Q Q^T by wgmma on those tiles. Elementwise work is in [4, 16, 32]
 tiles (block b, row in the block, channel): warp = block, lane = channel, a block's 16 rows in one
 thread, so the cumsum within a block is 15 adds in registers and the blocks' cumsum a 4-element scan
 across warps. Column block c of A and Aqk is referenced at M_c, the midpoint of G over block c (per
@@ -35,14 +39,16 @@ blocks' rows and columns of A and Aqk and their gated keys and queries exactly, 
 kernel: ~1% of blocks at the registry's softplus gate. The left operands (four copies per side)
 live in shared memory channel-major ([32, 64] bf16: a thread's 16 rows are one 32-byte run), R_c^T
 as [32, 16], the accumulators in registers (8 x [64, 16] fp32); kg = X 2^(c_(b-1)), qg likewise and
-kd = R_b 2^(G_last - M_b) are stored per slice while the products run. Shared memory: 48 KB of TMA
-tiles (64 KB with an fp32 gate) and 36 KB of operands at K = 128: two programs per SM (255
-registers, no spill). The fp32 A scratch is B T HV 256 bytes (0.5 GB at 1x32k, HV 64). P formed
+kd = R_b 2^(G_last - M_b) are stored per slice while the products run. Shared memory at K = 128: 64 KB of
+q / k tiles (two items) and 8 KB of gate slots with a bf16 gate (32 + 16 KB with an fp32 one), 36 KB
+of operands: 108.5 KB, two programs per SM (255 registers; 16 bytes of stack, 40-168 in the other
+builds: tests/backends/test_gluon_sm90.py). The fp32 A scratch is B T HV 256 bytes (0.5 GB at 1x32k, HV 64). P formed
 here instead (the diagonal blocks by substitution, then block-Jacobi steps on wgmma) measured no
 faster than the inverse kernel: +114 us in this kernel against the inverse's 119 at 1x8k H64
 (notes, v6).
 
-Budget and measurements: docs/notes/kda-prefill.md (v4 to v6).
+Budget and measurements: docs/notes/kda-prefill.md (v4 to v10; persistent since v10: 1x8k H64
+523 -> 491 us with the inverse).
 """
 from __future__ import annotations
 
