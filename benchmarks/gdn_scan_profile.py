@@ -132,7 +132,7 @@ def _instrument(src: str, target: dict) -> str:
     init = target["init"]
     src = once(init, init + "".join(f"    ph{j} = gl.zeros([BT], gl.int32, rows)\n" for j in range(1, n + 1)))
     end = target["end"]
-    row = "(gl.program_id(0).to(gl.int64) * gl.num_programs(1) + i_v)"
+    row = "gl.program_id(0).to(gl.int64)"                               # the scans' 1-D grid
     if target.get("chains", 1) > 1:
         row = f"({row} * {target['chains']} + CH)"
     store = (f"    pb = prof + {row} * {SLOTS}\n"
@@ -151,7 +151,7 @@ def _load(src: str, folder: str):
     return module
 
 
-def profile(module, target: dict, kw: dict, block_v: int | None) -> tuple[tuple[int, int], float, list[float]]:
+def profile(module, target: dict, kw: dict, block_v: int | None) -> tuple[tuple[int], float, list[float]]:
     """(grid, chunks per program, cycles per step of each phase) of one call."""
     from fastla.backends.gluon import chunk_delta, chunk_delta_dual_sm90, chunk_delta_sm90, chunk_delta_ws_sm90
     from fastla.core.dispatch import use_tier
@@ -167,7 +167,7 @@ def profile(module, target: dict, kw: dict, block_v: int | None) -> tuple[tuple[
     class Instrumented:
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
-                buf.resize_(grid[0] * grid[1] * chains * SLOTS).zero_()
+                buf.resize_(grid[0] * chains * SLOTS).zero_()
                 getattr(module, name)[grid](*args, prof=buf, **kwargs)
                 seen["grid"] = grid
             return launch

@@ -208,8 +208,8 @@ def test_launcher_builds_descriptors(monkeypatch):
                                       T, 512, g)
         gluon_chunk._sequence_scan(p, sp, 0, g, g, 1)
     (grid64, args64, kw64), (grid32, args32, kw32) = launches
-    assert kw64["BV"] == 64 and grid64 == (HV, V // 64)                  # one wave of 128 programs
-    assert kw32["BV"] == 32 and kw32["STORE_STATES"] and grid32 == (HV, V // 32)
+    assert kw64["BV"] == 64 and grid64 == (HV * V // 64,)                # one wave of 128 programs (1-D)
+    assert kw32["BV"] == 32 and kw32["STORE_STATES"] and grid32 == (HV * V // 32,)
     k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, o_desc = args64[:7]
     assert kd_desc is k_desc and kw64["GK"] is False                           # GDN: no kd tiles
     assert list(k_desc.shape) == [B * T, H * K] and k_desc.block_shape == [64, 64]
@@ -236,7 +236,7 @@ def test_launcher_builds_descriptors(monkeypatch):
                                   T, 128, g)
     gluon_chunk._sequence_scan(p, sp, 0, g, g, B)
     grid, args, kw = launches[-1]
-    assert kw["BV"] == 128 and kw["WARPGROUPS"] == 2 and kw["num_warps"] == 8 and grid == (B * HV, 1)
+    assert kw["BV"] == 128 and kw["WARPGROUPS"] == 2 and kw["num_warps"] == 8 and grid == (B * HV,)
     assert kw["kernel"] == "plain"
     assert args[3].block_shape == args[6].block_shape == [64, 128]                # v and o boxes
 
@@ -257,7 +257,7 @@ def test_launcher_builds_descriptors(monkeypatch):
     monkeypatch.setattr(gluon_chunk, "SCAN_DUAL", True)
     gluon_chunk._sequence_scan(p, sp, 0, g, g, B)
     grid, args, kw = launches[-1]
-    assert kw["kernel"] == "dual" and kw["GK"] is True and kw["BV"] == 64 and grid == (B * HV, 2)
+    assert kw["kernel"] == "dual" and kw["GK"] is True and kw["BV"] == 64 and grid == (B * HV * 2,)
     assert kw["num_warps"] == 4 and kw["CHAIN_NREG"] == chunk_delta_dual_sm90.CHAIN_REGS and "WARPGROUPS" not in kw
     assert args[3].block_shape == args[6].block_shape == [64, 32]               # each chain's v and o tiles
     assert [d.block_shape for d in args[:3]] == [[64, 64]] * 3
@@ -266,7 +266,7 @@ def test_launcher_builds_descriptors(monkeypatch):
     summary = torch.empty(8, HV, K, V + K)
     gluon_chunk._sequence_scan(p, sp, 1, g, summary, 8)
     grid, args, kw = launches[-1]
-    assert kw["kernel"] == "dual" and kw["SEG"] == 1 and kw["BV"] == 64 and grid == (8 * HV, (V + K) // 64)
+    assert kw["kernel"] == "dual" and kw["SEG"] == 1 and kw["BV"] == 64 and grid == (8 * HV * (V + K) // 64,)
     assert args[dual_names.index("seg_state")] is summary
 
 
