@@ -181,9 +181,9 @@ def main() -> int:
                   + ", ".join(f"{k.split('(')[0][-24:]} {v:.0f}" for k, v in split.items()), flush=True)
         inputs = kw = fla_o = first = None                                 # free before the next shape
         torch.cuda.empty_cache()
-    with open(os.path.join(args.out, "gdn_prefill_sweep.json"), "w") as f:
-        json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                       rows=rows), f, indent=1)
+        with open(os.path.join(args.out, "gdn_prefill_sweep.json"), "w") as f:      # after each shape: a timeout keeps them
+            json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                           rows=rows), f, indent=1)
     return 0
 
 

@@ -155,9 +155,9 @@ def main() -> int:
                   f"{speed} | vs FLA {err_fla if err_fla is None else f'{err_fla:.1e}'}", flush=True)
         kw = fla_o = None
         torch.cuda.empty_cache()
-    with open(os.path.join(args.out, "kda_prefill_sweep.json"), "w") as f:
-        json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                       rows=rows), f, indent=1)
+        with open(os.path.join(args.out, "kda_prefill_sweep.json"), "w") as f:      # after each shape: a timeout keeps them
+            json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                           rows=rows), f, indent=1)
     return 0
 
 
