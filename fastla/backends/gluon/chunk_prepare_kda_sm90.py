@@ -41,7 +41,7 @@ live in shared memory channel-major ([32, 64] bf16: a thread's 16 rows are one 3
 as [32, 16], the accumulators in registers (8 x [64, 16] fp32); kg = X 2^(c_(b-1)), qg likewise and
 kd = R_b 2^(G_last - M_b) are stored per slice while the products run. Shared memory at K = 128: 64 KB of
 q / k tiles (two items) and 8 KB of gate slots with a bf16 gate (32 + 16 KB with an fp32 one), 36 KB
-of operands: 108.5 KB, two programs per SM (255 registers; 16 bytes of stack, 40-168 in the other
+of operands: 108.5 KB, two programs per SM (255 registers; 16 bytes of stack, up to 168 in the other
 builds: tests/backends/test_gluon_sm90.py). The fp32 A scratch is B T HV 256 bytes (0.5 GB at 1x32k, HV 64). P formed
 here instead (the diagonal blocks by substitution, then block-Jacobi steps on wgmma) measured no
 faster than the inverse kernel: +114 us in this kernel against the inverse's 119 at 1x8k H64
@@ -348,8 +348,8 @@ UNBOUNDED = True
 # +80 us, four: +180 us at 1x8k H64, benchmarks/results/kda_prefill_sweep-v4-knobs.json).
 MAXNREG = None
 INVERSE_WARPS = 1
-# Persistent programs per SM (shared memory: 108 KB at K = 128 with a bf16 gate, q and k of two
-# items; 92 KB with an fp32 gate, q and k of one); None: one program per item (A/B sweeps)
+# Persistent programs per SM (shared memory at K = 128, sm_90 compile: 108.5 KB with a bf16 gate, q
+# and k of two items; 84.5 KB with an fp32 gate, q and k of one); None: one program per item (A/B sweeps)
 PROGRAMS_PER_SM = 2
 
 
