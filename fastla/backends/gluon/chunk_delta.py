@@ -30,6 +30,9 @@ SCAN_SPECIALIZED = False
 # kernel (docs/notes/gdn-prefill.md, v11): every GDN width (32 columns 6-10% faster a step, 64 and
 # 128 14%), KDA's 64 (15%; at 32 it lost 35%). False: the plain kernel everywhere (A/B sweeps)
 SCAN_DUAL = True
+# The two-chain scan's registers per thread at launch (None: the compiler's, the whole register
+# file at 384 threads): a lower cap leaves room on each SM for other kernels' programs (sweeps)
+SCAN_MAXNREG = None
 DUAL_WIDTHS = {False: (32, 64, 128), True: (64,)}       # by GK
 # The segment summary pass (sequence parallelism) on the two-chain scan too (its SEG 1: the V + K
 # columns from [0 | I], no queries, scores nor output) instead of the Triton scan: 1x32k HV8 442 ->
