@@ -46,6 +46,7 @@ SEGMENT_GAIN_SM90 = 0.5
 # 22 -> 18 (gdn_prefill_sweep-v16-combine.json; outputs bit-equal)
 COMBINE_WARPS = 8
 COMBINE_STAGES = 2
+COMBINE_BLOCK_V = 32
 # KDA's prologue on the sm_90 kernel (chunk_prepare_kda_sm90.py) where it serves (K % 32 == 0, a
 # bf16 or fp32 gate), else on the Triton one (backends/triton/chunk_prepare_kda.py); False for A/B sweeps
 KDA_PROLOGUE_SM90 = True
@@ -109,7 +110,8 @@ def plan(p: Problem) -> triton_chunk.ChunkConfig:
     shared memory at K = 128, an H200's; the portable default stays at one)."""
     summaries = SUMMARY_SM90 and SCAN_DUAL
     config = triton_chunk.default_config(p, segment_gain=SEGMENT_GAIN_SM90 if summaries else None)
-    return dataclasses.replace(config, combine_warps=COMBINE_WARPS, combine_stages=COMBINE_STAGES)
+    return dataclasses.replace(config, combine_warps=COMBINE_WARPS, combine_stages=COMBINE_STAGES,
+                               combine_block_v=COMBINE_BLOCK_V)
 
 
 def supports(p: Problem) -> str | None:
@@ -201,6 +203,8 @@ def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments
     if dual:
         kernel, launch = _scan_dual_sm90_kernel, dict(STAGES=SCAN_STAGES, CHAIN_NREG=CHAIN_REGS,
                                                       LOADER_NREG=LOADER_REGS, num_warps=4)
+        if SCAN_MAXNREG:
+            launch.update(maxnreg=SCAN_MAXNREG)
     elif specialized:
         kernel, launch = _scan_ws_sm90_kernel, dict(PREP_NREG=PREP_REGS, num_warps=4)
     else:

@@ -194,7 +194,8 @@ def _segment_combine_kernel(
     SK: tl.constexpr, SV: tl.constexpr, HAS_H0: tl.constexpr,
 ):
     """Program (sequence x value head, V tile): start states of a sequence's segments in order,
-    S_0 = h0, S_{s+1} = Phi_s S_s + E_s, from the summaries [E_s | Phi_s] (fp32, tf32 products)."""
+    S_0 = h0, S_{s+1} = Phi_s S_s + E_s, from the summaries [E_s | Phi_s] (fp32, tf32 products;
+    the last segment's summary is not read: no segment starts after it)."""
     i_p = tl.program_id(0).to(tl.int64)
     i_v = tl.program_id(1)
     i_n, i_hv = i_p // HV, i_p % HV
@@ -209,13 +210,14 @@ def _segment_combine_kernel(
                       other=0.0).to(tl.float32)
     s0 = tl.load(seq_segments + 2 * i_n).to(tl.int64)
     count = tl.load(seq_segments + 2 * i_n + 1)
-    for j in range(0, count):
-        i_s = s0 + j
-        tl.store(seg_start + (i_s * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :], b_S, mask=m_h)
-        base = summary + (i_s * HV + i_hv) * K * (V + K) + o_k[:, None] * (V + K)
+    p_start = seg_start + (s0 * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
+    for j in range(0, count - 1):
+        tl.store(p_start + j * HV * K * V, b_S, mask=m_h)
+        base = summary + ((s0 + j) * HV + i_hv) * K * (V + K) + o_k[:, None] * (V + K)
         b_E = tl.load(base + o_v[None, :], mask=m_h, other=0.0)                                   # [BK, BV]
         b_Phi = tl.load(base + V + o_j[None, :], mask=m_k[:, None] & (o_j < K)[None, :], other=0.0)  # [BK, BK]
         b_S = tl.dot(b_Phi, b_S, input_precision="tf32") + b_E
+    tl.store(p_start + (count - 1) * HV * K * V, b_S, mask=m_h)
 
 
 @dataclass(frozen=True)
@@ -233,6 +235,7 @@ class ChunkConfig:
     # the segment combine: one step (Phi_s S_s + E_s, Phi_s 64 KB at K = 128) per segment, in order
     combine_warps: int = 4
     combine_stages: int = 1
+    combine_block_v: int = 32           # value columns per combine program (the chain's product: K x K x this)
     # KDA prologue (chunk_prepare_kda.py): warps and channels per slice. One warp measured fastest
     # (no barriers; 1x8k H64 both launches 1005 us vs 1468 at 2 warps and 1765 at 4 / 32 before
     # the blocks were made independent, 1031 us after; docs/notes/kda-prefill.md); at 16 channels
@@ -558,8 +561,9 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, kda_p
         else:
             launcher(_scan_kernel, T, NT)[(n_seg * HV, cdiv(V + K, BV))](*args, segments, summary, T, NT, p.scale,
                                                                  BV=BV, SEG=1, STORE_STATES=False, **common)
-        launcher(_segment_combine_kernel)[(N * HV, cdiv(V, BV))](
-            summary, seg_start, h0 if h0 is not None else o, seq_segments, HV=HV, K=K, V=V, BK=BK, BV=BV,
+        BVC = min(config.combine_block_v, BVF)
+        launcher(_segment_combine_kernel)[(N * HV, cdiv(V, BVC))](
+            summary, seg_start, h0 if h0 is not None else o, seq_segments, HV=HV, K=K, V=V, BK=BK, BV=BVC,
             SK=SK, SV=SV, HAS_H0=h0 is not None, num_warps=config.combine_warps, num_stages=config.combine_stages)
         if sequence_scan is not None:
             sequence_scan(p, seq_pass, 2, segments, seg_start, n_seg)
