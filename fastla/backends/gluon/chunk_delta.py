@@ -47,6 +47,7 @@ SEGMENT_GAIN_SM90 = 0.5
 COMBINE_WARPS = 8
 COMBINE_STAGES = 2
 COMBINE_BLOCK_V = 32
+COMBINE_PREFETCH = False
 # KDA's prologue on the sm_90 kernel (chunk_prepare_kda_sm90.py) where it serves (K % 32 == 0, a
 # bf16 or fp32 gate), else on the Triton one (backends/triton/chunk_prepare_kda.py); False for A/B sweeps
 KDA_PROLOGUE_SM90 = True
@@ -111,7 +112,7 @@ def plan(p: Problem) -> triton_chunk.ChunkConfig:
     summaries = SUMMARY_SM90 and SCAN_DUAL
     config = triton_chunk.default_config(p, segment_gain=SEGMENT_GAIN_SM90 if summaries else None)
     return dataclasses.replace(config, combine_warps=COMBINE_WARPS, combine_stages=COMBINE_STAGES,
-                               combine_block_v=COMBINE_BLOCK_V)
+                               combine_block_v=COMBINE_BLOCK_V, combine_prefetch=COMBINE_PREFETCH)
 
 
 def supports(p: Problem) -> str | None:
