@@ -34,6 +34,7 @@ from fastla.bench.registry import get_config
 from fastla.core import call_plan
 from fastla.core.dispatch import use_tier
 from fastla.ops.gated_delta_rule import chunk_gated_delta_rule
+from gdn_prefill_sweep import kernel_split    # (this folder: the sweep's per-kernel split)
 
 call_plan.ENABLED = False
 SHAPES = "gdn/h8-hv32/1x8192,gdn/h16-hv32/1x8192,gdn/h16-hv32/1x32768,gdn/h16-hv64/1x8192,gdn/h16-hv64/1x32768"
@@ -63,17 +64,6 @@ def _overlapped(p, config, sequence_scan=None, gdn_scores=None, gdn_inverse=None
         main.wait_stream(side)
 
     return _run(p, config, sequence_scan=scan, gdn_scores=defer(gdn_scores), gdn_inverse=defer(gdn_inverse), **kw)
-
-
-def kernel_split(fn) -> dict[str, float]:
-    from torch.profiler import ProfilerActivity, profile
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(10):
-            fn()
-        torch.cuda.synchronize()
-    return {e.key[:40]: e.device_time_total / 10 for e in prof.key_averages() if getattr(e, "device_time_total", 0)}
 
 
 def main() -> int:

@@ -47,8 +47,9 @@ VARIANTS = {
     "gluon-combine-w4s1": dict(COMBINE_WARPS=4, COMBINE_STAGES=1),     # the segment combine's launch
     "gluon-combine-w4s2": dict(COMBINE_WARPS=4, COMBINE_STAGES=2),     # (two stages: the next summary
     "gluon-combine-w8s1": dict(COMBINE_WARPS=8, COMBINE_STAGES=1),     # prefetched)
-    "gluon-combine-bv16": dict(COMBINE_BLOCK_V=16),                    # narrower tiles: more programs,
-    "gluon-combine-bv64": dict(COMBINE_BLOCK_V=64),                    # a shorter product a step
+    "gluon-combine-bv16": dict(COMBINE_BLOCK_V=16),                    # the combine's value tile: narrower,
+    "gluon-combine-bv32": dict(COMBINE_BLOCK_V=32),                    # more programs and a shorter
+    "gluon-combine-bv64": dict(COMBINE_BLOCK_V=64),                    # product a step
     "gluon-combine-bv16-w4": dict(COMBINE_BLOCK_V=16, COMBINE_WARPS=4),
     "gluon-combine-bv16-s3": dict(COMBINE_BLOCK_V=16, COMBINE_STAGES=3),
     "gluon-combine-prefetch-bv16": dict(COMBINE_BLOCK_V=16, COMBINE_PREFETCH=True, COMBINE_STAGES=1),

@@ -43,10 +43,12 @@ SUMMARY_SM90 = True
 # (0.70 at 24) 234 -> 240 at 16 chunks, so it stays whole (gdn_prefill_sweep-v14-summary.json)
 SEGMENT_GAIN_SM90 = 0.5
 # The segment combine (Triton) on sm_90: 8 warps, two stages; 1x32k HV8 46 -> 38 us, 1x8k HV8
-# 22 -> 18 (gdn_prefill_sweep-v16-combine.json; outputs bit-equal)
+# 22 -> 18 (gdn_prefill_sweep-v16-combine.json; outputs bit-equal); 16 value columns a program (twice
+# the programs, half the product a step): 1x32k HV8 34.7 -> 29.5 us, 1x8k HV8 16.4 -> 13.9, 1x8k
+# HV16 18.7 -> 18.0; 64 columns 50.0 / 23.3 / 26.7 (gdn_prefill_sweep-v20-combine.json)
 COMBINE_WARPS = 8
 COMBINE_STAGES = 2
-COMBINE_BLOCK_V = 32
+COMBINE_BLOCK_V = 16
 COMBINE_PREFETCH = False
 # KDA's prologue on the sm_90 kernel (chunk_prepare_kda_sm90.py) where it serves (K % 32 == 0, a
 # bf16 or fp32 gate), else on the Triton one (backends/triton/chunk_prepare_kda.py); False for A/B sweeps
