@@ -52,8 +52,6 @@ VARIANTS = {
     "gluon-combine-bv64": dict(COMBINE_BLOCK_V=64),                    # product a step
     "gluon-combine-bv16-w4": dict(COMBINE_BLOCK_V=16, COMBINE_WARPS=4),
     "gluon-combine-bv16-s3": dict(COMBINE_BLOCK_V=16, COMBINE_STAGES=3),
-    "gluon-combine-prefetch-bv16": dict(COMBINE_BLOCK_V=16, COMBINE_PREFETCH=True, COMBINE_STAGES=1),
-    "gluon-combine-prefetch-bv32": dict(COMBINE_BLOCK_V=32, COMBINE_PREFETCH=True, COMBINE_STAGES=1),
     "gluon-triton-scores": dict(GDN_SCORES_SM90=False),      # the Triton scores kernel on the sm_90 tier
     "gluon-triton-inverse": dict(GDN_INVERSE_SM90=False),    # the Triton inverse kernel on the sm_90 tier
     "gluon-inverse-vpp1": dict(inverse_heads=1),   # one value head a program (168 registers)

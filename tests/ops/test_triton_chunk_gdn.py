@@ -138,7 +138,7 @@ def test_small_head_dim():
 
 
 @pytest.mark.parametrize("variant", ["three_stages", "wide_tiles", "segments_of_one_chunk", "segments_of_two_chunks",
-                                     "segments_narrow_combine", "segments_combine_prefetch", "inverse_per_value_head", "inverse_shared_heads"])
+                                     "segments_narrow_combine", "inverse_per_value_head", "inverse_shared_heads"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_launch_variants(variant, device, monkeypatch):
     """The non-default launch variants the GPU sweep times compute the same function (shared
@@ -151,7 +151,6 @@ def test_launch_variants(variant, device, monkeypatch):
               "segments_of_one_chunk": chunk_delta.ChunkConfig(segment_chunks=1),
               "segments_of_two_chunks": chunk_delta.ChunkConfig(segment_chunks=2, scan_block_v=16),
               "segments_narrow_combine": chunk_delta.ChunkConfig(segment_chunks=2, combine_block_v=16),
-              "segments_combine_prefetch": chunk_delta.ChunkConfig(segment_chunks=1, combine_prefetch=True),
               "inverse_per_value_head": chunk_delta.ChunkConfig(inverse_heads=1, inverse_warps=2),
               "inverse_shared_heads": chunk_delta.ChunkConfig(inverse_heads=2)}[variant]
     monkeypatch.setattr(chunk_delta, "default_config", lambda p, **kw: config)

@@ -45,11 +45,11 @@ SEGMENT_GAIN_SM90 = 0.5
 # The segment combine (Triton) on sm_90: 8 warps, two stages; 1x32k HV8 46 -> 38 us, 1x8k HV8
 # 22 -> 18 (gdn_prefill_sweep-v16-combine.json; outputs bit-equal); 16 value columns a program (twice
 # the programs, half the product a step): 1x32k HV8 34.7 -> 29.5 us, 1x8k HV8 16.4 -> 13.9, 1x8k
-# HV16 18.7 -> 18.0; 64 columns 50.0 / 23.3 / 26.7 (gdn_prefill_sweep-v20-combine.json)
+# HV16 18.7 -> 18.0; 64 columns 50.0 / 23.3 / 26.7 (gdn_prefill_sweep-v20-combine.json). The next
+# summary loaded into registers a step ahead measured no faster (-v20-combine-prefetch.json; removed)
 COMBINE_WARPS = 8
 COMBINE_STAGES = 2
 COMBINE_BLOCK_V = 16
-COMBINE_PREFETCH = False
 # KDA's prologue on the sm_90 kernel (chunk_prepare_kda_sm90.py) where it serves (K % 32 == 0, a
 # bf16 or fp32 gate), else on the Triton one (backends/triton/chunk_prepare_kda.py); False for A/B sweeps
 KDA_PROLOGUE_SM90 = True
@@ -109,12 +109,13 @@ def scan_tile(lanes: float, V: int, sms: int, widths=STEP_US) -> tuple[int, int]
 
 def plan(p: Problem) -> triton_chunk.ChunkConfig:
     """The launch plan of the Triton chunked forward's driver, split with this tier's summary cost;
-    the segment combine at COMBINE_WARPS with its next summary prefetched (two stages: 128 KB of
-    shared memory at K = 128, an H200's; the portable default stays at one)."""
+    the segment combine at COMBINE_WARPS, COMBINE_BLOCK_V columns, with its next summary
+    prefetched (two stages: 144 KB of shared memory at K = 128 and 16 columns, an H200's; the
+    portable default stays at one stage and 32 columns)."""
     summaries = SUMMARY_SM90 and SCAN_DUAL
     config = triton_chunk.default_config(p, segment_gain=SEGMENT_GAIN_SM90 if summaries else None)
     return dataclasses.replace(config, combine_warps=COMBINE_WARPS, combine_stages=COMBINE_STAGES,
-                               combine_block_v=COMBINE_BLOCK_V, combine_prefetch=COMBINE_PREFETCH)
+                               combine_block_v=COMBINE_BLOCK_V)
 
 
 def supports(p: Problem) -> str | None:

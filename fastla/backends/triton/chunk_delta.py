@@ -191,13 +191,11 @@ def _scan_kernel(
 def _segment_combine_kernel(
     summary, seg_start, h0, seq_segments,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    SK: tl.constexpr, SV: tl.constexpr, HAS_H0: tl.constexpr, PREFETCH: tl.constexpr,
+    SK: tl.constexpr, SV: tl.constexpr, HAS_H0: tl.constexpr,
 ):
     """Program (sequence x value head, V tile): start states of a sequence's segments in order,
     S_0 = h0, S_{s+1} = Phi_s S_s + E_s, from the summaries [E_s | Phi_s] (fp32, tf32 products;
-    the last segment's summary is not read: no segment starts after it). PREFETCH: the next
-    segment's summary is loaded into registers before this step's product (the chain waits on the
-    product only), else each step loads its own (Triton's pipelining, num_stages)."""
+    the last segment's summary is not read: no segment starts after it)."""
     i_p = tl.program_id(0).to(tl.int64)
     i_v = tl.program_id(1)
     i_n, i_hv = i_p // HV, i_p % HV
@@ -206,7 +204,6 @@ def _segment_combine_kernel(
     o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < K
     m_h = m_k[:, None] & (o_v < V)[None, :]
-    m_phi = m_k[:, None] & (o_j < K)[None, :]
     b_S = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_H0:
         b_S = tl.load(h0 + (i_n * HV + i_hv) * K * V + o_k[:, None] * SK + o_v[None, :] * SV, mask=m_h,
@@ -214,25 +211,12 @@ def _segment_combine_kernel(
     s0 = tl.load(seq_segments + 2 * i_n).to(tl.int64)
     count = tl.load(seq_segments + 2 * i_n + 1)
     p_start = seg_start + (s0 * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
-    p_sum = summary + (s0 * HV + i_hv) * K * (V + K) + o_k[:, None] * (V + K)            # segment s0's rows
-    step = HV * K * (V + K)                                                               # one segment's summaries
-    if PREFETCH:
-        m_next = count > 1
-        b_E = tl.load(p_sum + o_v[None, :], mask=m_h & m_next, other=0.0)                 # [BK, BV]
-        b_Phi = tl.load(p_sum + V + o_j[None, :], mask=m_phi & m_next, other=0.0)         # [BK, BK]
-        for j in range(0, count - 1):
-            tl.store(p_start + j * HV * K * V, b_S, mask=m_h)
-            m_next = j + 2 < count
-            n_E = tl.load(p_sum + (j + 1) * step + o_v[None, :], mask=m_h & m_next, other=0.0)
-            n_Phi = tl.load(p_sum + (j + 1) * step + V + o_j[None, :], mask=m_phi & m_next, other=0.0)
-            b_S = tl.dot(b_Phi, b_S, input_precision="tf32") + b_E
-            b_E, b_Phi = n_E, n_Phi
-    else:
-        for j in range(0, count - 1):
-            tl.store(p_start + j * HV * K * V, b_S, mask=m_h)
-            b_E = tl.load(p_sum + j * step + o_v[None, :], mask=m_h, other=0.0)            # [BK, BV]
-            b_Phi = tl.load(p_sum + j * step + V + o_j[None, :], mask=m_phi, other=0.0)    # [BK, BK]
-            b_S = tl.dot(b_Phi, b_S, input_precision="tf32") + b_E
+    for j in range(0, count - 1):
+        tl.store(p_start + j * HV * K * V, b_S, mask=m_h)
+        base = summary + ((s0 + j) * HV + i_hv) * K * (V + K) + o_k[:, None] * (V + K)
+        b_E = tl.load(base + o_v[None, :], mask=m_h, other=0.0)                                   # [BK, BV]
+        b_Phi = tl.load(base + V + o_j[None, :], mask=m_k[:, None] & (o_j < K)[None, :], other=0.0)  # [BK, BK]
+        b_S = tl.dot(b_Phi, b_S, input_precision="tf32") + b_E
     tl.store(p_start + (count - 1) * HV * K * V, b_S, mask=m_h)
 
 
@@ -252,7 +236,6 @@ class ChunkConfig:
     combine_warps: int = 4
     combine_stages: int = 1
     combine_block_v: int = 32           # value columns per combine program (the chain's product: K x K x this)
-    combine_prefetch: bool = False      # the next segment's summary loaded ahead into registers
     # KDA prologue (chunk_prepare_kda.py): warps and channels per slice. One warp measured fastest
     # (no barriers; 1x8k H64 both launches 1005 us vs 1468 at 2 warps and 1765 at 4 / 32 before
     # the blocks were made independent, 1031 us after; docs/notes/kda-prefill.md); at 16 channels
@@ -581,8 +564,7 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, kda_p
         BVC = min(config.combine_block_v, BVF)
         launcher(_segment_combine_kernel)[(N * HV, cdiv(V, BVC))](
             summary, seg_start, h0 if h0 is not None else o, seq_segments, HV=HV, K=K, V=V, BK=BK, BV=BVC,
-            SK=SK, SV=SV, HAS_H0=h0 is not None, PREFETCH=config.combine_prefetch, num_warps=config.combine_warps,
-            num_stages=config.combine_stages)
+            SK=SK, SV=SV, HAS_H0=h0 is not None, num_warps=config.combine_warps, num_stages=config.combine_stages)
         if sequence_scan is not None:
             sequence_scan(p, seq_pass, 2, segments, seg_start, n_seg)
         else:
