@@ -44,13 +44,12 @@ VARIANTS = {
     "gluon-dual-bv64": dict(SCAN_BLOCK_V=64, SCAN_DUAL=True),           # two chains of 32 columns
     "gluon-dual-bv64-s3": dict(SCAN_BLOCK_V=64, SCAN_DUAL=True, SCAN_STAGES=3),
     "gluon-dual-bv128": dict(SCAN_BLOCK_V=128, SCAN_DUAL=True),         # two chains of 64 columns
-    "gluon-combine-w4s1": dict(COMBINE_WARPS=4, COMBINE_STAGES=1),     # the segment combine's launch
-    "gluon-combine-w4s2": dict(COMBINE_WARPS=4, COMBINE_STAGES=2),     # (two stages: the next summary
-    "gluon-combine-w8s1": dict(COMBINE_WARPS=8, COMBINE_STAGES=1),     # prefetched)
-    "gluon-combine-bv16": dict(COMBINE_BLOCK_V=16),                    # the combine's value tile: narrower,
-    "gluon-combine-bv32": dict(COMBINE_BLOCK_V=32),                    # more programs and a shorter
-    "gluon-combine-bv64": dict(COMBINE_BLOCK_V=64),                    # product a step
-    "gluon-combine-bv16-w4": dict(COMBINE_BLOCK_V=16, COMBINE_WARPS=4),
+    "gluon-combine-w4s1": dict(COMBINE_WARPS=4, COMBINE_STAGES=1),     # the segment combine's launch at
+    "gluon-combine-w4s2": dict(COMBINE_WARPS=4, COMBINE_STAGES=2),     # COMBINE_BLOCK_V columns (two stages:
+    "gluon-combine-w8s1": dict(COMBINE_WARPS=8, COMBINE_STAGES=1),     # the next summary prefetched)
+    "gluon-combine-bv16": dict(COMBINE_BLOCK_V=16),                    # its value tile (16 ships: before
+    "gluon-combine-bv32": dict(COMBINE_BLOCK_V=32),                    # v20 these variants ran at 32)
+    "gluon-combine-bv64": dict(COMBINE_BLOCK_V=64),
     "gluon-combine-bv16-s3": dict(COMBINE_BLOCK_V=16, COMBINE_STAGES=3),
     "gluon-triton-scores": dict(GDN_SCORES_SM90=False),      # the Triton scores kernel on the sm_90 tier
     "gluon-triton-inverse": dict(GDN_INVERSE_SM90=False),    # the Triton inverse kernel on the sm_90 tier

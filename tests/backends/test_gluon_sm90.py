@@ -272,7 +272,7 @@ def test_launcher_builds_descriptors(monkeypatch):
 
 def test_plan_on_sm90():
     """The sm_90 tier's plan: its split gain (1x8k HV16 splits, unlike the Triton tier's plan) and
-    the segment combine at 8 warps, two stages (the portable default: 4 and 1)."""
+    the segment combine at 8 warps, two stages, 16 value columns (the portable default: 4, 1, 32)."""
     import torch
 
     from fastla.backends.gluon import chunk_delta as gluon_chunk
@@ -287,6 +287,7 @@ def test_plan_on_sm90():
     assert base.segment_chunks == 0 and sm90.segment_chunks == 16
     assert (base.combine_warps, base.combine_stages) == (4, 1)
     assert (sm90.combine_warps, sm90.combine_stages) == (gluon_chunk.COMBINE_WARPS, gluon_chunk.COMBINE_STAGES) == (8, 2)
+    assert (base.combine_block_v, sm90.combine_block_v) == (32, gluon_chunk.COMBINE_BLOCK_V) == (32, 16)
 
 
 def test_scan_tile_plan():

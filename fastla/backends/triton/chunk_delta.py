@@ -209,7 +209,7 @@ def _segment_combine_kernel(
         b_S = tl.load(h0 + (i_n * HV + i_hv) * K * V + o_k[:, None] * SK + o_v[None, :] * SV, mask=m_h,
                       other=0.0).to(tl.float32)
     s0 = tl.load(seq_segments + 2 * i_n).to(tl.int64)
-    count = tl.load(seq_segments + 2 * i_n + 1)
+    count = tl.load(seq_segments + 2 * i_n + 1).to(tl.int64)     # (j x HV K V: int64 offsets)
     p_start = seg_start + (s0 * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
     for j in range(0, count - 1):
         tl.store(p_start + j * HV * K * V, b_S, mask=m_h)
@@ -232,7 +232,8 @@ class ChunkConfig:
     scan_stages: int = 2
     segment_chunks: int | None = None   # sequence parallelism: chunks per segment (None: heuristic, 0: off)
     scores_warps: int = 4
-    # the segment combine: one step (Phi_s S_s + E_s, Phi_s 64 KB at K = 128) per segment, in order
+    # the segment combine: one step (Phi_s S_s + E_s, Phi_s 64 KB at K = 128) per segment but the
+    # last, in order
     combine_warps: int = 4
     combine_stages: int = 1
     combine_block_v: int = 32           # value columns per combine program (the chain's product: K x K x this)
@@ -348,7 +349,8 @@ def segment_length(lanes: int, tiles: int, summary_tiles: int, chunk_counts, sms
     resident: whole sequences take ceil(lanes x tiles / R) waves of the longest sequence; segments
     of L chunks take ceil(n x summary_tiles / R) + ceil(n x tiles / R) waves of L steps (summary
     over the V + K columns, then replay; n = segments x value heads), plus one step per segment
-    of the longest sequence for the combine. Ties go to the longer segment: the model counts a
+    of the longest sequence for the combine (the kernel runs one fewer since v20; the count is
+    kept, so the plans measured with it stay). Ties go to the longer segment: the model counts a
     combine as one step and the summaries' fixed costs not at all (1x8k HV 8 ties 8 and 16
     chunks: 200 us at 8, 180 at 16, gdn_prefill_sweep-v11-small-heads.json). ``lanes`` =
     sequences x value heads, ``sms`` the GPU's SM count; a split must cost below ``gain`` x the
