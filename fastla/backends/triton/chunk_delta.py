@@ -209,15 +209,16 @@ def _segment_combine_kernel(
         b_S = tl.load(h0 + (i_n * HV + i_hv) * K * V + o_k[:, None] * SK + o_v[None, :] * SV, mask=m_h,
                       other=0.0).to(tl.float32)
     s0 = tl.load(seq_segments + 2 * i_n).to(tl.int64)
-    count = tl.load(seq_segments + 2 * i_n + 1).to(tl.int64)     # (j x HV K V: int64 offsets)
-    p_start = seg_start + (s0 * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
+    count = tl.load(seq_segments + 2 * i_n + 1)
     for j in range(0, count - 1):
-        tl.store(p_start + j * HV * K * V, b_S, mask=m_h)
-        base = summary + ((s0 + j) * HV + i_hv) * K * (V + K) + o_k[:, None] * (V + K)
+        i_s = s0 + j
+        tl.store(seg_start + (i_s * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :], b_S, mask=m_h)
+        base = summary + (i_s * HV + i_hv) * K * (V + K) + o_k[:, None] * (V + K)
         b_E = tl.load(base + o_v[None, :], mask=m_h, other=0.0)                                   # [BK, BV]
         b_Phi = tl.load(base + V + o_j[None, :], mask=m_k[:, None] & (o_j < K)[None, :], other=0.0)  # [BK, BK]
         b_S = tl.dot(b_Phi, b_S, input_precision="tf32") + b_E
-    tl.store(p_start + (count - 1) * HV * K * V, b_S, mask=m_h)
+    i_s = s0 + count - 1
+    tl.store(seg_start + (i_s * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :], b_S, mask=m_h)
 
 
 @dataclass(frozen=True)
