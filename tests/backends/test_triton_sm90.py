@@ -87,6 +87,7 @@ SCAN_POINTERS = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "beta": "*bf16", "p_i
 KDA_PREPARE_POINTERS = {"q": "*bf16", "k": "*bf16", "g": "*bf16", "beta": "*bf16", "A_log": "*fp32",
                         "dt_bias": "*fp32", "p_out": "*bf16", "a_out": "*bf16", "kg": "*bf16", "kd": "*bf16",
                         "qg": "*bf16", "decay": "*fp32", "cu_seqlens": "*i64", "chunk_index": "*i32"}
+COMBINE_POINTERS = {"summary": "*fp32", "seg_start": "*fp32", "h0": "*fp32", "seq_segments": "*i32"}
 GDN_KERNELS = {
     # name: (module.kernel, pointers, constexprs, warps, stages) as launched (K = V = 128, bf16)
     "inverse": ("chunk_prepare._inverse_kernel",
@@ -137,6 +138,10 @@ GDN_KERNELS = {
     # P from the sm_90 prologue's A (the diagonal blocks' rows loaded as the substitution needs them)
     "kda-inverse": ("chunk_prepare_kda._kda_inverse_kernel",
                     {"a": "*fp32", "p_out": "*bf16", "cu_seqlens": "*i64", "chunk_index": "*i32"}, {}, 1, 1),
+    # the segment combine, as the portable tier launches it and as the sm_90 tier does
+    "combine": ("chunk_delta._segment_combine_kernel", COMBINE_POINTERS, dict(BV=32, SK=128, SV=1, HAS_H0=True), 4, 1),
+    "combine-sm90": ("chunk_delta._segment_combine_kernel", COMBINE_POINTERS, dict(BV=16, SK=128, SV=1, HAS_H0=True),
+                     8, 2),
     "kda-wide-list": ("chunk_prepare_kda_wide._list_blocks_kernel",
                       {"flags": "*i32", "items": "*i32", "count": "*i32"}, {}, 4, 1),
     "kda-scan": ("chunk_delta._scan_kernel", SCAN_POINTERS,
