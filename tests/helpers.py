@@ -101,6 +101,19 @@ def make_inputs(spec: OpSpec, B=2, T=65, H=2, HV=None, K=32, V=32, dtype=torch.f
     return out
 
 
+def strided(x: torch.Tensor) -> torch.Tensor:
+    """The same values in a non-contiguous view (each element followed by a zero in memory), as
+    q, k, v split from one projection are."""
+    return torch.stack([x, torch.zeros_like(x)], -1)[..., 0]
+
+
+def strided_inputs(t: dict) -> dict:
+    """Every tensor of ``t`` as a strided view (``strided``), the values unchanged."""
+    out = {n: strided(x) if isinstance(x, torch.Tensor) else x for n, x in t.items()}
+    assert not any(isinstance(x, torch.Tensor) and x.is_contiguous() for x in out.values())
+    return out
+
+
 def extra_args(spec: OpSpec) -> dict:
     return dict(LIGHTNING_LAYERS) if spec.gate == "gamma" else {}
 

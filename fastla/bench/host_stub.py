@@ -109,6 +109,25 @@ def _gdn_case(T=200, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16, **opts):
     return make
 
 
+def _split(make):
+    """``make``'s inputs with q, k, v split from one projection and the other tensors strided (every
+    element followed by a zero): the tiers read them through dense copies that a plan replays."""
+    def strided(x):
+        return torch.stack([x, torch.zeros_like(x)], -1)[..., 0]
+
+    def split(seed):
+        kw = make(seed)
+        q, k, v = kw["q"], kw["k"], kw["v"]
+        B, T = q.shape[:2]
+        qkv = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], -1)
+        q, k, v = qkv.split([q[0, 0].numel(), k[0, 0].numel(), v[0, 0].numel()], -1)
+        kw.update(q=q.view(kw["q"].shape), k=k.view(kw["k"].shape), v=v.view(kw["v"].shape))
+        kw.update({n: strided(x) for n, x in kw.items() if n not in "qkv" and isinstance(x, torch.Tensor)
+                   and n != "cu_seqlens_cpu"})
+        return kw
+    return split
+
+
 def _kda_case(T=200, H=2, K=128, V=128, **opts):
     def make(seed):
         kw = _gdn_case(T=T, H=H, HV=H, K=K, V=V)(seed)
@@ -171,6 +190,10 @@ def cases():
                                                      use_qk_l2norm_in_kernel=True, output_final_state=True), tier,
              True),
             (f"kda-{tier}-given-gate-varlen", kda, _kda_case(cu_seqlens_cpu=cu, cu_seqlens=cu.clone()), tier, True),
+            (f"gdn-{tier}-strided-varlen", gdn, _split(_gdn_case(cu_seqlens_cpu=cu, cu_seqlens=cu.clone(), h0=True,
+                                                                 use_gate_in_kernel=True)), tier, True),
+            (f"kda-{tier}-strided", kda, _split(_kda_case(use_gate_in_kernel=True, lower_bound=-5.0,
+                                                          output_final_state=True)), tier, True),
         ]
     out += [
         ("gdn-fp16-inputs", gdn, _gdn_case(dtype=torch.float16), "triton", False),      # cast to fp32 first
@@ -236,8 +259,26 @@ def check_plans() -> list[str]:
             failures.append(f"{name}: the replay differs from the full path:\n  {full}\n  {replay}")
         else:
             print(f"{name}: {'planned, replay matches' if planned else 'not planned'} ({len(full[0])} launches)")
+        if planned:
+            failures += _check_copies(name, plan, x)
     failures += _check_replayed_validation()
     return failures
+
+
+def _check_copies(name: str, plan, kw: dict) -> list[str]:
+    """A plan copies each non-contiguous input of the call (call_plan.dense) before its launches:
+    the replay's copies are contiguous and hold the call's values."""
+    strided = sum(isinstance(x, torch.Tensor) and not x.is_contiguous() for x in kw.values())
+    if len(plan.copies) != strided:
+        return [f"{name}: {len(plan.copies)} dense copies recorded for {strided} strided inputs"]
+    tensors, calls, _ = plan.bind((), kw)
+    for fn, args in calls[:len(plan.copies)]:
+        fn(*args)
+    if not all(tensors[c].is_contiguous() and torch.equal(tensors[c], tensors[i]) for i, c in plan.copies):
+        return [f"{name}: a replayed dense copy differs from its input"]
+    if strided:
+        print(f"{name}: {strided} strided inputs copied before the launches")
+    return []
 
 
 def _check_replayed_validation() -> list[str]:

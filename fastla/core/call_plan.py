@@ -16,10 +16,11 @@ Recording (the second call with a signature) runs the call's full path with a re
 ``Launcher`` (backends/triton/launch.py) reports each launch (compiled kernel, grid, every
 argument); ``empty`` and ``full`` below note the allocations; ``keep_constants`` notes the
 host-built index tables (kept alive by the plan); ``value_check`` runs validations that read input
-values on the host (the plan runs them again at every replay); a TorchDispatchMode watches every
-aten op. The call is left unplanned (and takes its full path every time) when an aten op reads or
-writes a CUDA tensor's data outside ``full``, ``unwatched`` and ``value_check`` (a copy,
-a cast, a reduction), when a launch bypasses the cached launcher (the interpreter, launch hooks),
+values on the host (the plan runs them again at every replay); ``dense`` notes the copies of inputs
+that the kernels cannot read as they are (strided or misaligned views; replayed before the
+launches); a TorchDispatchMode watches every aten op. The call is left unplanned (and takes its full path every time) when an aten op reads or
+writes a CUDA tensor's data outside ``full``, ``dense``, ``unwatched`` and ``value_check`` (a
+copy, a cast, a reduction), when a launch bypasses the cached launcher (the interpreter, launch hooks),
 when a launch argument is a tensor that is none of the call's inputs (by identity), allocations
 and constants, or when the result holds anything but those, views of them and None.
 Plain launch arguments (ints, floats, constexprs) are kept as recorded: the full path derives
@@ -173,6 +174,7 @@ class _Recording:
         self.allocations = {}       # id -> (tensor, fill value or None), in allocation order
         self.constants = {}         # id -> tensor
         self.checks = []            # (value check, ids of its tensors, constants)
+        self.copies = []            # (id of the input, id of its dense copy), in call order
         self.paused = 0
         self.why_not = None
 
@@ -215,6 +217,23 @@ def unwatched():
     finally:
         if rec is not None:
             rec.paused -= 1
+
+
+def dense(x: torch.Tensor | None, align: int = 1) -> torch.Tensor | None:
+    """``x`` itself when it is contiguous and its address a multiple of ``align`` bytes, else a
+    contiguous copy (an input that a kernel reads as a dense row-major array: a strided view such as
+    q, k, v split from one projection, FLA's ``input_guard`` does the same); a recording notes the
+    copy, which must be of a call's input, and the plan replays it before the launches."""
+    if x is None or (x.is_contiguous() and x.data_ptr() % align == 0):
+        return x
+    t = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    with unwatched():
+        t.copy_(x)
+    rec = recording()
+    if rec is not None:
+        rec.allocations[id(t)] = (t, None)
+        rec.copies.append((id(x), id(t)))
+    return t
 
 
 def value_check(check, tensors: tuple, **constants) -> None:
@@ -323,10 +342,14 @@ class _Plan:
         allocs = list(rec.allocations.values())
         if any(i not in sources for _, ids, _ in rec.checks for i in ids):
             raise _Unplanned("a value check reads a tensor that is not an input")
+        if any(i not in sources for i, _ in rec.copies):
+            raise _Unplanned("a dense copy of a tensor that is not an input")
         self.checks = [(check, [sources[i] for i in ids], constants) for check, ids, constants in rec.checks]
         sources.update((id(t), n_in + j) for j, (t, _) in enumerate(allocs))
+        # (input slot, copy slot): the copies are tensors of their own, filled before the launches
+        self.copies = [(sources[i], sources[c]) for i, c in rec.copies]
         self.result = self._result_spec(result, sources, allocs, n_in)
-        kept = {s[1] for s in self.result[1] if s is not None}
+        kept = {s[1] for s in self.result[1] if s is not None} | {c for _, c in self.copies}
         # per allocation: (shape, dtype, fill) for a tensor of its own, or its workspace offset
         self.allocations, offset = [], 0
         for j, (t, fill) in enumerate(allocs):
@@ -441,7 +464,7 @@ class _Plan:
             tensors.append(t)
             addresses.append(_Address(t.data_ptr()))
         stream = self.stream(self.current_device)
-        calls = []
+        calls = [(_Tensor.copy_, (tensors[c], tensors[i])) for i, c in self.copies]   # (torch's current stream)
         for i, (fn, template, slots, stream_at) in enumerate(self.launches):
             values = template.copy()
             values[stream_at] = stream

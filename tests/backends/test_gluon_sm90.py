@@ -511,10 +511,12 @@ def test_kda_prologue_launch_builds_descriptors(monkeypatch):
 def test_kda_prologue_serves_every_gate(monkeypatch):
     """The sm_90 prologue takes the bounded gate computed in the op, the unbounded and the given
     (bf16 or fp32) gates (their widest blocks flagged for the wide-block kernel); with UNBOUNDED off
-    only the bounded gate (lower_bound >= -5). Not K % 32 != 0, nor a strided or fp16 gate."""
+    only the bounded gate (lower_bound >= -5). Not K % 32 != 0, nor an fp16 gate; a strided gate
+    once the tier has made it dense."""
     import torch
 
     from fastla.backends.gluon import chunk_prepare_kda_sm90 as sm90
+    from fastla.backends.triton import chunk_delta as triton_chunk
     from fastla.core.validation import build_problem
 
     B, T, H, K = 1, 128, 2, 64
@@ -532,8 +534,10 @@ def test_kda_prologue_serves_every_gate(monkeypatch):
     assert sm90.serves(build_problem("chunk_kda", **common, gk=g, gate_in_op="kda", lower_bound=-1.0)) is None
     assert all(sm90.serves(p) is None for p in unbounded)
     assert "bf16 or fp32" in sm90.serves(build_problem("chunk_kda", **common, gk=g.half()))
-    strided = torch.randn(B, T, K, H, dtype=torch.bfloat16).transpose(2, 3)
-    assert "bf16 or fp32" in sm90.serves(build_problem("chunk_kda", **common, gk=strided))
+    strided = torch.randn(B, T, K, H, dtype=torch.bfloat16).transpose(2, 3)    # the tier's run makes it dense
+    dense = triton_chunk.dense_inputs(build_problem("chunk_kda", **common, gk=strided), align=16)
+    assert dense.gk.is_contiguous() and dense.gk.data_ptr() % 16 == 0 and torch.equal(dense.gk, strided)
+    assert dense.q is q and sm90.serves(dense) is None
     qkv48 = {n: x[..., :48].contiguous() for n, x in dict(q=q, k=k, v=v).items()}
     narrow = build_problem("chunk_kda", **dict(common, **qkv48), gk=g[..., :48].contiguous())
     assert "multiple of 32" in sm90.serves(narrow)

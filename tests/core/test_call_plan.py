@@ -77,7 +77,8 @@ def test_replays_match_the_full_path():
     """fastla/bench/host_stub.py in a process without the Triton interpreter: for GDN and KDA
     (both tiers: plain, state layouts, varlen with the gate in the op, segments with chunk
     states, KDA's gates) and decode, the replayed launches (kernels, grids, every argument, the
-    buffers named) and result equal the full path's; fp16 inputs (cast first) are not planned."""
+    buffers named) and result equal the full path's, strided inputs are copied before the replayed
+    launches (their dense copies hold the call's values); fp16 inputs (cast first) are not planned."""
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-m", "fastla.bench.host_stub"], env=env, capture_output=True, text=True,

@@ -5,7 +5,7 @@ import torch
 
 from fastla.core.dispatch import use_tier
 from fastla.ops.gated_delta_rule import chunk_gated_delta_rule, naive_recurrent_gated_delta_rule
-from tests.helpers import OPS, call_chunk, call_reference, make_inputs, rel_rms
+from tests.helpers import OPS, call_chunk, call_reference, make_inputs, rel_rms, strided
 
 SPEC = OPS["gdn"]
 sm90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -237,6 +237,26 @@ def test_everything_in_op():
     ro, rht = naive_recurrent_gated_delta_rule(q, k, v, **d, **opts)
     assert rel_rms(o, ro) <= 1.5 * rel_rms(to, ro) + 2e-3
     assert rel_rms(ht, rht) <= 1.5 * rel_rms(tht, rht) + 2e-3
+
+
+def test_strided_and_misaligned_inputs():
+    """q, k, v split from one projection (the layout models pass), a strided gate, beta and state,
+    then a contiguous q at a 2-byte offset: the Gluon tier serves them (through dense, 16-byte
+    aligned copies) with the contiguous inputs' results, bit for bit."""
+    B, T, H, HV, K, V = 1, 200, 2, 4, 128, 128
+    t = bf16_inputs(B=B, T=T, H=H, HV=HV, K=K, V=V)
+    qkv = torch.cat([t["q"].flatten(2), t["k"].flatten(2), t["v"].flatten(2)], -1)
+    q, k, v = qkv.split([H * K, H * K, HV * V], -1)
+    split = dict(t, q=q.view(B, T, H, K), k=k.view(B, T, H, K), v=v.view(B, T, HV, V), g=strided(t["g"]),
+                 beta=strided(t["beta"]), initial_state=strided(t["initial_state"]))
+    buf = torch.empty(t["q"].numel() + 1, dtype=t["q"].dtype, device="cuda")
+    misaligned = buf[1:].view_as(t["q"]).copy_(t["q"])
+    opts = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
+    want = on("gluon", call_chunk, SPEC, t, **opts)
+    for case, inputs in (("split", split), ("misaligned", dict(t, q=misaligned))):
+        got = on("gluon", call_chunk, SPEC, inputs, **opts)
+        for name, a, b in zip(("o", "final_state"), got, want):
+            assert torch.equal(a, b), f"{case}: {name} differs from the contiguous inputs' run"
 
 
 def test_intermediate_states_match_triton(block_v):

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from fastla.backends.gluon import available
-from tests.helpers import assert_close
-from tests.ops.test_triton_chunk_kda import bf16_case, check_fp64
+from tests.helpers import assert_close, strided_inputs
+from tests.ops.test_triton_chunk_kda import SPEC, bf16_case, check_fp64, on_tier
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available() or available(torch.device("cuda")) is not None, reason="needs an sm_90 GPU")]
@@ -29,6 +29,20 @@ def test_tile_widths(block_v, case, monkeypatch):
     monkeypatch.setattr(gluon_chunk, "SCAN_DUAL", dual)
     monkeypatch.setattr(gluon_chunk, "SCAN_BLOCK_V", int(block_v[5:]) if dual else block_v)
     check_fp64(*bf16_case(case), tier="gluon")
+
+
+def test_strided_inputs():
+    """Strided views of every input (q, k, v, the raw gate, beta, the state, the offsets, A_log and
+    dt_bias) on the Gluon tier (dense copies, 16-byte aligned for TMA): the contiguous inputs'
+    results, bit for bit."""
+    from tests.helpers import call_chunk
+    t, opts = bf16_case("bounded-varlen")
+    tensors = {n: x for n, x in opts.items() if isinstance(x, torch.Tensor) and x.is_cuda}
+    want = on_tier(call_chunk, SPEC, t, tier="gluon", output_final_state=True, **opts)
+    got = on_tier(call_chunk, SPEC, strided_inputs(t), tier="gluon", output_final_state=True,
+                  **dict(opts, **strided_inputs(tensors)))
+    for name, a, b in zip(("o", "final_state"), got, want):
+        assert torch.equal(a, b), f"{name} differs with strided inputs"
 
 
 def test_varlen_segment_replays(monkeypatch):

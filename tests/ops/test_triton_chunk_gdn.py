@@ -6,7 +6,7 @@ import torch
 from fastla.backends.triton import interpreting
 from fastla.core.dispatch import use_tier
 from fastla.ops.gated_delta_rule import chunk_gated_delta_rule, naive_recurrent_gated_delta_rule
-from tests.helpers import DEVICES, OPS, assert_close, call_chunk, call_reference, make_inputs
+from tests.helpers import DEVICES, OPS, assert_close, call_chunk, call_reference, make_inputs, strided_inputs
 
 SPEC = OPS["gdn"]
 
@@ -52,6 +52,23 @@ def test_one_token_bf16_wide_heads(B):
 def test_varlen(lengths):
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
     check(make_inputs(SPEC, B=1, T=sum(lengths), H=2, HV=6, K=32, V=16, N=len(lengths)), cu_seqlens=cu)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_strided_inputs(device):
+    """Strided views (q, k, v split from one projection, sliced gates, beta, state, offsets and the
+    gate's parameters) run on this tier, through dense copies, with the contiguous inputs' results."""
+    lengths = [70, 1, 59]
+    t = make_inputs(SPEC, B=1, T=sum(lengths), H=2, HV=4, K=32, V=32, N=len(lengths), device=device)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device=device)
+    HV = 4
+    extra = dict(A_log=torch.randn(HV, device=device) * 0.5, dt_bias=torch.randn(HV, device=device), cu_seqlens=cu)
+    opts = dict(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, output_final_state=True,
+                cu_seqlens_cpu=cu.cpu())
+    want = on_triton(chunk_gated_delta_rule, **t, **extra, **opts)
+    got = on_triton(chunk_gated_delta_rule, **strided_inputs(t), **strided_inputs(extra), **opts)
+    for name, a, b in zip(("o", "final_state"), got, want):
+        assert torch.equal(a, b), f"{name} differs with strided inputs"
 
 
 @pytest.mark.parametrize("K,V", [(32, 48), (64, 64), (128, 128)])

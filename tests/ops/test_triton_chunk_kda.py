@@ -8,7 +8,7 @@ import torch
 from fastla.backends.triton import interpreting
 from fastla.core.dispatch import use_tier
 from fastla.ops.kda import chunk_kda, naive_recurrent_kda
-from tests.helpers import DEVICES, OPS, assert_close, call_chunk, call_reference, gpu, make_inputs
+from tests.helpers import DEVICES, OPS, assert_close, call_chunk, call_reference, gpu, make_inputs, strided_inputs
 
 SPEC = OPS["kda"]
 TOL = 2e-5 if interpreting() else 1e-2          # fp32 operands in the interpreter; bf16 / tf32 on a GPU
@@ -63,6 +63,23 @@ def test_everything_in_op(lower_bound):
     ro, rht = naive_recurrent_kda(q, k, v, **t, **opts)
     assert_close("o", o, ro, TOL)
     assert_close("final_state", ht, rht, TOL)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_strided_inputs(device):
+    """Strided views of every input (q, k, v, the raw gate, beta, the state, the offsets, A_log and
+    dt_bias) run on this tier, through dense copies, with the contiguous inputs' results."""
+    lengths, HV, K = [70, 1, 59], 2, 32
+    t = make_inputs(SPEC, B=1, T=sum(lengths), H=1, HV=HV, K=K, V=16, N=len(lengths), device=device)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device=device)
+    extra = dict(A_log=torch.randn(HV, device=device) * 0.5, dt_bias=torch.randn(HV * K, device=device),
+                 cu_seqlens=cu)
+    opts = dict(use_gate_in_kernel=True, lower_bound=-5.0, use_qk_l2norm_in_kernel=True, output_final_state=True,
+                cu_seqlens_cpu=cu.cpu())
+    want = on_tier(chunk_kda, **t, **extra, **opts)
+    got = on_tier(chunk_kda, **strided_inputs(t), **strided_inputs(extra), **opts)
+    for name, a, b in zip(("o", "final_state"), got, want):
+        assert torch.equal(a, b), f"{name} differs with strided inputs"
 
 
 def test_segments_and_intermediate_states(monkeypatch):

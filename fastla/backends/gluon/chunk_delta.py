@@ -131,8 +131,6 @@ def supports(p: Problem) -> str | None:
         return f"K = {p.K} (the sm_90 scan takes K = 64 or 128)"
     if p.V % 32:
         return f"V = {p.V} (the sm_90 scan takes multiples of 32)"
-    if any(x.data_ptr() % 16 for x in (p.q, p.k, p.v)):
-        return "q, k or v is not 16-byte aligned (TMA)"
     if p.B * p.T < 64:
         return f"{p.B * p.T} tokens in the batch (the scan's TMA boxes are 64 rows; smaller batches are not validated)"
     return None
@@ -149,8 +147,8 @@ def _tile_layout(rows: int, cols: int, fp32: bool = False):
 def tma_descriptor(x, rows: int, width: int, block, layout):
     """A TMA descriptor of the contiguous ``x`` read as [rows, width] in ``block`` boxes: the
     fields TensorDescriptor.from_tensor sets, without its re-validation (~5 us a descriptor;
-    16-byte alignment and dtypes are checked in supports, and for the KDA gate in
-    chunk_prepare_kda_sm90.serves) and without a view: the launch reads only the base's address
+    run's inputs are dense and 16-byte aligned (triton_chunk.dense_inputs), dtypes are checked in
+    supports, and for the KDA gate in chunk_prepare_kda_sm90.serves) and without a view: the launch reads only the base's address
     and dtype, and the shape and strides given here."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -245,6 +243,7 @@ def run(p: Problem):
     from fastla.backends.gluon import chunk_inverse_sm90 as gdn_inverse
     from fastla.backends.gluon import chunk_scores_sm90 as gdn_scores
 
+    p = triton_chunk.dense_inputs(p, align=16)                             # (TMA: 16-byte aligned bases)
     config = plan(p)
     kernels = {}
     if p.gk is not None and KDA_PROLOGUE_SM90:                             # (supports: bf16 inputs)

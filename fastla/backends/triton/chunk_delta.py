@@ -1,8 +1,8 @@
 """Triton chunked forward of the gated delta rule (GDN) and of KDA: prologue, then a scan that writes the output.
 
-Inputs as the public op takes them, contiguous: q, k ``[B, T, H, K]`` (GVA: value head ``j``
-reads head ``j // (HV // H)``), v ``[B, T, HV, V]``, g / beta ``[B, T, HV]`` (raw when the gate
-or the beta sigmoid is computed in the op); the l2norm of q and k, the GDN gate
+Inputs as the public op takes them (``dense_inputs`` copies strided ones, as FLA does): q, k
+``[B, T, H, K]`` (GVA: value head ``j`` reads head ``j // (HV // H)``), v ``[B, T, HV, V]``,
+g / beta ``[B, T, HV]`` (raw when the gate or the beta sigmoid is computed in the op); the l2norm of q and k, the GDN gate
 ``-exp(A_log) * softplus(g + dt_bias)`` and the beta sigmoid are applied inside the kernels.
 Dense batches need no index tensors; varlen batches use a host-built chunk index, cached per
 ``cu_seqlens`` (so graph capture after one eager call copies nothing).
@@ -437,9 +437,20 @@ def supports(p: Problem, config: ChunkConfig | None = None) -> str | None:
     tensors = [p.q, p.k, p.v, p.g, p.gk, p.beta, p.initial_state, p.A_log, p.dt_bias]
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors):
         return "inputs require grad: no Triton backward yet (the torch tier has autograd)"
-    if not all(x.is_contiguous() for x in tensors if x is not None):
-        return "non-contiguous inputs (the kernels read contiguous [B, T, H, D] tensors)"
     return None
+
+
+DENSE_FIELDS = ("q", "k", "v", "g", "gk", "beta", "initial_state", "A_log", "dt_bias", "cu_seqlens")
+
+
+def dense_inputs(p: Problem, align: int = 1) -> Problem:
+    """``p`` with each tensor the kernels read as a dense row-major array contiguous (and its
+    address a multiple of ``align`` bytes: 16 for TMA): strided views (q, k, v split from one
+    projection) and misaligned ones are copied (call_plan.dense: a plan replays the copies), the
+    rest passed as they are."""
+    fields = {n: call_plan.dense(getattr(p, n), align) for n in DENSE_FIELDS}
+    changed = {n: x for n, x in fields.items() if x is not getattr(p, n)}
+    return dataclasses.replace(p, **changed) if changed else p
 
 
 @dataclass(frozen=True)
@@ -479,6 +490,7 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, kda_p
     given, runs KDA's prologue instead of chunk_prepare_kda.launch (same arguments less q, k and
     the launch shape); ``gdn_scores`` and ``gdn_inverse``, GDN's scores and inverse kernels instead
     of chunk_prepare.launch_scores and chunk_prepare.launch (same arguments and outputs)."""
+    p = dense_inputs(p)
     config = config or default_config(p)
     B, T, H, HV, K, V, N = p.B, p.T, p.H, p.HV, p.K, p.V, p.N
     dev = p.device
