@@ -259,6 +259,17 @@ def test_strided_and_misaligned_inputs():
             assert torch.equal(a, b), f"{case}: {name} differs from the contiguous inputs' run"
 
 
+def test_offsets_on_the_host_only():
+    """Offsets given only as cu_seqlens_cpu: the varlen batch it describes, as with both given."""
+    lengths = [70, 1, 300]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
+    t = bf16_inputs(B=1, T=sum(lengths), H=2, HV=4, K=128, V=128, N=len(lengths))
+    host_only = on("gluon", call_chunk, SPEC, t, output_final_state=True, cu_seqlens_cpu=cu)
+    both = on("gluon", call_chunk, SPEC, t, output_final_state=True, cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu)
+    for name, a, b in zip(("o", "final_state"), host_only, both):
+        assert torch.equal(a, b), f"{name} differs with the offsets on the host only"
+
+
 def test_intermediate_states_match_triton(block_v):
     t = bf16_inputs(B=2, T=200, H=1, HV=2, K=128, V=128)
     opts = dict(output_final_state=True, return_intermediate_states=True)

@@ -222,9 +222,25 @@ def test_varlen_sequence_orders():
     from fastla.backends.triton import chunk_delta
     cu = (0, 130, 130, 1000, 1001, 1065, 1930)              # 3, 0, 14, 1, 1 and 14 chunks
     p = SimpleNamespace(cu_seqlens_host=cu, cu_seqlens=torch.tensor(cu), device=torch.device("cpu"))
-    index, starts, total, orders = chunk_delta._varlen_index(p)
+    index, starts, total, orders, offsets = chunk_delta._varlen_index(p)
     assert total == 33 and starts.tolist() == [0, 3, 3, 17, 18, 19]
     assert orders.tolist() == [[2, 5, 0, 3, 4, 1], [0, 1, 2, 3, 4, 5]]
+    assert offsets.dtype == torch.int64 and offsets.tolist() == list(cu)
+
+
+@pytest.mark.parametrize("op", ["gdn", "kda"])
+def test_offsets_on_the_host_only(op):
+    """Offsets given only as cu_seqlens_cpu (no device cu_seqlens) are a varlen batch on this tier,
+    as on the torch tier (it ran them as one dense sequence and wrote past its buffers)."""
+    from tests.ops.test_triton_chunk_kda import SPEC as KDA
+    spec = SPEC if op == "gdn" else KDA
+    lengths = [70, 1, 130]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
+    t = make_inputs(spec, B=1, T=sum(lengths), H=2, HV=4, K=32, V=16, N=len(lengths))
+    host_only = on_triton(call_chunk, spec, t, output_final_state=True, cu_seqlens_cpu=cu)
+    both = on_triton(call_chunk, spec, t, output_final_state=True, cu_seqlens=cu, cu_seqlens_cpu=cu)
+    for name, a, b in zip(("o", "final_state"), host_only, both):
+        assert torch.equal(a, b), f"{name} differs with the offsets on the host only"
 
 
 def test_inverse_heads_per_program():

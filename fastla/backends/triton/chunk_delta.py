@@ -322,7 +322,8 @@ def _varlen_index(p: Problem):
     """(the (sequence, chunk) pair of every prepare/output program [chunks, 2] int32, each
     sequence's first chunk [N] int64, the number of chunks, the sequences' orders [2, N] int32:
     row 0 longest first (ties by index), row 1 as given; a scan that takes whole sequences
-    through a table (the sm_90 ones) starts the longest lanes first)."""
+    through a table (the sm_90 ones) starts the longest lanes first; the offsets [N + 1] int64
+    on the device, for calls that give them only on the host)."""
     def build():
         counts = _chunk_counts(p)
         starts = [0] + list(itertools.accumulate(counts))[:-1]
@@ -330,7 +331,8 @@ def _varlen_index(p: Problem):
         longest_first = sorted(range(len(counts)), key=lambda n: -counts[n])
         return (torch.tensor(pairs or [(0, 0)], dtype=torch.int32, device=p.device),
                 torch.tensor(starts, dtype=torch.int64, device=p.device), len(pairs),
-                torch.tensor([longest_first, list(range(len(counts)))], dtype=torch.int32, device=p.device))
+                torch.tensor([longest_first, list(range(len(counts)))], dtype=torch.int32, device=p.device),
+                torch.tensor(p.cu_seqlens_host, dtype=torch.int64, device=p.device))
     return HOST_TABLES.get(_varlen_key(p), build, pin=_capturing(p))
 
 
@@ -402,7 +404,7 @@ def _segments(p: Problem, config: ChunkConfig, counts: tuple[int, ...]) -> int:
 
 def _chunk_counts(p: Problem) -> tuple[int, ...]:
     """Chunks per sequence (cached per offsets: several launch decisions ask for them per call)."""
-    if p.cu_seqlens is None:
+    if p.cu_seqlens_host is None:
         return (cdiv(p.T, BT),) * p.B
     return _varlen_chunk_counts(p.cu_seqlens_host)
 
@@ -428,7 +430,7 @@ def supports(p: Problem, config: ChunkConfig | None = None) -> str | None:
     if p.cu_seqlens is not None and p.cu_seqlens_host is None:
         return "needs the sequence offsets on the host (pass cu_seqlens_cpu)"
     if _capturing(p):
-        if p.cu_seqlens is not None and not HOST_TABLES.cached(_varlen_key(p)):
+        if p.cu_seqlens_host is not None and not HOST_TABLES.cached(_varlen_key(p)):
             return "a first call with these cu_seqlens must come before CUDA-graph capture (it builds the chunk index)"
         counts = _chunk_counts(p)
         length = _segments(p, config or default_config(p), counts)
@@ -444,12 +446,15 @@ DENSE_FIELDS = ("q", "k", "v", "g", "gk", "beta", "initial_state", "A_log", "dt_
 
 
 def dense_inputs(p: Problem, align: int = 1) -> Problem:
-    """``p`` with each tensor the kernels read as a dense row-major array contiguous (and its
-    address a multiple of ``align`` bytes: 16 for TMA): strided views (q, k, v split from one
-    projection) and misaligned ones are copied (call_plan.dense: a plan replays the copies), the
-    rest passed as they are."""
+    """``p`` as the kernels read it: each tensor they read as a dense row-major array contiguous
+    (and its address a multiple of ``align`` bytes: 16 for TMA): strided views (q, k, v split
+    from one projection) and misaligned ones are copied (call_plan.dense: a plan replays the
+    copies), the rest passed as they are; and offsets given only as ``cu_seqlens_cpu`` on the
+    device (the varlen index table's copy, built once per offsets)."""
     fields = {n: call_plan.dense(getattr(p, n), align) for n in DENSE_FIELDS}
     changed = {n: x for n, x in fields.items() if x is not getattr(p, n)}
+    if p.cu_seqlens is None and p.cu_seqlens_host is not None:
+        changed["cu_seqlens"] = _varlen_index(p)[4]
     return dataclasses.replace(p, **changed) if changed else p
 
 
@@ -497,7 +502,7 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, kda_p
     varlen = p.cu_seqlens is not None
     NT = cdiv(T, BT)
     if varlen:
-        chunk_index, chunk_start, total, orders = _varlen_index(p)
+        chunk_index, chunk_start, total, orders, _ = _varlen_index(p)
         cu = p.cu_seqlens
     else:
         total = B * NT
