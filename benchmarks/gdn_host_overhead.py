@@ -99,7 +99,7 @@ def _breakdown(call, kw) -> None:
     _, calls, workspace = plan.bind((), kw)           # noqa: F841 (the launches below use it)
     parts = [("whole call", _best(call)), ("signature", _best(lambda: call_plan._signature((), kw))),
              ("bind (allocations, arguments)", _best(lambda: plan.bind((), kw)))]
-    for name, (fn, values) in zip(plan.kernels, calls):
+    for name, (fn, values) in zip(plan.kernels, calls[len(plan.copies):]):    # (the dense copies first)
         parts.append((f"launch {name} ({type(fn).__name__})", _best(lambda: fn(*values))))
     for a in plan.allocations:
         if a.__class__ is not int:

@@ -109,23 +109,23 @@ def _gdn_case(T=200, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16, **opts):
     return make
 
 
-def _split(make):
-    """``make``'s inputs with q, k, v split from one projection and the other tensors strided (every
-    element followed by a zero): the tiers read them through dense copies that a plan replays."""
+def split_views(kw: dict) -> dict:
+    """``kw`` with q, k, v split from one projection and the other tensors but ``cu_seqlens_cpu``
+    strided (each element followed by a zero), the values unchanged: the tiers read them through
+    dense copies that a plan replays."""
     def strided(x):
         return torch.stack([x, torch.zeros_like(x)], -1)[..., 0]
 
-    def split(seed):
-        kw = make(seed)
-        q, k, v = kw["q"], kw["k"], kw["v"]
-        B, T = q.shape[:2]
-        qkv = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], -1)
-        q, k, v = qkv.split([q[0, 0].numel(), k[0, 0].numel(), v[0, 0].numel()], -1)
-        kw.update(q=q.view(kw["q"].shape), k=k.view(kw["k"].shape), v=v.view(kw["v"].shape))
-        kw.update({n: strided(x) for n, x in kw.items() if n not in "qkv" and isinstance(x, torch.Tensor)
-                   and n != "cu_seqlens_cpu"})
-        return kw
-    return split
+    q, k, v = kw["q"], kw["k"], kw["v"]
+    qkv = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], -1)
+    views = qkv.split([q[0, 0].numel(), k[0, 0].numel(), v[0, 0].numel()], -1)
+    out = {n: strided(x) if isinstance(x, torch.Tensor) and n != "cu_seqlens_cpu" else x for n, x in kw.items()}
+    out.update({n: x.view(kw[n].shape) for n, x in zip(("q", "k", "v"), views)})
+    return out
+
+
+def _split(make):
+    return lambda seed: split_views(make(seed))
 
 
 def _kda_case(T=200, H=2, K=128, V=128, **opts):
@@ -272,6 +272,8 @@ def _check_copies(name: str, plan, kw: dict) -> list[str]:
     if len(plan.copies) != strided:
         return [f"{name}: {len(plan.copies)} dense copies recorded for {strided} strided inputs"]
     tensors, calls, _ = plan.bind((), kw)
+    for _, c in plan.copies:
+        tensors[c].fill_(-7)                        # (fresh memory may already hold the values)
     for fn, args in calls[:len(plan.copies)]:
         fn(*args)
     if not all(tensors[c].is_contiguous() and torch.equal(tensors[c], tensors[i]) for i, c in plan.copies):

@@ -89,20 +89,23 @@ def test_replays_match_the_full_path():
 
 @gpu
 @pytest.mark.parametrize("case", ["gdn", "gdn-split", "gdn-varlen", "kda", "kda-varlen", "gdn-decode", "gdn-pool",
-                                  "gdn-stream-pool"])
+                                  "gdn-stream-pool", "gdn-varlen-strided", "kda-strided"])
 def test_replay_equals_full_path_on_gpu(case, monkeypatch):
     """On the GPU: a replayed call's output and final state (or pool) equal the full path's bit for
-    bit (same kernels, same inputs); the outputs are poisoned first."""
-    from fastla.bench.host_stub import cases
+    bit (same kernels, same inputs); the outputs are poisoned first. The strided cases build their
+    views on the GPU (``.cuda()`` of a view with gaps is contiguous)."""
+    from fastla.bench.host_stub import cases, split_views
 
     named = {name: (op, make, tier) for name, op, make, tier, _ in cases()}
     key = {"gdn": "gdn-gluon", "gdn-split": "gdn-gluon-split-states", "gdn-varlen": "gdn-gluon-varlen-gate",
            "kda": "kda-gluon-safe-gate", "kda-varlen": "kda-gluon-given-gate-varlen", "gdn-decode": "gdn-decode",
-           "gdn-pool": "gdn-verify-pool", "gdn-stream-pool": "gdn-decode-bf16-pool"}[case]
+           "gdn-pool": "gdn-verify-pool", "gdn-stream-pool": "gdn-decode-bf16-pool",
+           "gdn-varlen-strided": "gdn-gluon-varlen-gate", "kda-strided": "kda-gluon-safe-gate"}[case]
     op, make, _ = named[key]
 
     def on_gpu(kw):
-        return {n: (x.cuda() if isinstance(x, torch.Tensor) and n != "cu_seqlens_cpu" else x) for n, x in kw.items()}
+        kw = {n: (x.cuda() if isinstance(x, torch.Tensor) and n != "cu_seqlens_cpu" else x) for n, x in kw.items()}
+        return split_views(kw) if case.endswith("strided") else kw
 
     x, y = on_gpu(make(0)), on_gpu(make(1))
     with torch.no_grad():
