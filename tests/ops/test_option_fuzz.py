@@ -1,0 +1,111 @@
+"""Random combinations of the chunked GDN / KDA options (seeded): GVA ratio, head dims, dense or
+varlen batches (int32 / int64 offsets, on the host only or both), the gate in the op (with or
+without dt_bias, KDA's lower_bound), the l2norm, beta sigmoid and negative eigenvalues, initial
+state in either layout, final and intermediate states, strided inputs. On the CPU the Triton tier
+(interpreter) against the torch tier; on an sm_90 GPU the Gluon tier against fp64, within 1.5x the
+Triton tier's error as in test_gluon_chunk_gdn.py."""
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastla.backends.gluon import available
+from fastla.core.dispatch import use_tier
+from fastla.ops.gated_delta_rule import chunk_gated_delta_rule
+from fastla.ops.kda import chunk_kda
+from tests.helpers import rel_rms, strided
+
+OPS = {"gdn": chunk_gated_delta_rule, "kda": chunk_kda}
+
+
+def random_case(seed: int, gpu: bool, device: str | None = None):
+    """(op, tensors, options) of one seeded combination. ``gpu``: the Gluon scan's shapes (bf16,
+    K = 64 or 128, V a multiple of 32, 64 tokens or more) on ``device`` (CUDA by default)."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    op = rng.choice(["gdn", "kda"])
+    H = rng.choice([1, 2])
+    HV = H * rng.choice([1, 2, 3])
+    K = rng.choice([64, 128] if gpu else [16, 32, 48, 64])
+    V = rng.choice([32, 64, 128] if gpu else [16, 32, 48])
+    lengths = None
+    if rng.random() < 0.5:
+        lengths = [rng.choice([1, 5, 63, 64, 65, 129] + ([300, 700] if gpu else [])) for _ in range(rng.choice([1, 2, 3]))]
+        lengths[0] += 64 if gpu else 0                              # (the Gluon scan takes 64 tokens or more)
+        B, T, N = 1, sum(lengths), len(lengths)
+    else:
+        B, T = rng.choice([1, 2]), rng.choice([64, 65, 130, 500] if gpu else [1, 17, 64, 65, 130])
+        N = B
+    t = dict(q=rnd(B, T, H, K), k=rnd(B, T, H, K), v=rnd(B, T, HV, V))
+    opts = dict(use_qk_l2norm_in_kernel=rng.random() < 0.6)
+    if not opts["use_qk_l2norm_in_kernel"]:
+        t["q"], t["k"] = F.normalize(t["q"], dim=-1), F.normalize(t["k"], dim=-1)
+    gate = (B, T, HV) if op == "gdn" else (B, T, HV, K)
+    if rng.random() < 0.5:
+        t["g"] = rnd(*gate)
+        opts.update(use_gate_in_kernel=True, A_log=rnd(HV) * 0.5)
+        if rng.random() < 0.7:
+            opts["dt_bias"] = rnd(HV if op == "gdn" else HV * K)
+        if op == "kda" and rng.random() < 0.5:
+            opts["lower_bound"] = rng.choice([-5.0, -1.0])
+    else:
+        t["g"] = F.logsigmoid(rnd(*gate) + 2) * rng.choice([0.01, 1.0, 10.0])
+    if rng.random() < 0.5:
+        t["beta"] = rnd(B, T, HV)
+        opts.update(use_beta_sigmoid_in_kernel=True, allow_neg_eigval=rng.random() < 0.5)
+    else:
+        t["beta"] = torch.rand(B, T, HV, generator=gen)
+    opts["state_v_first"] = rng.random() < 0.3
+    if rng.random() < 0.7:
+        t["initial_state"] = rnd(N, HV, V, K) if opts["state_v_first"] else rnd(N, HV, K, V)
+    opts["output_final_state"] = rng.random() < 0.8
+    opts["return_intermediate_states"] = rng.random() < 0.25
+    if lengths:
+        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=rng.choice([torch.int32, torch.int64]))
+        opts["cu_seqlens_cpu"] = cu
+        if rng.random() < 0.5:
+            opts["cu_seqlens"] = cu.clone()
+    device = device or ("cuda" if gpu else "cpu")
+    dtype = torch.bfloat16 if gpu else torch.float32
+    t = {n: x.to(device) if n == "initial_state" else x.to(device, dtype) for n, x in t.items()}
+    opts = {n: x.to(device) if torch.is_tensor(x) and n != "cu_seqlens_cpu" else x for n, x in opts.items()}
+    if rng.random() < 0.3:
+        t = {n: strided(x) for n, x in t.items()}
+    return op, t, opts
+
+
+def call(op, t, opts, tier):
+    with use_tier(tier, strict=True), torch.no_grad():
+        out = OPS[op](**t, **opts)
+    return out if isinstance(out, tuple) else (out,)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_triton_tier_matches_torch_tier(seed):
+    if torch.cuda.is_available():
+        pytest.skip("the CPU interpreter's case (fp32 operands); the GPU case is the Gluon one")
+    op, t, opts = random_case(seed, gpu=False)
+    want, got = call(op, t, opts, "torch"), call(op, t, opts, "triton")
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert (a is None) == (b is None) and (a is None or a.shape == b.shape), f"output {i}"
+        assert a is None or rel_rms(a, b) <= 2e-5, f"output {i}: {rel_rms(a, b):.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or available(torch.device("cuda")) is not None,
+                    reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("seed", range(24))
+def test_gluon_tier_against_fp64(seed):
+    op, t, opts = random_case(seed, gpu=True)
+    gluon, triton = call(op, t, opts, "gluon"), call(op, t, opts, "triton")
+    ref_opts = {n: (x.double() if torch.is_tensor(x) and x.is_floating_point() else x) for n, x in opts.items()}
+    ref = call(op, {n: x.double() for n, x in t.items()}, ref_opts, "torch")
+    for i, (g, tr, r) in enumerate(zip(gluon, triton, ref)):
+        if r is None:
+            continue
+        assert torch.isfinite(g).all(), f"output {i} not finite"
+        err, err_t = rel_rms(g, r), rel_rms(tr, r)
+        assert err <= 1.5 * err_t + 2e-3, f"output {i}: gluon {err:.2e} vs triton {err_t:.2e}"
