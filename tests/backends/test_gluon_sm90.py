@@ -167,6 +167,48 @@ def test_decode_compiles_for_sm90(name, tmp_path):
         assert res["REG"] * 128 * 3 <= 65536, res
 
 
+def test_row_views_for_tma(monkeypatch):
+    """row_stride: q, k, v split from one projection read as strided [B * T, heads * D] arrays;
+    not heads apart, a batch stride that is not T rows, a misaligned base or row stride.
+    in_place_views: those views, only with STRIDED_TMA and where every reader is a TMA load (not
+    KDA's wide-block rewrite of unbounded gates)."""
+    import torch
+
+    from fastla.backends.gluon import chunk_delta as gluon_chunk
+    from fastla.core.validation import build_problem
+
+    B, T, H, HV, K, V = 2, 100, 2, 4, 64, 32
+    bf = dict(dtype=torch.bfloat16)
+    width = 2 * H * K + HV * V
+    q, k, v = torch.randn(B, T, width, **bf).split([H * K, H * K, HV * V], -1)
+    q, k, v = q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, HV, V)
+    assert [gluon_chunk.row_stride(x) for x in (q, k, v)] == [width] * 3
+    assert gluon_chunk.row_stride(torch.randn(B, T, H, K, **bf)) == H * K
+    assert gluon_chunk.row_stride(torch.randn(B, T, K, H, **bf).transpose(2, 3)) is None          # inner stride
+    assert gluon_chunk.row_stride(torch.randn(B, H, T, K, **bf).transpose(1, 2)) is None          # heads apart
+    assert gluon_chunk.row_stride(torch.randn(T, B, width, **bf).transpose(0, 1)[..., :H * K].view(B, T, H, K)) is None
+    assert gluon_chunk.row_stride(torch.randn(B, T, width + 1, **bf)[..., :H * K].view(B, T, H, K)) is None  # row
+    assert gluon_chunk.row_stride(torch.randn(B, T, width, **bf)[..., 1:H * K + 1].view(B, T, H, K)) is None  # base
+    assert gluon_chunk.row_stride(torch.randn(B, 1, width, **bf)[..., :H * K].view(B, 1, H, K)) == width     # T = 1
+
+    g, beta = torch.randn(B, T, HV), torch.rand(B, T, HV)
+    gdn = build_problem("chunk_gated_delta_rule", q=q, k=k, v=v, g=g, beta=beta, delta=True, gva=True)
+    gk = torch.randn(B, T, HV, K, **bf)
+    bounded = build_problem("chunk_kda", q=q, k=k, v=v, gk=gk, beta=beta, delta=True, gva=True, gate_in_op="kda",
+                            A_log=torch.zeros(HV), lower_bound=-5.0)
+    unbounded = build_problem("chunk_kda", q=q, k=k, v=v, gk=gk, beta=beta, delta=True, gva=True)
+    assert gluon_chunk.in_place_views(gdn) == ()                                        # STRIDED_TMA off
+    monkeypatch.setattr(gluon_chunk, "STRIDED_TMA", True)
+    assert gluon_chunk.in_place_views(gdn) == ("q", "k", "v")
+    assert gluon_chunk.in_place_views(bounded) == ("q", "k", "v")
+    assert gluon_chunk.in_place_views(unbounded) == ()                                  # the wide-block rewrite
+    dense = build_problem("chunk_gated_delta_rule", q=q.contiguous(), k=k, v=v.contiguous(), g=g, beta=beta,
+                          delta=True, gva=True)
+    assert gluon_chunk.in_place_views(dense) == ("k",)
+    monkeypatch.setattr(gluon_chunk, "GDN_SCORES_SM90", False)                         # the Triton scores: pointers
+    assert gluon_chunk.in_place_views(gdn) == ()
+
+
 def test_launcher_builds_descriptors(monkeypatch):
     """The host side of the Gluon scan on the CPU, up to the launch: TMA descriptors of the shapes
     and boxes the kernel expects, the row count for the output's store, and the tile plan (64

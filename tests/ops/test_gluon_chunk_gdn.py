@@ -239,10 +239,14 @@ def test_everything_in_op():
     assert rel_rms(ht, rht) <= 1.5 * rel_rms(tht, rht) + 2e-3
 
 
-def test_strided_and_misaligned_inputs():
+@pytest.mark.parametrize("in_place", [False, True], ids=["copies", "strided-tma"])
+def test_strided_and_misaligned_inputs(in_place, monkeypatch):
     """q, k, v split from one projection (the layout models pass), a strided gate, beta and state,
     then a contiguous q at a 2-byte offset: the Gluon tier serves them (through dense, 16-byte
-    aligned copies) with the contiguous inputs' results, bit for bit."""
+    aligned copies, or with STRIDED_TMA the split q, k, v read in place) with the contiguous
+    inputs' results, bit for bit."""
+    from fastla.backends.gluon import chunk_delta as gluon_chunk
+    monkeypatch.setattr(gluon_chunk, "STRIDED_TMA", in_place)
     B, T, H, HV, K, V = 1, 200, 2, 4, 128, 128
     t = bf16_inputs(B=B, T=T, H=H, HV=HV, K=K, V=V)
     qkv = torch.cat([t["q"].flatten(2), t["k"].flatten(2), t["v"].flatten(2)], -1)

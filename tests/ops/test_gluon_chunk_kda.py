@@ -31,18 +31,24 @@ def test_tile_widths(block_v, case, monkeypatch):
     check_fp64(*bf16_case(case), tier="gluon")
 
 
-def test_strided_inputs():
+@pytest.mark.parametrize("in_place", [False, True], ids=["copies", "strided-tma"])
+def test_strided_inputs(in_place, monkeypatch):
     """Strided views of every input (q, k, v, the raw gate, beta, the state, the offsets, A_log and
-    dt_bias) on the Gluon tier (dense copies, 16-byte aligned for TMA): the contiguous inputs'
-    results, bit for bit."""
+    dt_bias) on the Gluon tier (dense copies, 16-byte aligned for TMA), then q, k, v split from one
+    projection (read in place with STRIDED_TMA): the contiguous inputs' results, bit for bit."""
+    from fastla.backends.gluon import chunk_delta as gluon_chunk
+    from fastla.bench.host_stub import split_views
     from tests.helpers import call_chunk
+    monkeypatch.setattr(gluon_chunk, "STRIDED_TMA", in_place)
     t, opts = bf16_case("bounded-varlen")
     tensors = {n: x for n, x in opts.items() if isinstance(x, torch.Tensor) and x.is_cuda}
     want = on_tier(call_chunk, SPEC, t, tier="gluon", output_final_state=True, **opts)
     got = on_tier(call_chunk, SPEC, strided_inputs(t), tier="gluon", output_final_state=True,
                   **dict(opts, **strided_inputs(tensors)))
-    for name, a, b in zip(("o", "final_state"), got, want):
+    split = on_tier(call_chunk, SPEC, split_views(t), tier="gluon", output_final_state=True, **opts)
+    for name, a, b, c in zip(("o", "final_state"), got, want, split):
         assert torch.equal(a, b), f"{name} differs with strided inputs"
+        assert torch.equal(c, b), f"{name} differs with q, k, v split from one projection"
 
 
 def test_varlen_segment_replays(monkeypatch):

@@ -60,6 +60,12 @@ GDN_SCORES_SM90 = True
 # sweep-v18-inverse-sm90.json), else on the Triton one (backends/triton/chunk_prepare.py); False for A/B
 GDN_INVERSE_SM90 = True
 SPECIALIZED_WIDTHS = (32, 64)
+# q, k and v views whose rows collapse into one strided [B * T, heads * D] array (split from one
+# projection: unit inner stride, heads adjacent, batch stride T token strides, 16-byte aligned base
+# and row stride) read in place by the TMA descriptors, where every kernel of the call reads them
+# through TMA (``in_place_views``), instead of through dense copies. Off: compile-checked, not yet
+# run on a GPU (tests/ops/test_gluon_chunk_gdn.py -k strided runs both settings)
+STRIDED_TMA = False
 # Whole varlen sequences scanned longest first (chunk_delta_sm90._program; the order is
 # triton_chunk._varlen_index's): with the sequences as given, a long one's later value tiles can
 # wait behind a wave of short ones. False: the given order (A/B sweeps)
@@ -144,20 +150,56 @@ def _tile_layout(rows: int, cols: int, fp32: bool = False):
     return gl.NVMMASharedLayout.get_default_for([rows, cols], gl.float32 if fp32 else gl.bfloat16)
 
 
+def row_stride(x) -> int | None:
+    """The row stride (elements) of ``x`` ``[B, T, heads, D]`` read as a ``[B * T, heads * D]``
+    array (unit inner stride, heads adjacent, the batch stride T token strides), when TMA can
+    read it in place (16-byte aligned base and row stride), else None. A contiguous ``x``'s is
+    ``heads * D``."""
+    if x.dim() != 4:
+        return None
+    B, T, heads, D = x.shape
+    sb, st, sh, sd = x.stride()
+    row = st if T > 1 else (sb if B > 1 else heads * D)
+    dense_rows = (D == 1 or sd == 1) and (heads == 1 or sh == D) and (B == 1 or T == 1 or sb == T * st)
+    size = x.element_size()
+    if not dense_rows or row < heads * D or row * size % 16 or x.data_ptr() % 16:
+        return None
+    return row
+
+
 def tma_descriptor(x, rows: int, width: int, block, layout):
-    """A TMA descriptor of the contiguous ``x`` read as [rows, width] in ``block`` boxes: the
-    fields TensorDescriptor.from_tensor sets, without its re-validation (~5 us a descriptor;
-    run's inputs are dense and 16-byte aligned (triton_chunk.dense_inputs), dtypes are checked in
-    supports, and for the KDA gate in chunk_prepare_kda_sm90.serves) and without a view: the launch reads only the base's address
+    """A TMA descriptor of ``x`` read as [rows, width] in ``block`` boxes: the fields
+    TensorDescriptor.from_tensor sets, without its re-validation (~5 us a descriptor; run's
+    inputs are dense and 16-byte aligned (triton_chunk.dense_inputs) but for the views kept in
+    place (``row_stride``), dtypes are checked in supports, and for the KDA gate in
+    chunk_prepare_kda_sm90.serves) and without a view: the launch reads only the base's address
     and dtype, and the shape and strides given here."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    if not x.is_contiguous() or x.numel() != rows * width:
-        raise RuntimeError(f"a TMA descriptor needs a contiguous tensor of {rows} x {width} elements, "
-                           f"got shape {list(x.shape)} with strides {list(x.stride())}")
+    stride = width if x.is_contiguous() else row_stride(x)
+    if stride is None or x.numel() != rows * width:
+        raise RuntimeError(f"a TMA descriptor needs a contiguous tensor of {rows} x {width} elements or a view of "
+                           f"its rows, got shape {list(x.shape)} with strides {list(x.stride())}")
     d = TensorDescriptor.__new__(TensorDescriptor)
-    d.base, d.shape, d.strides, d.block_shape, d.layout, d.padding = x, (rows, width), (width, 1), block, layout, "zero"
+    d.base, d.shape, d.strides, d.block_shape, d.layout, d.padding = x, (rows, width), (stride, 1), block, layout, "zero"
     return d
+
+
+def in_place_views(p: Problem) -> tuple[str, ...]:
+    """The q, k, v views that this call's kernels can read in place (STRIDED_TMA): the row views
+    (``row_stride``) among them when every kernel that reads them loads them by TMA: the sm_90
+    scan and summaries, GDN's sm_90 scores and inverse, KDA's sm_90 prologue without the
+    wide-block rewrite (which reads q and k by pointer); none otherwise."""
+    from fastla.backends.gluon import chunk_prepare_kda_sm90 as kda_prologue
+    from fastla.backends.triton.chunk_prepare_kda import bounded_spans
+
+    if not (STRIDED_TMA and SUMMARY_SM90 and SCAN_DUAL):
+        return ()
+    if p.gk is None and not (GDN_SCORES_SM90 and GDN_INVERSE_SM90):
+        return ()
+    if p.gk is not None and not (KDA_PROLOGUE_SM90 and kda_prologue.serves(p) is None and bounded_spans(p)):
+        return ()
+    return tuple(n for n in ("q", "k", "v") if not getattr(p, n).is_contiguous() and row_stride(getattr(p, n)))
 
 
 def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments, seg_state, programs: int):
@@ -243,7 +285,7 @@ def run(p: Problem):
     from fastla.backends.gluon import chunk_inverse_sm90 as gdn_inverse
     from fastla.backends.gluon import chunk_scores_sm90 as gdn_scores
 
-    p = triton_chunk.dense_inputs(p, align=16)                             # (TMA: 16-byte aligned bases)
+    p = triton_chunk.dense_inputs(p, align=16, in_place=in_place_views(p))   # (TMA: 16-byte aligned bases)
     config = plan(p)
     kernels = {}
     if p.gk is not None and KDA_PROLOGUE_SM90:                             # (supports: bf16 inputs)
@@ -258,7 +300,7 @@ def run(p: Problem):
         if GDN_INVERSE_SM90:
             kernels["gdn_inverse"] = gdn_inverse.launch
     return triton_chunk.run(p, config, sequence_scan=_sequence_scan, summaries=SUMMARY_SM90 and SCAN_DUAL,
-                            **kernels)
+                            dense=False, **kernels)
 
 
 @functools.lru_cache(maxsize=None)

@@ -445,13 +445,14 @@ def supports(p: Problem, config: ChunkConfig | None = None) -> str | None:
 DENSE_FIELDS = ("q", "k", "v", "g", "gk", "beta", "initial_state", "A_log", "dt_bias", "cu_seqlens")
 
 
-def dense_inputs(p: Problem, align: int = 1) -> Problem:
+def dense_inputs(p: Problem, align: int = 1, in_place: tuple[str, ...] = ()) -> Problem:
     """``p`` as the kernels read it: each tensor they read as a dense row-major array contiguous
     (and its address a multiple of ``align`` bytes: 16 for TMA): strided views (q, k, v split
     from one projection) and misaligned ones are copied (call_plan.dense: a plan replays the
-    copies), the rest passed as they are; and offsets given only as ``cu_seqlens_cpu`` on the
-    device (the varlen index table's copy, built once per offsets)."""
-    fields = {n: call_plan.dense(getattr(p, n), align) for n in DENSE_FIELDS}
+    copies), the rest, and the fields named in ``in_place`` (which the caller's kernels read
+    through their strides), passed as they are; and offsets given only as ``cu_seqlens_cpu`` on
+    the device (the varlen index table's copy, built once per offsets)."""
+    fields = {n: getattr(p, n) if n in in_place else call_plan.dense(getattr(p, n), align) for n in DENSE_FIELDS}
     changed = {n: x for n, x in fields.items() if x is not getattr(p, n)}
     if p.cu_seqlens is None and p.cu_seqlens_host is not None:
         changed["cu_seqlens"] = _varlen_index(p)[4]
@@ -486,7 +487,7 @@ class SequencePass:
 
 
 def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, kda_prologue=None, summaries=False,
-        gdn_scores=None, gdn_inverse=None):
+        gdn_scores=None, gdn_inverse=None, dense: bool = True):
     """The chunked forward. ``sequence_scan(p, SequencePass, seg, segments, seg_state, programs)``,
     when given, launches the sequence passes (seg 0 or 2; seg 0's ``segments`` are varlen's
     sequence orders, _varlen_index) instead of the Triton scan; it must
@@ -494,8 +495,10 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, kda_p
     columns from [0 | I], ``[segments, HV, K, V + K]`` into seg_state). ``kda_prologue``, when
     given, runs KDA's prologue instead of chunk_prepare_kda.launch (same arguments less q, k and
     the launch shape); ``gdn_scores`` and ``gdn_inverse``, GDN's scores and inverse kernels instead
-    of chunk_prepare.launch_scores and chunk_prepare.launch (same arguments and outputs)."""
-    p = dense_inputs(p)
+    of chunk_prepare.launch_scores and chunk_prepare.launch (same arguments and outputs).
+    ``dense`` False: the caller has already passed ``p`` through dense_inputs for its kernels."""
+    if dense:
+        p = dense_inputs(p)
     config = config or default_config(p)
     B, T, H, HV, K, V, N = p.B, p.T, p.H, p.HV, p.K, p.V, p.N
     dev = p.device
