@@ -131,7 +131,7 @@ def _diag_inverse_rows(a, row0, col0, blk: tl.constexpr, n_left, stride):
     P = tl.where(r[:, None] == r[None, :], 1.0, 0.0)                                           # [16, 16]
     for i in tl.static_range(1, 16):
         t = blk * 16 + i
-        a_row = tl.load(a + row0 + t * stride + col0 + r, mask=(r < i) & (t < n_left), other=0.0)   # [16]
+        a_row = tl.load(a + row0 + t * stride + col0 + r, mask=(r < i) & (t < n_left), other=0.0).to(tl.float32)
         P = tl.where(r[:, None] == i, P - tl.sum(a_row[:, None] * P, 0)[None, :], P)
     return P
 

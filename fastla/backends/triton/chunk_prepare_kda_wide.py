@@ -19,7 +19,7 @@ decaying gate, whatever the span:
 So every entry has one writer: (b, c) with b > c is column block c's program when c is flagged,
 else row block b's, else the sm_90 prologue's (its value is right: neither block is wide).
 
-Writes A (strict lower, times beta, fp32 scratch) and Aqk (lower, the scores' dtype) ``[B, T, HV,
+Writes A (strict lower, times beta, fp32 or bf16 scratch) and Aqk (lower, the scores' dtype) ``[B, T, HV,
 64]``, kg, kd, qg ``[B, T, HV, K]``; decay (2^G_last) stays the sm_90 prologue's. Two launches
 after the list's counter is zeroed: ``_list_blocks_kernel`` lists the flagged blocks (256 flags a
 program, one atomic per program to reserve its slots), then ``_kda_wide_blocks_kernel``, persistent
@@ -185,18 +185,18 @@ def _rewrite_block(
     # row block b in the earlier column blocks whose bit is clear
     mine = (cols < b * 16) & (((bits >> (cols // 16)) & 1) == 0) & valid_b[:, None]
     off_b = ((beta_base + rb * HV) * 64)[:, None] + cols
-    tl.store(a_kk + off_b, row_k * beta_b, mask=mine)
+    tl.store(a_kk + off_b, (row_k * beta_b).to(a_kk.dtype.element_ty), mask=mine)
     tl.store(a_qk + off_b, row_q.to(a_qk.dtype.element_ty), mask=mine)
     # the diagonal block, zeros above
     jb = tl.arange(0, 16)[None, :]
     ib = tl.arange(0, 16)[:, None]
     off_d = ((beta_base + rb * HV) * 64 + b * 16)[:, None] + jb
-    tl.store(a_kk + off_d, tl.where(jb < ib, dia_k * beta_b, 0.0), mask=valid_b[:, None])
+    tl.store(a_kk + off_d, tl.where(jb < ib, dia_k * beta_b, 0.0).to(a_kk.dtype.element_ty), mask=valid_b[:, None])
     tl.store(a_qk + off_d, tl.where(jb <= ib, dia_q, 0.0).to(a_qk.dtype.element_ty), mask=valid_b[:, None])
     # column block b in the later rows
     off_c = ((beta_base + r * HV) * 64 + b * 16)[:, None] + jb
     m_c = after & valid[:, None]
-    tl.store(a_kk + off_c, col_k * beta_r, mask=m_c)
+    tl.store(a_kk + off_c, (col_k * beta_r).to(a_kk.dtype.element_ty), mask=m_c)
     tl.store(a_qk + off_c, col_q.to(a_qk.dtype.element_ty), mask=m_c)
 
 
