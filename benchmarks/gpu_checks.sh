@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The GPU checks and measurements this tree still owes (docs/notes/gdn-prefill.md v21,
+# docs/notes/kda-prefill.md v11), in device calls of under ten minutes each:
+#   bash benchmarks/gpu_checks.sh tests     # GPU tests of what was built without a device (~7 min)
+#   bash benchmarks/gpu_checks.sh sweeps    # A_BF16 and the strided-input costs (~6 min)
+#   bash benchmarks/gpu_checks.sh cold      # cold starts of the Gluon paths (first call, empty cache)
+# Run from the repository root with .whl/ carried (../shared/device/peer-wheels.sh); results go to
+# $OUT when set (the device tool's output folder).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/dev/null
+mkdir -p /tmp/tc && tar xzf .whl/fla-0.6.0-autotune-h200.tgz -C /tmp/tc
+export PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR=/tmp/tc TRITON_CACHE_AUTOTUNING=1 PYTHONUNBUFFERED=1
+out=${OUT:-.}
+t() { timeout "$1" python3 -m pytest -m gpu -q -p no:cacheprovider "${@:2}" 2>&1 | tail -4; }
+case "${1:-tests}" in
+  tests)
+    t 150 tests/ops/test_gluon_chunk_gdn.py -k "strided or host_only or segments or summaries"
+    t 120 tests/ops/test_gluon_chunk_kda.py -k "segment or a_in_bf16 or strided"
+    t 90 tests/ops/test_option_fuzz.py
+    t 60 tests/core/test_call_plan.py
+    t 90 tests/ops/test_triton_chunk_gdn.py tests/ops/test_triton_chunk_kda.py \
+      -k "launch_variants or sequence_parallel or strided or host_only or inverse_kernel or wide_blocks"
+    t 90 tests/ops/test_gluon_recurrent.py
+    ;;
+  sweeps)
+    timeout 280 python3 benchmarks/kda_prefill_sweep.py --tier gluon --variants default,a-bf16 --out "$out" 2>&1 | tail -8
+    timeout 280 python3 benchmarks/strided_inputs.py --out "$out" 2>&1 | tail -20
+    ;;
+  cold)
+    timeout 500 python3 -m fastla bench --filter gdn/h16-hv64/1x8192,gdn/h2-hv8/1x32768,kda/h64/1x8192 \
+      --modes fwd --quick --cold-all --out "$out" 2>&1 | tail -12
+    ;;
+esac
