@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks and measurements this tree still owes (docs/notes/gdn-prefill.md v21,
 # docs/notes/kda-prefill.md v11), in device calls of under ten minutes each:
-#   bash benchmarks/gpu_checks.sh tests     # GPU tests of what was built without a device (~7 min)
-#   bash benchmarks/gpu_checks.sh sweeps    # A_BF16 and the strided-input costs (~6 min)
+#   bash benchmarks/gpu_checks.sh tests     # GPU tests of what was built without a device (~6 min)
+#   bash benchmarks/gpu_checks.sh coverage  # GPU tests owed from earlier sessions, bf16 A's casts (~4 min)
+#   bash benchmarks/gpu_checks.sh sweeps    # A_BF16 and the strided-input costs (~8 min)
 #   bash benchmarks/gpu_checks.sh cold      # cold starts of the Gluon paths (first call, empty cache)
 # Run from the repository root with .whl/ carried (../shared/device/peer-wheels.sh); results go to
 # $OUT when set (the device tool's output folder).
@@ -17,11 +18,14 @@ case "${1:-tests}" in
   tests)
     t 150 tests/ops/test_gluon_chunk_gdn.py -k "strided or host_only or segments or summaries"
     t 120 tests/ops/test_gluon_chunk_kda.py -k "segment or a_in_bf16 or strided"
-    t 90 tests/ops/test_option_fuzz.py
-    t 60 tests/core/test_call_plan.py
-    t 90 tests/ops/test_triton_chunk_gdn.py tests/ops/test_triton_chunk_kda.py \
-      -k "launch_variants or sequence_parallel or strided or host_only or inverse_kernel or wide_blocks"
-    t 90 tests/ops/test_gluon_recurrent.py
+    t 120 tests/ops/test_option_fuzz.py
+    t 90 tests/core/test_call_plan.py
+    ;;
+  coverage)
+    # (the device-agnostic tests carry no gpu mark: -m "" keeps them, "not cpu" their CUDA cases)
+    t 150 tests/ops/test_triton_chunk_gdn.py tests/ops/test_triton_chunk_kda.py -m "" \
+      -k "(launch_variants or sequence_parallel or strided or host_only or inverse_kernel or wide_blocks) and not cpu"
+    t 200 tests/ops/test_gluon_recurrent.py
     ;;
   sweeps)
     timeout 280 python3 benchmarks/kda_prefill_sweep.py --tier gluon --variants default,a-bf16 --out "$out" 2>&1 | tail -8

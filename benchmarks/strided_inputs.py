@@ -27,7 +27,7 @@ from fastla.core.dispatch import use_tier
 from fastla.ops import chunk_gated_delta_rule, chunk_kda
 
 call_plan.ENABLED = False       # the variants change STRIDED_TMA between calls of one signature
-SHAPES = "gdn/h16-hv32/1x8192,gdn/h16-hv64/1x32768,gdn/h2-hv8/1x8192,kda/h64/1x8192"
+SHAPES = "gdn/h16-hv32/1x8192,gdn/h2-hv8/1x8192,kda/h64/1x8192"
 
 
 def q_k_v_split(kw: dict) -> dict:
@@ -53,7 +53,8 @@ def main() -> int:
         gdn = shape.startswith("gdn/")
         ours, fla = (chunk_gated_delta_rule, fla_gdn) if gdn else (chunk_kda, fla_kda)
         with torch.no_grad():
-            want = ours(**kw)[0]
+            with use_tier("gluon", strict=True):
+                want = ours(**kw)[0]
             cases = [("contiguous", kw, False), ("split, copies", split, False), ("split, in place", split, True)]
             for name, inputs, in_place in cases:
                 gluon_chunk.STRIDED_TMA = in_place

@@ -273,37 +273,44 @@ def _check_in_place_views() -> list[str]:
     from fastla.backends.gluon import chunk_delta as gluon_chunk
     from fastla.core import call_plan
     from fastla.core.dispatch import use_tier
-    from fastla.ops import chunk_gated_delta_rule as op
+    from fastla.ops import chunk_gated_delta_rule as gdn
+    from fastla.ops import chunk_kda as kda
 
-    make = _split(_gdn_case(h0=True, output_final_state=True, use_qk_l2norm_in_kernel=True))
-    x = make(0)
-    width = x["q"].stride(1)
-    gluon_chunk.STRIDED_TMA, call_plan.ENABLED = True, True
-    try:
-        with use_tier("gluon", strict=True), torch.no_grad():
+    failures = []
+    for name, op, make in (("gdn", gdn, _gdn_case(h0=True, output_final_state=True, use_qk_l2norm_in_kernel=True)),
+                           ("kda", kda, _kda_case(use_gate_in_kernel=True, lower_bound=-5.0, output_final_state=True))):
+        x = _split(make)(0)
+        width = x["q"].stride(1)
+        gluon_chunk.STRIDED_TMA, call_plan.ENABLED = True, True
+        try:
+            with use_tier("gluon", strict=True), torch.no_grad():
+                call_plan.clear()
+                op(**x)
+                op(**x)
+                plan = op.plan_of(**x)
+                LAUNCHES.clear()
+                op(**x)
+        finally:
+            gluon_chunk.STRIDED_TMA = False
             call_plan.clear()
-            op(**x)
-            op(**x)
-            plan = op.plan_of(**x)
-            LAUNCHES.clear()
-            op(**x)
-    finally:
-        gluon_chunk.STRIDED_TMA = False
-        call_plan.clear()
-    if isinstance(plan, str) or plan is None:
-        return [f"strided q, k, v in place: not planned ({plan})"]
-    copied = {plan.paths[i] for i, _ in plan.copies}
-    if copied & {"q", "k", "v"} or not copied:
-        return [f"strided q, k, v in place: the plan copies {sorted(copied)}"]
-    # an expanded descriptor is (base address, rows, width, row stride, 1, ...): at the view's
-    # own address with the projection's row stride
-    addresses = {x[n].data_ptr(): n for n in ("q", "k", "v")}
-    seen = {addresses[int(v)] for _, _, values in LAUNCHES for i, v in enumerate(values[:-3])
-            if isinstance(v, int) and int(v) in addresses and tuple(values[i + 3:i + 5]) == (width, 1)}
-    if seen != {"q", "k", "v"}:
-        return [f"strided q, k, v in place: the launches read {sorted(seen)} at their own addresses"]
-    print(f"strided q, k, v in place: read at their addresses (row stride {width}), {len(copied)} other inputs copied")
-    return []
+        if isinstance(plan, str) or plan is None:
+            failures.append(f"{name}: strided q, k, v in place: not planned ({plan})")
+            continue
+        copied = {plan.paths[i] for i, _ in plan.copies}
+        if copied & {"q", "k", "v"} or not copied:
+            failures.append(f"{name}: strided q, k, v in place: the plan copies {sorted(copied)}")
+            continue
+        # an expanded descriptor is (base address, rows, width, row stride, 1, ...): at the view's
+        # own address with the projection's row stride
+        addresses = {x[n].data_ptr(): n for n in ("q", "k", "v")}
+        seen = {addresses[int(v)] for _, _, values in LAUNCHES for i, v in enumerate(values[:-3])
+                if isinstance(v, int) and int(v) in addresses and tuple(values[i + 3:i + 5]) == (width, 1)}
+        if seen != {"q", "k", "v"}:
+            failures.append(f"{name}: strided q, k, v in place: the launches read {sorted(seen)} at their addresses")
+            continue
+        print(f"{name}: strided q, k, v in place: read at their addresses (row stride {width}), "
+              f"{len(copied)} other inputs copied")
+    return failures
 
 
 def _check_copies(name: str, plan, kw: dict) -> list[str]:

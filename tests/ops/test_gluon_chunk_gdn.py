@@ -247,7 +247,9 @@ def test_strided_and_misaligned_inputs(in_place, monkeypatch):
     inputs' results, bit for bit."""
     from fastla.backends.gluon import chunk_delta as gluon_chunk
     monkeypatch.setattr(gluon_chunk, "STRIDED_TMA", in_place)
-    B, T, H, HV, K, V = 1, 200, 2, 4, 128, 128
+    kept, real = [], gluon_chunk.in_place_views
+    monkeypatch.setattr(gluon_chunk, "in_place_views", lambda p: kept.append(real(p)) or kept[-1])
+    B, T, H, HV, K, V = 2, 200, 2, 4, 128, 128
     t = bf16_inputs(B=B, T=T, H=H, HV=HV, K=K, V=V)
     qkv = torch.cat([t["q"].flatten(2), t["k"].flatten(2), t["v"].flatten(2)], -1)
     q, k, v = qkv.split([H * K, H * K, HV * V], -1)
@@ -261,6 +263,7 @@ def test_strided_and_misaligned_inputs(in_place, monkeypatch):
         got = on("gluon", call_chunk, SPEC, inputs, **opts)
         for name, a, b in zip(("o", "final_state"), got, want):
             assert torch.equal(a, b), f"{case}: {name} differs from the contiguous inputs' run"
+    assert (("q", "k", "v") in kept) == in_place, kept                  # the split views read in place
 
 
 def test_offsets_on_the_host_only():

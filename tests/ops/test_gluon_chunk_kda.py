@@ -61,6 +61,8 @@ def test_strided_inputs(in_place, monkeypatch):
     from fastla.bench.host_stub import split_views
     from tests.helpers import call_chunk
     monkeypatch.setattr(gluon_chunk, "STRIDED_TMA", in_place)
+    kept, real = [], gluon_chunk.in_place_views
+    monkeypatch.setattr(gluon_chunk, "in_place_views", lambda p: kept.append(real(p)) or kept[-1])
     t, opts = bf16_case("bounded-varlen")
     tensors = {n: x for n, x in opts.items() if isinstance(x, torch.Tensor) and x.is_cuda}
     want = on_tier(call_chunk, SPEC, t, tier="gluon", output_final_state=True, **opts)
@@ -70,6 +72,7 @@ def test_strided_inputs(in_place, monkeypatch):
     for name, a, b, c in zip(("o", "final_state"), got, want, split):
         assert torch.equal(a, b), f"{name} differs with strided inputs"
         assert torch.equal(c, b), f"{name} differs with q, k, v split from one projection"
+    assert (("q", "k", "v") in kept) == in_place, kept                  # the split views read in place
 
 
 def test_varlen_segment_replays(monkeypatch):

@@ -176,7 +176,8 @@ def tma_descriptor(x, rows: int, width: int, block, layout):
     and dtype, and the shape and strides given here."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    stride = width if x.is_contiguous() else row_stride(x)
+    rows_of_heads = x.dim() == 4 and x.shape[2] * x.shape[3] == width           # a [B, T, heads, D] view's rows
+    stride = width if x.is_contiguous() else (row_stride(x) if rows_of_heads else None)
     if stride is None or x.numel() != rows * width:
         raise RuntimeError(f"a TMA descriptor needs a contiguous tensor of {rows} x {width} elements or a view of "
                            f"its rows, got shape {list(x.shape)} with strides {list(x.stride())}")
