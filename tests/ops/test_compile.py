@@ -5,7 +5,7 @@ import torch
 
 from fastla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
 from fastla.ops.kda import fused_recurrent_kda
-from tests.helpers import OPS, make_inputs
+from tests.helpers import OPS, call_chunk, make_inputs
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
@@ -53,3 +53,76 @@ def test_v_first_final_state_under_inductor(dtype):
     o, ht = step(**t)
     co, cht = torch.compile(step, fullgraph=True)(**t)
     assert cht.dtype == ht.dtype and torch.allclose(co, o) and torch.allclose(cht, ht)
+
+
+def _fastla_ops(graphs) -> list:
+    return [str(n.target) for gm in graphs for n in gm.graph.nodes
+            if n.op == "call_function" and "fastla" in str(n.target)]
+
+
+@pytest.mark.parametrize("op", ["gdn", "kda", "gla", "simple_gla", "lightning"])
+def test_chunk_compiles_fullgraph_as_one_op(op):
+    """A chunked forward under torch.compile(fullgraph=True) is one custom op (torch.ops.fastla.chunk)
+    in the graph, with eager's results."""
+    torch._dynamo.reset()
+    spec = OPS[op]
+    t = make_inputs(spec, B=2, T=70, H=2, K=16, V=16)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def step(t):
+        return call_chunk(spec, t, output_final_state=True)
+
+    with torch.no_grad():
+        o, ht = step(t)
+        co, cht = torch.compile(step, fullgraph=True, backend=backend)(t)
+    assert torch.equal(co, o) and torch.equal(cht, ht)
+    assert _fastla_ops(graphs) == ["fastla.chunk"]
+
+
+def test_chunk_options_compile_fullgraph():
+    """Varlen offsets (device and host), the gates in the op with KDA's safe gate, the l2norm, beta
+    sigmoid and the V-first state through the custom op (inductor), with eager's results."""
+    torch._dynamo.reset()
+    spec = OPS["kda"]
+    lengths = [70, 1, 59]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
+    t = make_inputs(spec, B=1, T=sum(lengths), H=2, HV=4, K=16, V=16, N=3, v_first=True)
+    opts = dict(use_gate_in_kernel=True, A_log=torch.randn(4) * 0.5, dt_bias=torch.randn(4 * 16), safe_gate=True,
+                lower_bound=-5.0, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                state_v_first=True, output_final_state=True, cu_seqlens=cu, cu_seqlens_cpu=cu)
+
+    def step(t, **kw):
+        return call_chunk(spec, t, **opts, **kw)
+
+    with torch.no_grad():
+        want = step(t)
+        got = torch.compile(step, fullgraph=True, backend="inductor")(t)
+        assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(got, want))
+
+
+def test_chunk_calls_the_custom_op_only_where_it_can(monkeypatch):
+    """While compiling (patched here, no tracing): the chunked op goes through torch.ops.fastla.chunk
+    unless it returns the intermediate states (their count depends on the offsets' values), checks
+    FLA's chunk_indices or needs gradients; each way the results are eager's."""
+    from fastla.core import custom_ops
+
+    spec = OPS["gdn"]
+    cu = torch.tensor([0, 70, 71, 130])
+    t = make_inputs(spec, B=1, T=130, H=2, HV=4, K=16, V=16, N=3)
+    routed = []
+    real = torch.ops.fastla.chunk
+    monkeypatch.setattr(custom_ops.torch.ops.fastla, "chunk", lambda *a, **kw: routed.append(1) or real(*a, **kw),
+                        raising=False)
+    cases = [dict(), dict(return_intermediate_states=True), dict(chunk_indices=torch.tensor([[0, 0], [0, 1], [1, 0],
+                                                                                            [2, 0]]))]
+    with torch.no_grad():
+        want = [call_chunk(spec, t, output_final_state=True, cu_seqlens=cu, **kw) for kw in cases]
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+        got = [call_chunk(spec, t, output_final_state=True, cu_seqlens=cu, **kw) for kw in cases]
+    assert routed == [1]
+    for a, b in zip(got, want):
+        assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from fastla.core import call_plan, dispatch
+from fastla.core import call_plan
+from fastla.core.custom_ops import run_chunk
 from fastla.core.validation import (
-    build_problem, check_chunk_indices, check_chunk_size, reject_cp_context, reject_head_first, resolve_state_layout,
+    check_chunk_indices, check_chunk_size, reject_cp_context, reject_head_first, resolve_state_layout,
 )
 
 
@@ -68,16 +69,16 @@ def chunk_gated_delta_rule(
     reject_head_first(head_first)
     reject_cp_context(cp_context)
     chunk_size = check_chunk_size(chunk_size, (16, 32, 64))
-    problem = build_problem(
+    return run_chunk(
         "chunk_gated_delta_rule", q=q, k=k, v=v, g=g, beta=beta, delta=True, gva=True,
         gate_in_op="gdn" if use_gate_in_kernel else None, A_log=A_log, dt_bias=dt_bias,
         use_qk_l2norm=use_qk_l2norm_in_kernel, beta_sigmoid=use_beta_sigmoid_in_kernel,
         allow_neg_eigval=allow_neg_eigval, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
         cu_seqlens_cpu=cu_seqlens_cpu, chunk_size=chunk_size, return_intermediate_states=return_intermediate_states,
+        check=None if chunk_indices is None else lambda p: check_chunk_indices(chunk_indices, p),
     )
-    check_chunk_indices(chunk_indices, problem)
-    return dispatch.run("chunk_gated_delta_rule", problem)
+
 
 
 chunk_gdn = chunk_gated_delta_rule

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from fastla.core import dispatch
-from fastla.core.validation import build_problem, resolve_state_layout
+from fastla.core.custom_ops import run_chunk
+from fastla.core.validation import resolve_state_layout
 
 
 def chunk_gla(
@@ -35,10 +35,10 @@ def chunk_gla(
         ``(o [B, T, H, V], final_state or None)``.
     """
     state_v_first = resolve_state_layout(state_v_first, transpose_state_layout)
-    problem = build_problem(
+    return run_chunk(
         "chunk_gla", q=q, k=k, v=v, gk=g, delta=False, gva=False, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
         cu_seqlens_cpu=cu_seqlens_cpu,
         output_like="v",
     )
-    return dispatch.run("chunk_gla", problem)
+

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from fastla.core import call_plan, dispatch
+from fastla.core import call_plan
+from fastla.core.custom_ops import run_chunk
 from fastla.core.validation import (
-    build_problem, check_chunk_size, reject_cp_context, reject_head_first, resolve_state_layout,
+    check_chunk_size, reject_cp_context, reject_head_first, resolve_state_layout,
 )
 
 
@@ -73,7 +74,7 @@ def chunk_kda(
             f"use_graph=True needs cu_seqlens padded to max_num_seqs + 1 = {max_num_seqs + 1} entries, "
             f"got {cu_seqlens.shape[0]}"
         )
-    problem = build_problem(
+    return run_chunk(
         "chunk_kda", q=q, k=k, v=v, gk=g, beta=beta, delta=True, gva=True,
         gate_in_op="kda" if use_gate_in_kernel else None, A_log=A_log, dt_bias=dt_bias,
         lower_bound=lower_bound if use_gate_in_kernel else None, safe_gate=safe_gate,
@@ -82,4 +83,4 @@ def chunk_kda(
         output_final_state=output_final_state, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
         cu_seqlens_cpu=cu_seqlens_cpu, chunk_size=chunk_size, return_intermediate_states=return_intermediate_states,
     )
-    return dispatch.run("chunk_kda", problem)
+

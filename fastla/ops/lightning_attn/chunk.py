@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from fastla.core import dispatch
+from fastla.core.custom_ops import run_chunk
 from fastla.core.gates import lightning_g_gamma
 from fastla.core.validation import (
-    build_problem, check_chunk_size, check_lightning_layers, reject_head_first, resolve_state_layout,
+    check_chunk_size, check_lightning_layers, reject_head_first, resolve_state_layout,
 )
 
 
@@ -38,9 +38,9 @@ def chunk_lightning_attn(
     check_lightning_layers(layer_idx, num_layers)
     chunk_size = check_chunk_size(chunk_size, None)
     g_gamma = lightning_g_gamma(q.shape[2], layer_idx, num_layers, q.device)
-    problem = build_problem(
+    return run_chunk(
         "chunk_lightning_attn", q=q, k=k, v=v, g_gamma=g_gamma, delta=False, gva=False, scale=scale,
         initial_state=initial_state, output_final_state=output_final_state, state_v_first=state_v_first,
         cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, chunk_size=chunk_size,
     )
-    return dispatch.run("chunk_lightning_attn", problem)
+

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from fastla.core import dispatch
-from fastla.core.validation import build_problem, check_chunk_size, reject_head_first, resolve_state_layout
+from fastla.core.custom_ops import run_chunk
+from fastla.core.validation import check_chunk_size, reject_head_first, resolve_state_layout
 
 
 def chunk_simple_gla(
@@ -40,9 +40,9 @@ def chunk_simple_gla(
     state_v_first = resolve_state_layout(state_v_first, transpose_state_layout)
     reject_head_first(head_first)
     chunk_size = check_chunk_size(chunk_size, None)
-    problem = build_problem(
+    return run_chunk(
         "chunk_simple_gla", q=q, k=k, v=v, g=g, g_gamma=g_gamma, delta=False, gva=False, scale=scale,
         initial_state=initial_state, output_final_state=output_final_state, state_v_first=state_v_first,
         cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, chunk_size=chunk_size,
     )
-    return dispatch.run("chunk_simple_gla", problem)
+
