@@ -20,6 +20,7 @@ case "${1:-tests}" in
     t 120 tests/ops/test_gluon_chunk_kda.py -k "segment or a_in_bf16 or strided"
     t 120 tests/ops/test_option_fuzz.py
     t 90 tests/core/test_call_plan.py
+    t 60 tests/ops/test_compile.py
     ;;
   coverage)
     # (the device-agnostic tests carry no gpu mark: -m "" keeps them, "not cpu" their CUDA cases)

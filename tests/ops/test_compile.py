@@ -5,7 +5,7 @@ import torch
 
 from fastla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
 from fastla.ops.kda import fused_recurrent_kda
-from tests.helpers import OPS, call_chunk, make_inputs
+from tests.helpers import OPS, call_chunk, gpu, make_inputs
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
@@ -126,3 +126,28 @@ def test_chunk_calls_the_custom_op_only_where_it_can(monkeypatch):
     assert routed == [1]
     for a, b in zip(got, want):
         assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@gpu
+@pytest.mark.parametrize("op", ["gdn", "kda"])
+def test_chunk_compiles_fullgraph_on_gpu(op):
+    """On the GPU (the kernel tiers, whose host code a trace could not hold): fullgraph with one
+    fastla.chunk node, eager's results bit for bit, under inductor."""
+    torch._dynamo.reset()
+    spec = OPS[op]
+    t = make_inputs(spec, B=2, T=200, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16, device="cuda")
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        from torch._inductor.compile_fx import compile_fx
+        return compile_fx(gm, example_inputs)
+
+    def step(t):
+        return call_chunk(spec, t, output_final_state=True, use_qk_l2norm_in_kernel=True)
+
+    with torch.no_grad():
+        o, ht = step(t)
+        co, cht = torch.compile(step, fullgraph=True, backend=backend)(t)
+    assert torch.equal(co, o) and torch.equal(cht, ht)
+    assert _fastla_ops(graphs) == ["fastla.chunk"]
