@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fastla.bench.host_stub import strided  # noqa: F401  (the tests' strided views: one definition)
 from fastla.ops.gated_delta_rule import (
     chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, naive_recurrent_gated_delta_rule,
 )
@@ -99,12 +100,6 @@ def make_inputs(spec: OpSpec, B=2, T=65, H=2, HV=None, K=32, V=32, dtype=torch.f
         x = x.to(device)
         out[name] = x if name == "initial_state" else x.to(dtype)
     return out
-
-
-def strided(x: torch.Tensor) -> torch.Tensor:
-    """The same values in a non-contiguous view (each element followed by a zero in memory), as
-    q, k, v split from one projection are."""
-    return torch.stack([x, torch.zeros_like(x)], -1)[..., 0]
 
 
 def strided_inputs(t: dict) -> dict:

@@ -109,13 +109,16 @@ def _gdn_case(T=200, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16, **opts):
     return make
 
 
+def strided(x: torch.Tensor) -> torch.Tensor:
+    """The same values in a non-contiguous view (each element followed by a zero in memory), as
+    q, k, v split from one projection are."""
+    return torch.stack([x, torch.zeros_like(x)], -1)[..., 0]
+
+
 def split_views(kw: dict) -> dict:
     """``kw`` with q, k, v split from one projection and the other tensors but ``cu_seqlens_cpu``
-    strided (each element followed by a zero), the values unchanged: the tiers read them through
-    dense copies that a plan replays."""
-    def strided(x):
-        return torch.stack([x, torch.zeros_like(x)], -1)[..., 0]
-
+    strided (``strided``), the values unchanged: the tiers read them through dense copies that a
+    plan replays."""
     q, k, v = kw["q"], kw["k"], kw["v"]
     qkv = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], -1)
     views = qkv.split([q[0, 0].numel(), k[0, 0].numel(), v[0, 0].numel()], -1)

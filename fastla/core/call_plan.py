@@ -18,10 +18,10 @@ argument); ``empty`` and ``full`` below note the allocations; ``keep_constants``
 host-built index tables (kept alive by the plan); ``value_check`` runs validations that read input
 values on the host (the plan runs them again at every replay); ``dense`` notes the copies of inputs
 that the kernels cannot read as they are (strided or misaligned views; replayed before the
-launches); a TorchDispatchMode watches every aten op. The call is left unplanned (and takes its full path every time) when an aten op reads or
-writes a CUDA tensor's data outside ``full``, ``dense``, ``unwatched`` and ``value_check`` (a
-copy, a cast, a reduction), when a launch bypasses the cached launcher (the interpreter, launch hooks),
-when a launch argument is a tensor that is none of the call's inputs (by identity), allocations
+launches); a TorchDispatchMode watches every aten op. The call is left unplanned (and takes its
+full path every time) when an aten op reads or writes a CUDA tensor's data outside ``full``,
+``dense``, ``unwatched`` and ``value_check`` (a copy, a cast, a reduction), when a launch bypasses
+the cached launcher (the interpreter, launch hooks), when a launch argument is a tensor that is none of the call's inputs (by identity), allocations
 and constants, or when the result holds anything but those, views of them and None.
 Plain launch arguments (ints, floats, constexprs) are kept as recorded: the full path derives
 them from the signature.
@@ -226,12 +226,11 @@ def dense(x: torch.Tensor | None, align: int = 1) -> torch.Tensor | None:
     copy, which must be of a call's input, and the plan replays it before the launches."""
     if x is None or (x.is_contiguous() and x.data_ptr() % align == 0):
         return x
-    t = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    t = empty(x.shape, x.dtype, x.device)
     with unwatched():
         t.copy_(x)
     rec = recording()
     if rec is not None:
-        rec.allocations[id(t)] = (t, None)
         rec.copies.append((id(x), id(t)))
     return t
 

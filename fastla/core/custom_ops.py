@@ -48,10 +48,15 @@ _lib.define(f"chunk({_SCHEMA_ARGS.format(state='Tensor? initial_state')}, bool s
             "-> (Tensor, Tensor)")
 
 
-def _recurrent_impl(*args):
-    o, final = dispatch.run(args[0], _problem(*args))[:2]
-    # a fresh contiguous tensor, as the fake promises (a custom op may not return a view)
+def _o_and_final(result):
+    """(o, the final state or an empty tensor): a fresh contiguous state, as the fake promises (a
+    custom op may not return a view)."""
+    o, final = result[:2]
     return o, final.contiguous() if final is not None else o.new_empty(0)
+
+
+def _recurrent_impl(*args):
+    return _o_and_final(dispatch.run(args[0], _problem(*args)))
 
 
 def _recurrent_pool_impl(*args):
@@ -60,8 +65,7 @@ def _recurrent_pool_impl(*args):
 
 def _chunk_impl(*args):
     *args, safe_gate, chunk_size = args
-    o, final = dispatch.run(args[0], _problem(*args, safe_gate=safe_gate, chunk_size=chunk_size))[:2]
-    return o, final.contiguous() if final is not None else o.new_empty(0)
+    return _o_and_final(dispatch.run(args[0], _problem(*args, safe_gate=safe_gate, chunk_size=chunk_size)))
 
 
 def _output(q, v, output_like):

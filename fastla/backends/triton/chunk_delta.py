@@ -2,8 +2,9 @@
 
 Inputs as the public op takes them (``dense_inputs`` copies strided ones, as FLA does): q, k
 ``[B, T, H, K]`` (GVA: value head ``j`` reads head ``j // (HV // H)``), v ``[B, T, HV, V]``,
-g / beta ``[B, T, HV]`` (raw when the gate or the beta sigmoid is computed in the op); the l2norm of q and k, the GDN gate
-``-exp(A_log) * softplus(g + dt_bias)`` and the beta sigmoid are applied inside the kernels.
+g / beta ``[B, T, HV]`` (raw when the gate or the beta sigmoid is computed in the op); the
+l2norm of q and k, the GDN gate ``-exp(A_log) * softplus(g + dt_bias)`` and the beta sigmoid
+are applied inside the kernels.
 Dense batches need no index tensors; varlen batches use a host-built chunk index, cached per
 ``cu_seqlens`` (so graph capture after one eager call copies nothing).
 
