@@ -143,6 +143,25 @@ def _kda_case(T=200, H=2, K=128, V=128, **opts):
     return make
 
 
+def _plain_case(T=200, H=2, K=128, V=128, gamma=False, g=True, **opts):
+    """Simple GLA (``g`` and / or the constant ``g_gamma``) or, without q / k / v's extras, the
+    plain rule's inputs for Lightning (``layer_idx`` / ``num_layers`` in ``opts``)."""
+    def make(seed):
+        kw = _gdn_case(T=T, H=H, HV=H, K=K, V=V)(seed)
+        del kw["beta"]
+        gen = torch.Generator().manual_seed(seed + 2)
+        if not g:
+            del kw["g"]
+        if gamma:
+            kw["g_gamma"] = -torch.rand(H, generator=gen)
+        if opts.pop("h0", False):
+            kw["initial_state"] = torch.randn(len(opts["cu_seqlens_cpu"]) - 1 if "cu_seqlens_cpu" in opts else 1, H,
+                                              K, V, generator=gen)
+        kw.update(opts)
+        return kw
+    return make
+
+
 def _pool_case(N=3, T=4, H=2, HV=4, K=128, V=128):
     """Speculative verify on a state pool: 2-D slots (a slot per token), accepted counts."""
     def make(seed):
@@ -177,6 +196,8 @@ def cases():
     from fastla.ops import chunk_kda as kda
     from fastla.ops import fused_recurrent_gated_delta_rule as gdn_decode
     from fastla.ops import fused_recurrent_kda as kda_decode
+    from fastla.ops import chunk_lightning_attn as lightning
+    from fastla.ops import chunk_simple_gla as simple_gla
 
     cu = torch.tensor([0, 70, 71, 200])
     out = []
@@ -199,6 +220,10 @@ def cases():
                                                           output_final_state=True)), tier, True),
         ]
     out += [
+        ("simple-gla-triton-varlen", simple_gla, _plain_case(gamma=True, cu_seqlens_cpu=cu, cu_seqlens=cu.clone(),
+                                                             h0=True, output_final_state=True), "triton", True),
+        ("lightning-triton", lightning, _plain_case(g=False, layer_idx=2, num_layers=8, output_final_state=True),
+         "triton", True),
         ("gdn-fp16-inputs", gdn, _gdn_case(dtype=torch.float16), "triton", False),      # cast to fp32 first
         ("gdn-no-gate-no-beta", gdn, _gdn_case(g=None, beta=None, use_qk_l2norm_in_kernel=True), "gluon", True),
         ("gdn-decode", gdn_decode, _gdn_case(T=1, h0=True, output_final_state=True, use_qk_l2norm_in_kernel=True),

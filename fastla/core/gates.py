@@ -17,6 +17,8 @@ Log-decay conventions (natural log, ``g <= 0``):
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -69,6 +71,19 @@ def kda_gate(
 
 
 def lightning_g_gamma(num_heads: int, layer_idx: int, num_layers: int, device) -> torch.Tensor:
-    """Lightning attention's constant per-head log decay ``[H]`` (float32)."""
+    """Lightning attention's constant per-head log decay ``[H]`` (float32). Eager calls share one
+    tensor per (heads, layer, layers, device), built once: a repeated call then runs no op on the
+    device before its kernels, so a call plan can record it (core/call_plan.py). Read only."""
+    if torch.compiler.is_compiling():
+        return _lightning_g_gamma(num_heads, layer_idx, num_layers, device)
+    return _lightning_g_gamma_shared(num_heads, layer_idx, num_layers, torch.device(device))
+
+
+def _lightning_g_gamma(num_heads: int, layer_idx: int, num_layers: int, device) -> torch.Tensor:
     slope = 8.0 / num_heads * (1.0 - layer_idx / num_layers)
     return -slope * torch.arange(num_heads, dtype=torch.float32, device=device)
+
+
+@functools.lru_cache(maxsize=256)
+def _lightning_g_gamma_shared(num_heads: int, layer_idx: int, num_layers: int, device) -> torch.Tensor:
+    return _lightning_g_gamma(num_heads, layer_idx, num_layers, device)

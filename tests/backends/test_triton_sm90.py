@@ -156,6 +156,17 @@ GDN_KERNELS = {
     "kda-scan": ("chunk_delta._scan_kernel", SCAN_POINTERS,
                  dict(BV=64, SK=128, SV=1, HAS_H0=True, STORE_FINAL=True, SEG=0, BETA=2, STORE_STATES=False,
                       L2NORM=False, GK=True), 8, 2),
+    # the plain rule (Simple GLA, Lightning): the scan without the delta correction, its summary
+    # pass, and the scalar gate's cumsum (chunk_prepare.launch_gate_cumsum)
+    "plain-scan": ("chunk_delta._scan_kernel", SCAN_POINTERS,
+                   dict(BV=32, SK=128, SV=1, HAS_H0=True, STORE_FINAL=True, SEG=0, BETA=1, STORE_STATES=False,
+                        L2NORM=False, GK=False, DELTA=False, H=32), 4, 2),
+    "plain-scan-summary": ("chunk_delta._scan_kernel", SCAN_POINTERS,
+                           dict(BV=32, SK=128, SV=1, HAS_H0=True, STORE_FINAL=True, SEG=1, BETA=1,
+                                STORE_STATES=False, L2NORM=False, GK=False, DELTA=False, H=32), 4, 2),
+    "plain-gate-cumsum": ("chunk_prepare._gate_cumsum_kernel",
+                          {"g": "*fp32", "g_gamma": "*fp32", "gcum": "*fp32", "cu_seqlens": "*i64",
+                           "chunk_index": "*i32"}, dict(HAS_G=True, HAS_GAMMA=True, VARLEN=True), 1, 1),
 }
 
 
@@ -171,7 +182,8 @@ def _child_gdn(name: str, folder: str) -> None:
     kname, ptrs, extra, warps, stages = GDN_KERNELS[name]
     module, attr = kname.split(".")
     kern = getattr(importlib.import_module(f"fastla.backends.triton.{module}"), attr)
-    consts = {**dict(H=16, HV=32, K=128, V=128, BT=64, BK=128, DOT=tl.bfloat16, L2NORM=True, VARLEN=False), **extra}
+    consts = {**dict(H=16, HV=32, K=128, V=128, BT=64, BK=128, DOT=tl.bfloat16, L2NORM=True, VARLEN=False,
+                     DELTA=True), **extra}
     names = kern.arg_names
     consts = {n: c for n, c in consts.items() if n in names}
     sig = {n: ptrs.get(n) or ("constexpr" if n in consts else ("i32" if n in ("T", "NT", "total", "n_flags") else "fp32"))
@@ -206,7 +218,7 @@ def test_gdn_chunk_kernels_compile_for_sm90(name, tmp_path):
     for a warpgroup; none in the wide-block kernel, fp32 on purpose), within Hopper's 227 KB of
     shared memory, spills bounded."""
     res = _run_child(f"_child_gdn({name!r}, {str(tmp_path)!r})", tmp_path)
-    if not name.startswith("kda-wide"):                                    # fp32 FMA products (ieee), a list
+    if not name.startswith(("kda-wide", "plain-gate")):        # fp32 FMA products (ieee), a list, a cumsum
         small = name in ("inverse", "kda-inverse", "kda-inverse-a-bf16") or name.startswith("kda-prepare")
         assert (res["hmma"] if small else res["hgmma"]) > 0, res
     assert res["shared_bytes"] <= 227 * 1024, res

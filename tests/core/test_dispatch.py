@@ -6,21 +6,23 @@ import pytest
 import torch
 
 from fastla.core import dispatch
-from fastla.ops.simple_gla import chunk_simple_gla
+from fastla.ops.gla import chunk_gla
 
 
 def _call():
-    return chunk_simple_gla(torch.randn(1, 8, 1, 4), torch.randn(1, 8, 1, 4), torch.randn(1, 8, 1, 4))
+    """An op the kernel tiers do not serve (GLA's per-channel gate)."""
+    x = torch.randn(1, 8, 1, 4)
+    return chunk_gla(x, x, x, -torch.rand(1, 8, 1, 4))
 
 
 def test_torch_serves_on_cpu(monkeypatch):
     from fastla.core.validation import build_problem
     monkeypatch.delenv("FASTLA_BACKEND", raising=False)
     x = torch.randn(1, 8, 1, 4)
-    problem = build_problem("chunk_simple_gla", q=x, k=x, v=x, delta=False, gva=False)
-    tiers = dict(dispatch.explain("chunk_simple_gla", problem))
+    problem = build_problem("chunk_gla", q=x, k=x, v=x, gk=-torch.rand(1, 8, 1, 4), delta=False, gva=False)
+    tiers = dict(dispatch.explain("chunk_gla", problem))
     assert tiers["torch"] is None
-    assert dispatch.select("chunk_simple_gla", problem)[0] == "torch"
+    assert dispatch.select("chunk_gla", problem)[0] == "torch"
 
 
 def test_forced_tier_falls_through_with_one_log_line(monkeypatch, caplog):
@@ -29,7 +31,7 @@ def test_forced_tier_falls_through_with_one_log_line(monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="fastla"):
         _call()
         _call()
-    lines = [r.getMessage() for r in caplog.records if "triton tier cannot serve chunk_simple_gla" in r.getMessage()]
+    lines = [r.getMessage() for r in caplog.records if "triton tier cannot serve chunk_gla" in r.getMessage()]
     assert len(lines) == 1, lines
 
 

@@ -62,7 +62,7 @@ def _scan_kernel(
     SK: tl.constexpr, SV: tl.constexpr, DOT: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, L2NORM: tl.constexpr,
     VARLEN: tl.constexpr, SEG: tl.constexpr, BETA: tl.constexpr,
-    STORE_STATES: tl.constexpr, GK: tl.constexpr,
+    STORE_STATES: tl.constexpr, GK: tl.constexpr, DELTA: tl.constexpr,
 ):
     """SEG 0: program (sequence x value head, V tile) runs a whole sequence from h0.
     SEG 1 (segment summary): program (segment x value head, tile of the V + K columns) runs one
@@ -79,7 +79,9 @@ def _scan_kernel(
     GK (KDA, per-channel gates): q, k are the prologue's gated qg = scale q e^G and kg = k e^G
     [B, T, HV, K] (chunk_prepare_kda.py), kd = k e^(G_last - G) and decay = e^(G_last) per chunk
     [chunks, HV, K]: V_new = P diag(beta) (v - kg S), O = qg S + A V_new,
-    S = diag(decay) S + kd^T V_new."""
+    S = diag(decay) S + kd^T V_new.
+    DELTA False (the plain rule: GLA, Simple GLA, Lightning): V_new = v, so neither P, beta nor
+    k S is read (kd and qg from the GLA prologue with GK; G, the scores and the raw q, k otherwise)."""
     i_p = tl.program_id(0).to(tl.int64)                                    # axis 0: up to 2^31 - 1 programs
     i_v = tl.program_id(1)
     i_hv = i_p % HV
@@ -139,19 +141,24 @@ def _scan_kernel(
             m_tv = m_t[:, None]
         else:
             m_tv = m_t[:, None] & m_v[None, :]
-        b_beta = _activate_beta(tl.load(beta + base + r * HV, mask=m_t, other=0.0), m_t, BETA)
-        b_P = tl.load(p_in + base * BT + off_p, mask=m_t[:, None] & lower_blocks, other=0.0).to(DOT)  # [BT, BT]
+        if DELTA:
+            b_beta = _activate_beta(tl.load(beta + base + r * HV, mask=m_t, other=0.0), m_t, BETA)
+            b_P = tl.load(p_in + base * BT + off_p, mask=m_t[:, None] & lower_blocks, other=0.0).to(DOT)  # [BT, BT]
         qk_row0 = (t0 * QK_HEADS + i_h) * K
-        b_k = tl.load(k + qk_row0 + off_kr, mask=m_tk, other=0.0).to(DOT)                        # [BT, BK]
+        if DELTA or not GK:
+            b_k = tl.load(k + qk_row0 + off_kr, mask=m_tk, other=0.0).to(DOT)                    # [BT, BK]
         b_v = tl.load(v + base * V + off_v, mask=m_t[:, None] & (o_v < V)[None, :], other=0.0).to(tl.float32)
         b_Sd = b_S.to(DOT)
-        b_x = tl.dot(b_k, b_Sd)                                                                   # [BT, BV]: k S
+        if DELTA:
+            b_x = tl.dot(b_k, b_Sd)                                                               # [BT, BV]: k S
         if SEG != 1:
             b_q = tl.load(q + qk_row0 + off_kr, mask=m_tk, other=0.0).to(DOT)                     # [BT, BK]
             b_qs = tl.dot(b_q, b_Sd)                                                              # [BT, BV]: q S
         if GK:
-            b_y = b_beta[:, None] * (b_v - b_x)
-            b_vn = tl.dot(b_P, b_y.to(DOT))                                                       # [BT, BV]
+            if DELTA:
+                b_vn = tl.dot(b_P, (b_beta[:, None] * (b_v - b_x)).to(DOT))                      # [BT, BV]
+            else:
+                b_vn = b_v
             b_kd = tl.load(kd + qk_row0 + off_kr, mask=m_tk, other=0.0).to(DOT)                  # [BT, BK]
             b_decay = tl.load(decay + ((first_chunk + c) * HV + i_hv) * K + o_k, mask=m_k, other=0.0)  # [BK]
             b_S = b_S * b_decay[:, None] + tl.dot(tl.trans(b_kd), b_vn.to(DOT))
@@ -166,8 +173,11 @@ def _scan_kernel(
             b_rk = tl.full([BT], 1.0, tl.float32)
             if L2NORM:
                 b_rk = tl.load(rk + t0 * H + i_h + r * H, mask=m_t, other=0.0)
-            b_y = b_beta[:, None] * (b_v - (b_rk * tl.exp(b_G))[:, None] * b_x)
-            b_vn = tl.dot(b_P, b_y.to(DOT))                                                       # [BT, BV]
+            if DELTA:
+                b_y = b_beta[:, None] * (b_v - (b_rk * tl.exp(b_G))[:, None] * b_x)
+                b_vn = tl.dot(b_P, b_y.to(DOT))                                                   # [BT, BV]
+            else:
+                b_vn = b_v
             b_vd = b_vn * tl.where(m_t, b_rk * tl.exp(b_Gl - b_G), 0.0)[:, None]
             b_S = b_S * tl.exp(b_Gl) + tl.dot(tl.trans(b_k), b_vd.to(DOT))    # [BK, BV]
             if SEG != 1:
@@ -415,6 +425,11 @@ def _varlen_chunk_counts(cu: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(-(-(e - s) // BT) for s, e in zip(cu[:-1], cu[1:]))
 
 
+# The plain rule (Simple GLA, Lightning: DELTA False) on CUDA devices. Off until its GPU tests run
+# (tests/ops/test_triton_chunk_plain.py -m gpu): built and checked in the CPU interpreter only.
+PLAIN_RULE_ON_GPU = False
+
+
 def supports(p: Problem, config: ChunkConfig | None = None) -> str | None:
     """None when this tier serves ``p`` (under ``config``, default_config's when None), else why not."""
     from fastla.backends.triton import available
@@ -422,6 +437,13 @@ def supports(p: Problem, config: ChunkConfig | None = None) -> str | None:
     reason = available(p.device)
     if reason:
         return reason
+    if not p.delta:
+        if p.gk is not None or p.gv is not None:
+            return "per-channel gates of the plain rule (GLA) are not on this tier yet"
+        if p.device.type == "cuda" and not PLAIN_RULE_ON_GPU:
+            return "the plain rule's kernels have not run on a GPU yet (chunk_delta.PLAIN_RULE_ON_GPU)"
+    if p.reverse:
+        return "reverse scans"
     if p.chunk_size != BT:
         return f"chunk_size {p.chunk_size} (the Triton chunked forward uses {BT})"
     if p.K > 128 or p.V > 128:
@@ -517,12 +539,14 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, kda_p
     bf16 = p.q.dtype == torch.bfloat16 and not interpreting()
     op_dtype = torch.bfloat16 if bf16 else torch.float32
     dot = tl.bfloat16 if bf16 else tl.float32
-    beta = p.beta if p.beta is not None else call_plan.full((B, T, HV), 1.0, torch.float32, dev)
-    if p.beta is None or not p.beta_sigmoid:
-        beta_mode = BETA_GIVEN                                              # beta omitted: the ones above
+    if not p.delta:
+        beta, beta_mode = None, BETA_GIVEN                                  # the plain rule reads no beta
+    elif p.beta is None:
+        beta, beta_mode = call_plan.full((B, T, HV), 1.0, torch.float32, dev), BETA_GIVEN
     else:
-        beta_mode = BETA_SIGMOID2 if p.allow_neg_eigval else BETA_SIGMOID
-    inverse = call_plan.empty((B, T, HV, BT), op_dtype, dev)
+        beta = p.beta
+        beta_mode = (BETA_SIGMOID2 if p.allow_neg_eigval else BETA_SIGMOID) if p.beta_sigmoid else BETA_GIVEN
+    inverse = call_plan.empty((B, T, HV, BT), op_dtype, dev) if p.delta else None
     scores = call_plan.empty((B, T, HV, BT), op_dtype, dev)
     BK, BVF = max(16, next_pow2(K)), max(16, next_pow2(V))   # tl.dot needs >= 16
     tables = (cu, chunk_index) if varlen else (None, None)
@@ -540,7 +564,6 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, kda_p
                                      dot, config.kda_prepare_block_k, config.kda_prepare_warps,
                                      config.kda_prepare_maxnreg)
     else:
-        g = p.g if p.g is not None else call_plan.full((B, T, HV), 0.0, torch.float32, dev)
         gcum = call_plan.empty((B, T, HV), torch.float32, dev)
         # 1 / |q| and 1 / |k| only with the l2norm in the op (the kernels read them under L2NORM)
         rq, rk = ((call_plan.empty((B, T, H), torch.float32, dev) for _ in range(2)) if p.use_qk_l2norm
@@ -548,8 +571,12 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, kda_p
         dummy = gcum
         kd = decay = None
         q, k = (p.q, p.k) if p.q.dtype == op_dtype or bf16 else (p.q.to(op_dtype), p.k.to(op_dtype))
-        if total:
+        if total and p.delta:
+            g = p.g if p.g is not None else call_plan.full((B, T, HV), 0.0, torch.float32, dev)
             (gdn_inverse or chunk_prepare.launch)(p, g, beta, beta_mode, total, tables, gcum, inverse, dot, config)
+        elif total:
+            chunk_prepare.launch_gate_cumsum(p, total, tables, gcum)          # G of the plain rule's gate
+        if total:
             (gdn_scores or chunk_prepare.launch_scores)(p, q, k, total, tables, gcum, scores, rq, rk, dot, config)
 
     o = call_plan.empty((B, T, HV, V), p.o_dtype, dev)
@@ -564,10 +591,12 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, kda_p
     length = _segments(p, config, counts)
     common = dict(H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, SK=SK, SV=SV, DOT=dot, HAS_H0=h0 is not None,
                   STORE_FINAL=ht is not None, L2NORM=p.use_qk_l2norm and not channel_gate, VARLEN=varlen,
-                  BETA=beta_mode, GK=channel_gate,
+                  BETA=beta_mode, GK=channel_gate, DELTA=p.delta,
                   num_warps=config.scan_warps, num_stages=config.scan_stages)
     if rq is None:
         rq = rk = dummy
+    if not p.delta:
+        beta = inverse = dummy
     args = (q, k, p.v, beta, inverse, scores, rq, rk, gcum if gcum is not None else dummy,
             kd if kd is not None else dummy, decay if decay is not None else dummy, o,
             h0 if h0 is not None else o, ht if ht is not None else o, h_chunks,

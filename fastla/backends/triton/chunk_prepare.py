@@ -359,6 +359,27 @@ def _scores_kernel(
 INVERSE_PROGRAMS_PER_SM = 6
 
 
+@triton.jit(do_not_specialize=["T", "NT"])     # as chunk_delta._scan_kernel
+def _gate_cumsum_kernel(g, g_gamma, gcum, cu_seqlens, chunk_index, T, NT, HV: tl.constexpr, BT: tl.constexpr,
+                        HAS_G: tl.constexpr, HAS_GAMMA: tl.constexpr, VARLEN: tl.constexpr):
+    """The plain rule's prologue with a scalar gate (Simple GLA, Lightning): per chunk and head,
+    G = cumsum(g) + g_gamma (i + 1) over the chunk's tokens i (either term absent when not given),
+    into ``gcum`` ``[B, T, HV]`` fp32 (what the inverse kernel writes for GDN). Grid (chunks, HV)."""
+    i_c = tl.program_id(0).to(tl.int64)
+    i_hv = tl.program_id(1)
+    i_n, c, bos, eos = _chunk(chunk_index, cu_seqlens, i_c, T, NT, VARLEN)
+    t0 = bos + c * BT
+    r = tl.arange(0, BT)
+    m = r < eos - t0
+    rows = (t0 + r) * HV + i_hv                                                                 # [BT]
+    G = tl.zeros([BT], dtype=tl.float32)
+    if HAS_G:
+        G = tl.cumsum(tl.load(g + rows, mask=m, other=0.0).to(tl.float32), 0)
+    if HAS_GAMMA:
+        G += tl.load(g_gamma + i_hv).to(tl.float32) * (r + 1).to(tl.float32)
+    tl.store(gcum + rows, G, mask=m)
+
+
 def values_per_program(ratio: int, limit: int, chunk_heads: int, sms: int) -> int:
     """Value heads per inverse program: the largest divisor of the GVA ratio HV / H up to ``limit``
     (their Gram blocks are shared) that leaves INVERSE_PROGRAMS_PER_SM programs per SM over the
@@ -400,4 +421,17 @@ def launch_scores(p, q, k, total: int, tables, gcum, scores, rq, rk, dot, config
         cu if varlen else dummy, chunk_index if varlen else dummy, p.T, cdiv(p.T, BT), p.scale,
         H=p.H, HV=p.HV, K=p.K, BT=BT, BK=max(16, next_pow2(p.K)), DOT=dot, L2NORM=p.use_qk_l2norm,
         VARLEN=varlen, num_warps=config.scores_warps, num_stages=1,
+    )
+
+
+def launch_gate_cumsum(p, total: int, tables, gcum) -> None:
+    """Runs the plain rule's scalar-gate prologue for ``total`` chunks: G from ``p.g`` and / or
+    ``p.g_gamma`` into ``gcum`` ``[B, T, HV]`` (zeros when neither is given)."""
+    cu, chunk_index = tables
+    varlen = cu is not None
+    NT = cdiv(p.T, BT)
+    launcher(_gate_cumsum_kernel, p.T, NT)[(total, p.HV)](
+        p.g if p.g is not None else gcum, p.g_gamma if p.g_gamma is not None else gcum, gcum,
+        cu if varlen else gcum, chunk_index if varlen else gcum, p.T, NT, HV=p.HV, BT=BT,
+        HAS_G=p.g is not None, HAS_GAMMA=p.g_gamma is not None, VARLEN=varlen, num_warps=1, num_stages=1,
     )

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from fastla.core import call_plan
 from fastla.core.custom_ops import run_chunk
 from fastla.core.gates import lightning_g_gamma
 from fastla.core.validation import (
@@ -14,6 +15,7 @@ from fastla.core.validation import (
 )
 
 
+@call_plan.planned
 def chunk_lightning_attn(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -38,6 +40,7 @@ def chunk_lightning_attn(
     check_lightning_layers(layer_idx, num_layers)
     chunk_size = check_chunk_size(chunk_size, None)
     g_gamma = lightning_g_gamma(q.shape[2], layer_idx, num_layers, q.device)
+    call_plan.keep_constants(g_gamma)       # one shared tensor per (heads, layer, layers, device)
     return run_chunk(
         "chunk_lightning_attn", q=q, k=k, v=v, g_gamma=g_gamma, delta=False, gva=False, scale=scale,
         initial_state=initial_state, output_final_state=output_final_state, state_v_first=state_v_first,

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import torch
 
+from fastla.core import call_plan
 from fastla.core.custom_ops import run_chunk
 from fastla.core.validation import check_chunk_size, reject_head_first, resolve_state_layout
 
 
+@call_plan.planned
 def chunk_simple_gla(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -1,0 +1,122 @@
+"""The Triton chunked forward of the plain rule (Simple GLA, Lightning: the scan without the delta
+correction) against the fp64 reference, through the public ops; on the CPU it runs in the Triton
+interpreter. On CUDA the tier serves these ops only with ``chunk_delta.PLAIN_RULE_ON_GPU`` (the
+GPU cases below switch it on)."""
+import pytest
+import torch
+
+from fastla.backends.triton import chunk_delta, interpreting
+from fastla.core.dispatch import use_tier
+from fastla.core.validation import build_problem
+from tests.helpers import DEVICES, OPS, assert_close, call_chunk, call_reference, make_inputs
+
+TOL = 2e-5 if interpreting() else 1e-2
+SIMPLE, LIGHTNING = OPS["simple_gla"], OPS["lightning"]
+
+
+@pytest.fixture(autouse=True)
+def _plain_rule_on_gpu(monkeypatch):
+    monkeypatch.setattr(chunk_delta, "PLAIN_RULE_ON_GPU", True)
+
+
+def check(spec, t, tol=TOL, **opts):
+    with use_tier("triton", strict=True), torch.no_grad():
+        o, ht = call_chunk(spec, t, output_final_state=True, **opts)
+    opts.pop("cu_seqlens_cpu", None)
+    if t["q"].dtype != torch.float32:
+        t = {n: x.double() for n, x in t.items()}
+    ro, rht = call_reference(spec, t, output_final_state=True, **opts)
+    assert_close("o", o, ro, tol)
+    assert_close("final_state", ht, rht, tol)
+
+
+@pytest.mark.parametrize("T", [1, 63, 64, 65, 130])
+@pytest.mark.parametrize("spec", [SIMPLE, LIGHTNING], ids=["simple_gla", "lightning"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_lengths(spec, T, device):
+    check(spec, make_inputs(spec, B=2, T=T, H=3, K=32, V=32, device=device))
+
+
+@pytest.mark.parametrize("gates", ["g", "g_gamma", "both", "none"])
+def test_simple_gla_gates(gates):
+    """g per token, the constant g_gamma, their sum, or no decay at all."""
+    t = make_inputs(SIMPLE, B=1, T=100, H=2, K=32, V=16)
+    if gates in ("g_gamma", "none"):
+        t.pop("g")
+    if gates in ("g_gamma", "both"):
+        t["g_gamma"] = -torch.rand(2) * 0.2
+    check(SIMPLE, t)
+
+
+@pytest.mark.parametrize("lengths", [[1, 63, 64, 65, 130, 7], [200]])
+@pytest.mark.parametrize("spec", [SIMPLE, LIGHTNING], ids=["simple_gla", "lightning"])
+def test_varlen(spec, lengths):
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
+    t = make_inputs(spec, B=1, T=sum(lengths), H=2, K=32, V=16, N=len(lengths))
+    check(spec, t, cu_seqlens=cu, cu_seqlens_cpu=cu)
+
+
+@pytest.mark.parametrize("v_first", [False, True])
+def test_state_layouts_and_no_initial_state(v_first):
+    check(SIMPLE, make_inputs(SIMPLE, B=2, T=70, H=2, K=32, V=48, v_first=v_first), state_v_first=v_first)
+    check(LIGHTNING, make_inputs(LIGHTNING, B=2, T=70, H=2, K=32, V=48, h0=False))
+
+
+@pytest.mark.parametrize("K,V", [(64, 64), (128, 128)])
+def test_head_dims(K, V):
+    check(SIMPLE, make_inputs(SIMPLE, B=1, T=70, H=1, K=K, V=V))
+
+
+def test_segments(monkeypatch):
+    """Sequence parallelism (segment summaries, the combine, the replays) with the plain rule:
+    the summary's identity columns carry its transition e^(G_last) I."""
+    monkeypatch.setattr(chunk_delta, "default_config",
+                        lambda p, segment_gain=None: chunk_delta.ChunkConfig(segment_chunks=1))
+    lengths = [200, 64, 3]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
+    for spec in (SIMPLE, LIGHTNING):
+        t = make_inputs(spec, B=1, T=sum(lengths), H=2, K=32, V=32, N=len(lengths))
+        check(spec, t, cu_seqlens=cu, cu_seqlens_cpu=cu)
+        check(spec, make_inputs(spec, B=2, T=150, H=2, K=32, V=32))
+
+
+def test_strong_decay():
+    check(SIMPLE, make_inputs(SIMPLE, B=1, T=130, H=2, K=32, V=32, strength=30.0))
+
+
+def test_gla_goes_to_the_next_tier():
+    """GLA's per-channel gate is not on this tier: it names why, and the torch tier serves it."""
+    t = make_inputs(OPS["gla"], B=1, T=8, H=1, K=16, V=16)
+    p = build_problem("chunk_gla", q=t["q"], k=t["k"], v=t["v"], gk=t["g"], delta=False, gva=False)
+    assert chunk_delta.supports(p) == "per-channel gates of the plain rule (GLA) are not on this tier yet"
+    t = make_inputs(SIMPLE, B=1, T=8, H=1, K=16, V=16)
+    p = build_problem("chunk_simple_gla", q=t["q"], k=t["k"], v=t["v"], g=t["g"], delta=False, gva=False)
+    assert chunk_delta.supports(p) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("spec", [SIMPLE, LIGHTNING], ids=["simple_gla", "lightning"])
+@pytest.mark.parametrize("shape", ["dense", "varlen", "segments"])
+def test_bf16_wide_heads_gpu(spec, shape, monkeypatch):
+    """bf16 products at K = V = 128 (the shipped tiles) against fp64, dense, varlen and split into
+    segments; the allocator's free blocks poisoned with NaN first, and a second run bit-identical."""
+    if shape == "segments":
+        monkeypatch.setattr(chunk_delta, "default_config",
+                            lambda p, segment_gain=None: chunk_delta.ChunkConfig(segment_chunks=2))
+    lengths = [700, 1, 64, 300]
+    B, T, N = (1, sum(lengths), len(lengths)) if shape != "dense" else (2, 1000, 2)
+    t = make_inputs(spec, B=B, T=T, H=4, K=128, V=128, N=N, dtype=torch.bfloat16, device="cuda")
+    opts = {}
+    if shape != "dense":
+        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
+        opts = dict(cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu)
+    runs = []
+    for _ in range(2):
+        x = torch.full((1 << 27,), float("nan"), device="cuda")
+        del x
+        with use_tier("triton", strict=True), torch.no_grad():
+            runs.append(call_chunk(spec, t, output_final_state=True, **opts))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b), "a second run differs (a race?)"
+    check(spec, t, tol=1e-2, **opts)
