@@ -162,6 +162,15 @@ def _plain_case(T=200, H=2, K=128, V=128, gamma=False, g=True, **opts):
     return make
 
 
+def _gla_case(T=200, H=2, K=128, V=128, **opts):
+    def make(seed):
+        kw = _plain_case(T=T, H=H, K=K, V=V)(seed)
+        kw["g"] = -torch.rand(1, T, H, K, generator=torch.Generator().manual_seed(seed + 3))
+        kw.update(opts)
+        return kw
+    return make
+
+
 def _pool_case(N=3, T=4, H=2, HV=4, K=128, V=128):
     """Speculative verify on a state pool: 2-D slots (a slot per token), accepted counts."""
     def make(seed):
@@ -196,6 +205,7 @@ def cases():
     from fastla.ops import chunk_kda as kda
     from fastla.ops import fused_recurrent_gated_delta_rule as gdn_decode
     from fastla.ops import fused_recurrent_kda as kda_decode
+    from fastla.ops import chunk_gla as gla
     from fastla.ops import chunk_lightning_attn as lightning
     from fastla.ops import chunk_simple_gla as simple_gla
 
@@ -222,6 +232,8 @@ def cases():
     out += [
         ("simple-gla-triton-varlen", simple_gla, _plain_case(gamma=True, cu_seqlens_cpu=cu, cu_seqlens=cu.clone(),
                                                              h0=True, output_final_state=True), "triton", True),
+        ("gla-triton-varlen", gla, _gla_case(cu_seqlens_cpu=cu, cu_seqlens=cu.clone(), output_final_state=True),
+         "triton", True),
         ("lightning-triton", lightning, _plain_case(g=False, layer_idx=2, num_layers=8, output_final_state=True),
          "triton", True),
         ("gdn-fp16-inputs", gdn, _gdn_case(dtype=torch.float16), "triton", False),      # cast to fp32 first

@@ -164,6 +164,12 @@ GDN_KERNELS = {
     "plain-scan-summary": ("chunk_delta._scan_kernel", SCAN_POINTERS,
                            dict(BV=32, SK=128, SV=1, HAS_H0=True, STORE_FINAL=True, SEG=1, BETA=1,
                                 STORE_STATES=False, L2NORM=False, GK=False, DELTA=False, H=32), 4, 2),
+    "plain-gla-prepare": ("chunk_prepare_kda._kda_prepare_kernel", KDA_PREPARE_POINTERS,
+                          dict(BK=16, GATE=0, HAS_A=False, HAS_BIAS=False, BETA=1, SCORES=False, EXACT=True,
+                               DELTA=False, L2NORM=False, H=32), 1, 1),
+    "plain-gla-scan": ("chunk_delta._scan_kernel", SCAN_POINTERS,
+                       dict(BV=64, SK=128, SV=1, HAS_H0=True, STORE_FINAL=True, SEG=0, BETA=1, STORE_STATES=False,
+                            L2NORM=False, GK=True, DELTA=False, H=32), 8, 2),
     "plain-gate-cumsum": ("chunk_prepare._gate_cumsum_kernel",
                           {"g": "*fp32", "g_gamma": "*fp32", "gcum": "*fp32", "cu_seqlens": "*i64",
                            "chunk_index": "*i32"}, dict(HAS_G=True, HAS_GAMMA=True, VARLEN=True), 1, 1),
@@ -218,7 +224,8 @@ def test_gdn_chunk_kernels_compile_for_sm90(name, tmp_path):
     for a warpgroup; none in the wide-block kernel, fp32 on purpose), within Hopper's 227 KB of
     shared memory, spills bounded."""
     res = _run_child(f"_child_gdn({name!r}, {str(tmp_path)!r})", tmp_path)
-    if not name.startswith(("kda-wide", "plain-gate")):        # fp32 FMA products (ieee), a list, a cumsum
+    # no tensor-core products: fp32 FMA products (ieee), a list, a cumsum, GLA's kd and decay
+    if not name.startswith(("kda-wide", "plain-gate", "plain-gla-prepare")):
         small = name in ("inverse", "kda-inverse", "kda-inverse-a-bf16") or name.startswith("kda-prepare")
         assert (res["hmma"] if small else res["hgmma"]) > 0, res
     assert res["shared_bytes"] <= 227 * 1024, res

@@ -10,16 +10,16 @@ from fastla.ops.gla import chunk_gla
 
 
 def _call():
-    """An op the kernel tiers do not serve (GLA's per-channel gate)."""
-    x = torch.randn(1, 8, 1, 4)
-    return chunk_gla(x, x, x, -torch.rand(1, 8, 1, 4))
+    """A call the kernel tiers do not serve (float64 inputs)."""
+    x = torch.randn(1, 8, 1, 4, dtype=torch.float64)
+    return chunk_gla(x, x, x, -torch.rand(1, 8, 1, 4, dtype=torch.float64))
 
 
 def test_torch_serves_on_cpu(monkeypatch):
     from fastla.core.validation import build_problem
     monkeypatch.delenv("FASTLA_BACKEND", raising=False)
-    x = torch.randn(1, 8, 1, 4)
-    problem = build_problem("chunk_gla", q=x, k=x, v=x, gk=-torch.rand(1, 8, 1, 4), delta=False, gva=False)
+    x = torch.randn(1, 8, 1, 4, dtype=torch.float64)
+    problem = build_problem("chunk_gla", q=x, k=x, v=x, gk=-x.abs(), delta=False, gva=False)
     tiers = dict(dispatch.explain("chunk_gla", problem))
     assert tiers["torch"] is None
     assert dispatch.select("chunk_gla", problem)[0] == "torch"

@@ -1,6 +1,6 @@
-"""The Triton chunked forward of the plain rule (Simple GLA, Lightning: the scan without the delta
-correction) against the fp64 reference, through the public ops; on the CPU it runs in the Triton
-interpreter. On CUDA the tier serves these ops only with ``chunk_delta.PLAIN_RULE_ON_GPU`` (the
+"""The Triton chunked forward of the plain rule (GLA, Simple GLA, Lightning: the scan without the
+delta correction) against the fp64 reference, through the public ops; on the CPU it runs in the
+Triton interpreter. On CUDA the tier serves these ops only with ``chunk_delta.PLAIN_RULE_ON_GPU`` (the
 GPU cases below switch it on)."""
 import pytest
 import torch
@@ -11,7 +11,8 @@ from fastla.core.validation import build_problem
 from tests.helpers import DEVICES, OPS, assert_close, call_chunk, call_reference, make_inputs
 
 TOL = 2e-5 if interpreting() else 1e-2
-SIMPLE, LIGHTNING = OPS["simple_gla"], OPS["lightning"]
+GLA, SIMPLE, LIGHTNING = OPS["gla"], OPS["simple_gla"], OPS["lightning"]
+SPECS = dict(argnames="spec", argvalues=[GLA, SIMPLE, LIGHTNING], ids=["gla", "simple_gla", "lightning"])
 
 
 @pytest.fixture(autouse=True)
@@ -31,7 +32,7 @@ def check(spec, t, tol=TOL, **opts):
 
 
 @pytest.mark.parametrize("T", [1, 63, 64, 65, 130])
-@pytest.mark.parametrize("spec", [SIMPLE, LIGHTNING], ids=["simple_gla", "lightning"])
+@pytest.mark.parametrize(**SPECS)
 @pytest.mark.parametrize("device", DEVICES)
 def test_lengths(spec, T, device):
     check(spec, make_inputs(spec, B=2, T=T, H=3, K=32, V=32, device=device))
@@ -49,7 +50,7 @@ def test_simple_gla_gates(gates):
 
 
 @pytest.mark.parametrize("lengths", [[1, 63, 64, 65, 130, 7], [200]])
-@pytest.mark.parametrize("spec", [SIMPLE, LIGHTNING], ids=["simple_gla", "lightning"])
+@pytest.mark.parametrize(**SPECS)
 def test_varlen(spec, lengths):
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
     t = make_inputs(spec, B=1, T=sum(lengths), H=2, K=32, V=16, N=len(lengths))
@@ -59,12 +60,14 @@ def test_varlen(spec, lengths):
 @pytest.mark.parametrize("v_first", [False, True])
 def test_state_layouts_and_no_initial_state(v_first):
     check(SIMPLE, make_inputs(SIMPLE, B=2, T=70, H=2, K=32, V=48, v_first=v_first), state_v_first=v_first)
+    check(GLA, make_inputs(GLA, B=2, T=70, H=2, K=32, V=48, v_first=v_first), state_v_first=v_first)
     check(LIGHTNING, make_inputs(LIGHTNING, B=2, T=70, H=2, K=32, V=48, h0=False))
 
 
 @pytest.mark.parametrize("K,V", [(64, 64), (128, 128)])
 def test_head_dims(K, V):
     check(SIMPLE, make_inputs(SIMPLE, B=1, T=70, H=1, K=K, V=V))
+    check(GLA, make_inputs(GLA, B=1, T=70, H=1, K=K, V=V))
 
 
 def test_segments(monkeypatch):
@@ -74,29 +77,32 @@ def test_segments(monkeypatch):
                         lambda p, segment_gain=None: chunk_delta.ChunkConfig(segment_chunks=1))
     lengths = [200, 64, 3]
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
-    for spec in (SIMPLE, LIGHTNING):
+    for spec in (GLA, SIMPLE, LIGHTNING):
         t = make_inputs(spec, B=1, T=sum(lengths), H=2, K=32, V=32, N=len(lengths))
         check(spec, t, cu_seqlens=cu, cu_seqlens_cpu=cu)
         check(spec, make_inputs(spec, B=2, T=150, H=2, K=32, V=32))
 
 
 def test_strong_decay():
+    """Decay to ~e^-2000 within a chunk: no inf or NaN (GLA's diagonal blocks past the span limit
+    take the exact pairwise sums)."""
     check(SIMPLE, make_inputs(SIMPLE, B=1, T=130, H=2, K=32, V=32, strength=30.0))
+    check(GLA, make_inputs(GLA, B=1, T=130, H=2, K=32, V=32, strength=30.0))
 
 
-def test_gla_goes_to_the_next_tier():
-    """GLA's per-channel gate is not on this tier: it names why, and the torch tier serves it."""
-    t = make_inputs(OPS["gla"], B=1, T=8, H=1, K=16, V=16)
+def test_gates_per_value_channel_go_to_the_next_tier():
+    """A per-value-channel gate is not on this tier: it says so (the torch tier serves it)."""
+    t = make_inputs(GLA, B=1, T=8, H=1, K=16, V=16)
+    p = build_problem("chunk_gla", q=t["q"], k=t["k"], v=t["v"], gk=t["g"], gv=-torch.rand(1, 8, 1, 16),
+                      delta=False, gva=False)
+    assert chunk_delta.supports(p) == "per-value-channel gates (gv)"
     p = build_problem("chunk_gla", q=t["q"], k=t["k"], v=t["v"], gk=t["g"], delta=False, gva=False)
-    assert chunk_delta.supports(p) == "per-channel gates of the plain rule (GLA) are not on this tier yet"
-    t = make_inputs(SIMPLE, B=1, T=8, H=1, K=16, V=16)
-    p = build_problem("chunk_simple_gla", q=t["q"], k=t["k"], v=t["v"], g=t["g"], delta=False, gva=False)
     assert chunk_delta.supports(p) is None
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("spec", [SIMPLE, LIGHTNING], ids=["simple_gla", "lightning"])
+@pytest.mark.parametrize(**SPECS)
 @pytest.mark.parametrize("shape", ["dense", "varlen", "segments"])
 def test_bf16_wide_heads_gpu(spec, shape, monkeypatch):
     """bf16 products at K = V = 128 (the shipped tiles) against fp64, dense, varlen and split into

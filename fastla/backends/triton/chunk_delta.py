@@ -425,7 +425,7 @@ def _varlen_chunk_counts(cu: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(-(-(e - s) // BT) for s, e in zip(cu[:-1], cu[1:]))
 
 
-# The plain rule (Simple GLA, Lightning: DELTA False) on CUDA devices. Off until its GPU tests run
+# The plain rule (GLA, Simple GLA, Lightning: DELTA False) on CUDA devices. Off until its GPU tests run
 # (tests/ops/test_triton_chunk_plain.py -m gpu): built and checked in the CPU interpreter only.
 PLAIN_RULE_ON_GPU = False
 
@@ -438,8 +438,8 @@ def supports(p: Problem, config: ChunkConfig | None = None) -> str | None:
     if reason:
         return reason
     if not p.delta:
-        if p.gk is not None or p.gv is not None:
-            return "per-channel gates of the plain rule (GLA) are not on this tier yet"
+        if p.gv is not None:
+            return "per-value-channel gates (gv)"
         if p.device.type == "cuda" and not PLAIN_RULE_ON_GPU:
             return "the plain rule's kernels have not run on a GPU yet (chunk_delta.PLAIN_RULE_ON_GPU)"
     if p.reverse:
@@ -552,11 +552,15 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, kda_p
     tables = (cu, chunk_index) if varlen else (None, None)
     channel_gate = p.gk is not None
     if channel_gate:
-        # KDA: the scan reads the gated queries and keys of the prologue (per value head)
-        q, k, kd = (call_plan.empty((B, T, HV, K), op_dtype, dev) for _ in range(3))
+        # KDA: the scan reads the gated queries and keys of the prologue (per value head); GLA (the
+        # plain rule) reads no gated keys
+        q, kd = (call_plan.empty((B, T, HV, K), op_dtype, dev) for _ in range(2))
         decay = call_plan.empty((max(total, 1), HV, K), torch.float32, dev)
+        k = call_plan.empty((B, T, HV, K), op_dtype, dev) if p.delta else decay
         gcum = rq = rk = None
         dummy = decay
+        if not p.delta:
+            beta = inverse = dummy                                          # read by no kernel
         if total and kda_prologue is not None:
             kda_prologue(p, beta, beta_mode, total, tables, inverse, scores, k, kd, q, decay)
         elif total:
@@ -570,6 +574,8 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, kda_p
                   else (None, None))
         dummy = gcum
         kd = decay = None
+        if not p.delta:
+            beta = inverse = dummy                                          # read by no kernel
         q, k = (p.q, p.k) if p.q.dtype == op_dtype or bf16 else (p.q.to(op_dtype), p.k.to(op_dtype))
         if total and p.delta:
             g = p.g if p.g is not None else call_plan.full((B, T, HV), 0.0, torch.float32, dev)
@@ -595,8 +601,6 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, kda_p
                   num_warps=config.scan_warps, num_stages=config.scan_stages)
     if rq is None:
         rq = rk = dummy
-    if not p.delta:
-        beta = inverse = dummy
     args = (q, k, p.v, beta, inverse, scores, rq, rk, gcum if gcum is not None else dummy,
             kd if kd is not None else dummy, decay if decay is not None else dummy, o,
             h0 if h0 is not None else o, ht if ht is not None else o, h_chunks,

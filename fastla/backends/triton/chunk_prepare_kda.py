@@ -176,8 +176,10 @@ def _kda_prepare_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     DOT: tl.constexpr, L2NORM: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr,
     HAS_BIAS: tl.constexpr, BETA: tl.constexpr, VARLEN: tl.constexpr, SCORES: tl.constexpr, EXACT: tl.constexpr,
+    DELTA: tl.constexpr,
 ):
-    """SCORES False: A, P, kg, kd and decay; SCORES True: Aqk and qg (same grid, second launch)."""
+    """SCORES False: A, P, kg, kd and decay; SCORES True: Aqk and qg (same grid, second launch).
+    DELTA False (GLA, the plain rule: no A, P nor kg): the first launch writes kd and decay only."""
     tl.static_assert(BT == 64, "four 16-token blocks")
     i_c = tl.program_id(0).to(tl.int64)
     i_hv = tl.program_id(1)
@@ -212,29 +214,33 @@ def _kda_prepare_kernel(
         o_k = ks * BK + tl.arange(0, BK)
         X0, F0, l0, k0, L0, s0 = _block(q, k, g, A_log, dt_bias, lower_bound, qk_row0, gate_base, 0, n_left, i_hv,
                                         o_k, rq0, rk0, HV, H, K, GATE, HAS_A, HAS_BIAS, SCORES)
-        a00 = _diagonal(a00, X0, F0, l0, k0, L0, s0, DOT, EXACT)
-        _store_rows(gated, gate_base, X0, 0, n_left, o_k, HV, K)
+        if SCORES or DELTA:                                                 # the products, kg / qg
+            a00 = _diagonal(a00, X0, F0, l0, k0, L0, s0, DOT, EXACT)
+            _store_rows(gated, gate_base, X0, 0, n_left, o_k, HV, K)
         d0 = tl.exp2(s0)                                                    # e^(c_0)
         X1, F1, l1, k1, L1, s1 = _block(q, k, g, A_log, dt_bias, lower_bound, qk_row0, gate_base, 1, n_left, i_hv,
                                         o_k, rq1, rk1, HV, H, K, GATE, HAS_A, HAS_BIAS, SCORES)
-        a11 = _diagonal(a11, X1, F1, l1, k1, L1, s1, DOT, EXACT)
-        a10 = _below(a10, X1, F0, DOT)
-        _store_rows(gated, gate_base, X1 * d0[None, :], 1, n_left, o_k, HV, K)
+        if SCORES or DELTA:                                                 # the products, kg / qg
+            a11 = _diagonal(a11, X1, F1, l1, k1, L1, s1, DOT, EXACT)
+            a10 = _below(a10, X1, F0, DOT)
+            _store_rows(gated, gate_base, X1 * d0[None, :], 1, n_left, o_k, HV, K)
         d1 = tl.exp2(s1)                                                    # e^(c_1 - c_0)
         X2, F2, l2, k2, L2, s2 = _block(q, k, g, A_log, dt_bias, lower_bound, qk_row0, gate_base, 2, n_left, i_hv,
                                         o_k, rq2, rk2, HV, H, K, GATE, HAS_A, HAS_BIAS, SCORES)
-        a22 = _diagonal(a22, X2, F2, l2, k2, L2, s2, DOT, EXACT)
-        a20 = _below_far(a20, X2, F0, d1, DOT)
-        a21 = _below(a21, X2, F1, DOT)
-        _store_rows(gated, gate_base, X2 * (d0 * d1)[None, :], 2, n_left, o_k, HV, K)
+        if SCORES or DELTA:                                                 # the products, kg / qg
+            a22 = _diagonal(a22, X2, F2, l2, k2, L2, s2, DOT, EXACT)
+            a20 = _below_far(a20, X2, F0, d1, DOT)
+            a21 = _below(a21, X2, F1, DOT)
+            _store_rows(gated, gate_base, X2 * (d0 * d1)[None, :], 2, n_left, o_k, HV, K)
         d2 = tl.exp2(s2)
         X3, F3, l3, k3, L3, s3 = _block(q, k, g, A_log, dt_bias, lower_bound, qk_row0, gate_base, 3, n_left, i_hv,
                                         o_k, rq3, rk3, HV, H, K, GATE, HAS_A, HAS_BIAS, SCORES)
-        a33 = _diagonal(a33, X3, F3, l3, k3, L3, s3, DOT, EXACT)
-        a30 = _below_far(a30, X3, F0, d1 * d2, DOT)
-        a31 = _below_far(a31, X3, F1, d2, DOT)
-        a32 = _below(a32, X3, F2, DOT)
-        _store_rows(gated, gate_base, X3 * (d0 * d1 * d2)[None, :], 3, n_left, o_k, HV, K)
+        if SCORES or DELTA:                                                 # the products, kg / qg
+            a33 = _diagonal(a33, X3, F3, l3, k3, L3, s3, DOT, EXACT)
+            a30 = _below_far(a30, X3, F0, d1 * d2, DOT)
+            a31 = _below_far(a31, X3, F1, d2, DOT)
+            a32 = _below(a32, X3, F2, DOT)
+            _store_rows(gated, gate_base, X3 * (d0 * d1 * d2)[None, :], 3, n_left, o_k, HV, K)
         if not SCORES:                                                      # kd = F_b e^(c_3 - c_b), c_3 = G_last
             d3 = tl.exp2(s3)                                                # (the gates past the chunk's end are 0)
             d23 = d2 * d3
@@ -250,7 +256,7 @@ def _kda_prepare_kernel(
         lower = r[:, None] >= r[None, :]
         _store_lower(a_out, row0, tl.where(lower, a00, 0.0), a10, tl.where(lower, a11, 0.0), a20, a21,
                      tl.where(lower, a22, 0.0), a30, a31, a32, tl.where(lower, a33, 0.0), n_left, HV * BT, BT)
-    else:
+    elif DELTA:
         strict = r[:, None] > r[None, :]
         b0 = _beta_rows(beta, beta_base, 0, n_left, HV, BETA)
         b1 = _beta_rows(beta, beta_base, 1, n_left, HV, BETA)
@@ -343,7 +349,7 @@ def launch(p, q, k, beta, beta_mode: int, total: int, tables, inverse, scores, k
             chunk_index if varlen else dummy, p.T, NT,
             H=p.H, HV=p.HV, K=p.K, BT=BT, BK=min(block_k, max(16, next_pow2(p.K))), DOT=dot,
             L2NORM=p.use_qk_l2norm, GATE=gate_mode(p), HAS_A=p.A_log is not None, HAS_BIAS=p.dt_bias is not None,
-            BETA=beta_mode, VARLEN=varlen, SCORES=scores_pass, EXACT=not bounded_spans(p),
+            BETA=beta_mode, VARLEN=varlen, SCORES=scores_pass, EXACT=not bounded_spans(p), DELTA=p.delta,
             num_warps=warps,
             num_stages=1, **options,
         )

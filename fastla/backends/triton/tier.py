@@ -9,5 +9,5 @@ RECURRENT_OPS = (
 
 for _op in RECURRENT_OPS:
     dispatch.register(_op, "triton", recurrent.supports)(recurrent.run)
-for _op in ("chunk_gated_delta_rule", "chunk_kda", "chunk_simple_gla", "chunk_lightning_attn"):
+for _op in ("chunk_gated_delta_rule", "chunk_kda", "chunk_gla", "chunk_simple_gla", "chunk_lightning_attn"):
     dispatch.register(_op, "triton", chunk_delta.supports)(chunk_delta.run)

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import torch
 
+from fastla.core import call_plan
 from fastla.core.custom_ops import run_chunk
 from fastla.core.validation import resolve_state_layout
 
 
+@call_plan.planned
 def chunk_gla(
     q: torch.Tensor,
     k: torch.Tensor,
