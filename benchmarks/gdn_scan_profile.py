@@ -45,7 +45,7 @@ PHASES = [
     ("        _store_output(out, o_desc, o_s, o, t0, eos, r, o_v, i_hv32, i_v, n_rows, HV, V, BV)\n", "the chunk's products",
      True),
     ("        _store_output(out, o_desc, o_s, o, t0, eos, r, o_v, i_hv32, i_v, n_rows, HV, V, BV)\n", "output epilogue", False),
-    ("i + STAGES < n_chunks, K, V, BV, NK, GK)\n", "barrier, next TMA issue", False),
+    ("i + STAGES < n_chunks, K, V, BV, NK, GK, DELTA)\n", "barrier, next TMA issue", False),
 ]
 # the warp-specialized scan's chain partition (the prep partition runs beside it)
 WS_PHASES = [
@@ -78,8 +78,8 @@ DUAL_PHASES = [
 TARGETS = {
     "plain": dict(
         file="chunk_delta_sm90.py", kernel="_scan_sm90_kernel", phases=PHASES, clock_before="BT = gl.constexpr(64)",
-        prof=[("STAGES: gl.constexpr, WARPGROUPS: gl.constexpr, GK: gl.constexpr,\n):",
-               "STAGES: gl.constexpr, WARPGROUPS: gl.constexpr, GK: gl.constexpr, prof=None,\n):")],
+        prof=[("STAGES: gl.constexpr, WARPGROUPS: gl.constexpr, GK: gl.constexpr,\n    DELTA: gl.constexpr,\n):",
+               "STAGES: gl.constexpr, WARPGROUPS: gl.constexpr, GK: gl.constexpr,\n    DELTA: gl.constexpr, prof=None,\n):")],
         init="    zero = gl.zeros([BT, BV], gl.float32, acc)\n",
         end="    tma.store_wait(0)\n    for st in gl.static_range(STAGES):\n"),
     "ws": dict(
@@ -94,11 +94,11 @@ TARGETS = {
     "dual": dict(
         file="chunk_delta_dual_sm90.py", kernel="_scan_dual_sm90_kernel", phases=DUAL_PHASES,
         clock_before="CHAIN_REGS = ",
-        prof=[("LOADER_NREG: gl.constexpr,\n):", "LOADER_NREG: gl.constexpr, prof=None,\n):"),
-              ("STAGES: gl.constexpr, GK: gl.constexpr):\n    \"\"\"Chain CH",
-               "STAGES: gl.constexpr, GK: gl.constexpr, prof):\n    \"\"\"Chain CH"),
-              ("HAS_H0, STORE_FINAL, L2NORM, BETA, SEG, STORE_STATES, STAGES, GK)),",
-               "HAS_H0, STORE_FINAL, L2NORM, BETA, SEG, STORE_STATES, STAGES, GK, prof)),", 2)],
+        prof=[("LOADER_NREG: gl.constexpr, DELTA: gl.constexpr,\n):", "LOADER_NREG: gl.constexpr, DELTA: gl.constexpr, prof=None,\n):"),
+              ("STAGES: gl.constexpr, GK: gl.constexpr, DELTA: gl.constexpr):\n    \"\"\"Chain CH",
+               "STAGES: gl.constexpr, GK: gl.constexpr, DELTA: gl.constexpr, prof):\n    \"\"\"Chain CH"),
+              ("HAS_H0, STORE_FINAL, L2NORM, BETA, SEG, STORE_STATES, STAGES, GK, DELTA)),",
+               "HAS_H0, STORE_FINAL, L2NORM, BETA, SEG, STORE_STATES, STAGES, GK, DELTA, prof)),", 2)],
         init="    zero = gl.zeros([BT, BVC], gl.float32, acc)\n",
         end="    tma.store_wait(0)\n    if SEG == 1:",
         chains=2),

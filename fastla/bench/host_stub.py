@@ -228,14 +228,14 @@ def cases():
                                                                  use_gate_in_kernel=True)), tier, True),
             (f"kda-{tier}-strided", kda, _split(_kda_case(use_gate_in_kernel=True, lower_bound=-5.0,
                                                           output_final_state=True)), tier, True),
+            (f"simple-gla-{tier}-varlen", simple_gla, _plain_case(gamma=True, cu_seqlens_cpu=cu, cu_seqlens=cu.clone(),
+                                                                  h0=True, output_final_state=True), tier, True),
+            (f"gla-{tier}-varlen", gla, _gla_case(cu_seqlens_cpu=cu, cu_seqlens=cu.clone(), output_final_state=True),
+             tier, True),
+            (f"lightning-{tier}-split", lightning, _plain_case(T=8192, H=1, g=False, layer_idx=2, num_layers=8,
+                                                                output_final_state=True), tier, True),
         ]
     out += [
-        ("simple-gla-triton-varlen", simple_gla, _plain_case(gamma=True, cu_seqlens_cpu=cu, cu_seqlens=cu.clone(),
-                                                             h0=True, output_final_state=True), "triton", True),
-        ("gla-triton-varlen", gla, _gla_case(cu_seqlens_cpu=cu, cu_seqlens=cu.clone(), output_final_state=True),
-         "triton", True),
-        ("lightning-triton", lightning, _plain_case(g=False, layer_idx=2, num_layers=8, output_final_state=True),
-         "triton", True),
         ("gdn-fp16-inputs", gdn, _gdn_case(dtype=torch.float16), "triton", False),      # cast to fp32 first
         ("gdn-no-gate-no-beta", gdn, _gdn_case(g=None, beta=None, use_qk_l2norm_in_kernel=True), "gluon", True),
         ("gdn-decode", gdn_decode, _gdn_case(T=1, h0=True, output_final_state=True, use_qk_l2norm_in_kernel=True),

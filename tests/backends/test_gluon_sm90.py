@@ -64,6 +64,13 @@ SCAN_VARIANTS = {
     # the segment summary pass (SEG 1: the V + K columns [0 | I], no output) on the two chains
     "dual-bv64-summary-varlen": dict(DUAL=True, BV=64, SEG=1, VARLEN=True),
     "dual-kda-bv64-summary": dict(DUAL=True, BV=64, SEG=1, GK=True, L2NORM=False),
+    # the plain rule (DELTA False: Simple GLA and Lightning; GLA with GK): both scans, its summary
+    "plain-bv32": dict(DELTA=False, L2NORM=False, H=64),
+    "dual-plain-bv64": dict(DUAL=True, BV=64, DELTA=False, L2NORM=False, H=64),
+    "dual-plain-bv32-summary-varlen": dict(DUAL=True, SEG=1, VARLEN=True, DELTA=False, L2NORM=False, H=64),
+    "gla-bv32": dict(GK=True, DELTA=False, L2NORM=False),
+    "dual-gla-bv64": dict(DUAL=True, BV=64, GK=True, DELTA=False, L2NORM=False),
+    "dual-gla-bv64-summary": dict(DUAL=True, BV=64, SEG=1, GK=True, DELTA=False, L2NORM=False),
 }
 
 
@@ -75,11 +82,11 @@ def _child_scan(name: str, folder: str) -> None:
     from fastla.backends.gluon.chunk_delta_ws_sm90 import PREP_REGS, _scan_ws_sm90_kernel
 
     consts = dict(H=16, HV=64, K=128, V=128, BV=32, SK=128, SV=1, HAS_H0=True, STORE_FINAL=True, L2NORM=True,
-                  VARLEN=False, SEG=0, BETA=2, STORE_STATES=False, STAGES=2, WARPGROUPS=1, GK=False)
+                  VARLEN=False, SEG=0, BETA=2, STORE_STATES=False, STAGES=2, WARPGROUPS=1, GK=False, DELTA=True)
     consts.update(SCAN_VARIANTS[name])
     if consts.pop("WS", False):
         kern = _scan_ws_sm90_kernel
-        del consts["WARPGROUPS"], consts["STAGES"], consts["GK"]
+        del consts["WARPGROUPS"], consts["STAGES"], consts["GK"], consts["DELTA"]
         consts["PREP_NREG"] = PREP_REGS
     elif consts.pop("DUAL", False):
         kern = _scan_dual_sm90_kernel

@@ -20,8 +20,8 @@ def _plain_rule_on_gpu(monkeypatch):
     monkeypatch.setattr(chunk_delta, "PLAIN_RULE_ON_GPU", True)
 
 
-def check(spec, t, tol=TOL, **opts):
-    with use_tier("triton", strict=True), torch.no_grad():
+def check(spec, t, tol=TOL, tier="triton", **opts):
+    with use_tier(tier, strict=True), torch.no_grad():
         o, ht = call_chunk(spec, t, output_final_state=True, **opts)
     opts.pop("cu_seqlens_cpu", None)
     if t["q"].dtype != torch.float32:
@@ -100,29 +100,36 @@ def test_gates_per_value_channel_go_to_the_next_tier():
     assert chunk_delta.supports(p) is None
 
 
+sm90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("tier", ["triton", pytest.param("gluon", marks=pytest.mark.skipif(not sm90, reason="sm_90"))])
 @pytest.mark.parametrize(**SPECS)
-@pytest.mark.parametrize("shape", ["dense", "varlen", "segments"])
-def test_bf16_wide_heads_gpu(spec, shape, monkeypatch):
-    """bf16 products at K = V = 128 (the shipped tiles) against fp64, dense, varlen and split into
-    segments; the allocator's free blocks poisoned with NaN first, and a second run bit-identical."""
+@pytest.mark.parametrize("shape", ["dense", "varlen", "segments", "k64"])
+def test_bf16_wide_heads_gpu(tier, spec, shape, monkeypatch):
+    """bf16 products at K = V = 128 (K = V = 64: ``k64``) on both kernel tiers against fp64, dense,
+    varlen and split into segments (the Gluon tier: its sm_90 scans without the delta correction,
+    the summaries on the two-chain scan); the allocator's free blocks poisoned with NaN first, and a
+    second run bit-identical."""
     if shape == "segments":
         monkeypatch.setattr(chunk_delta, "default_config",
                             lambda p, segment_gain=None: chunk_delta.ChunkConfig(segment_chunks=2))
     lengths = [700, 1, 64, 300]
-    B, T, N = (1, sum(lengths), len(lengths)) if shape != "dense" else (2, 1000, 2)
-    t = make_inputs(spec, B=B, T=T, H=4, K=128, V=128, N=N, dtype=torch.bfloat16, device="cuda")
+    B, T, N = (1, sum(lengths), len(lengths)) if shape in ("varlen", "segments") else (2, 1000, 2)
+    D = 64 if shape == "k64" else 128
+    t = make_inputs(spec, B=B, T=T, H=4, K=D, V=D, N=N, dtype=torch.bfloat16, device="cuda")
     opts = {}
-    if shape != "dense":
+    if B == 1:
         cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
         opts = dict(cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu)
     runs = []
     for _ in range(2):
         x = torch.full((1 << 27,), float("nan"), device="cuda")
         del x
-        with use_tier("triton", strict=True), torch.no_grad():
+        with use_tier(tier, strict=True), torch.no_grad():
             runs.append(call_chunk(spec, t, output_final_state=True, **opts))
     for a, b in zip(*runs):
         assert torch.equal(a, b), "a second run differs (a race?)"
-    check(spec, t, tol=1e-2, **opts)
+    check(spec, t, tol=1e-2, tier=tier, **opts)

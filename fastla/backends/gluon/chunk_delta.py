@@ -2,7 +2,9 @@
 combine (backends/triton/chunk_delta.py), with the sequence passes of the scan in an sm_90 kernel:
 the two-chain scan (chunk_delta_dual_sm90.py) where it serves, else the one-chain scan
 (chunk_delta_sm90.py; KDA's 32 columns, chunk states stored), both with KDA's per-channel ``GK``
-step."""
+step. The plain rule (GLA, Simple GLA, Lightning) runs the same scans without the delta
+correction (``DELTA`` False) over the Triton tier's plain prologue (GDN's sm_90 scores kernel for
+the scalar gates); on CUDA behind triton_chunk.PLAIN_RULE_ON_GPU, with the Triton tier's."""
 from __future__ import annotations
 
 import dataclasses
@@ -194,8 +196,8 @@ def in_place_views(p: Problem) -> tuple[str, ...]:
     from fastla.backends.gluon import chunk_prepare_kda_sm90 as kda_prologue
     from fastla.backends.triton.chunk_prepare_kda import bounded_spans
 
-    if not (STRIDED_TMA and SUMMARY_SM90 and SCAN_DUAL):
-        return ()
+    if not (STRIDED_TMA and SUMMARY_SM90 and SCAN_DUAL) or (not p.delta and p.gk is not None):
+        return ()                   # (GLA's prologue is the Triton one: q and k by pointer)
     if p.gk is None and not (GDN_SCORES_SM90 and GDN_INVERSE_SM90):
         return ()
     if p.gk is not None and not (KDA_PROLOGUE_SM90 and kda_prologue.serves(p) is None and bounded_spans(p)):
@@ -233,7 +235,7 @@ def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments
     if h_chunks is not None:
         BV, warpgroups = 32, 1          # storing the chunk states spills at 64 columns (448 B, sm_90 compile)
     rows = p.B * p.T
-    specialized = SCAN_SPECIALIZED and BV in SPECIALIZED_WIDTHS and warpgroups == 1 and not gk
+    specialized = SCAN_SPECIALIZED and BV in SPECIALIZED_WIDTHS and warpgroups == 1 and not gk and p.delta
     dual = SCAN_DUAL and BV in DUAL_WIDTHS[gk] and h_chunks is None and not specialized
     if seg == 1 and not (dual and p.V % (BV // 2) == 0 and cols % BV == 0):
         raise RuntimeError(f"the segment summary runs on the two-chain scan only (BV = {BV}, V = {p.V})")
@@ -256,15 +258,20 @@ def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments
         kernel, launch = _scan_sm90_kernel, dict(STAGES=SCAN_STAGES, WARPGROUPS=warpgroups, num_warps=4 * warpgroups)
     # GK (KDA): the gated keys and queries are per value head, and the kd tiles and chunk decays
     # come too (the one- and two-chain kernels; the warp-specialized one serves GDN only)
+    # The plain rule (DELTA False) reads no P, beta nor, with GK, gated keys: the scores' descriptor,
+    # the scores and kd's descriptor stand in for them (the beta rows are loaded, in bounds, unused)
     qk_width = (p.HV if gk else p.H) * p.K
-    args = [desc(sp.k, qk_width, [BT, BK], tile), desc(sp.q, qk_width, [BT, BK], tile)]
+    kd = desc(sp.kd, qk_width, [BT, BK], tile) if gk else None
+    scores = desc(sp.scores, p.HV * BT, [BT, BT], tile)
+    args = [kd if gk and not p.delta else desc(sp.k, qk_width, [BT, BK], tile), desc(sp.q, qk_width, [BT, BK], tile)]
     takes_kd = kernel is not _scan_ws_sm90_kernel
     if takes_kd:
-        args.append(desc(sp.kd, qk_width, [BT, BK], tile) if gk else args[0])
-        launch.update(GK=gk)
-    args += [desc(sp.v, p.HV * p.V, [BT, box_v], vtile), desc(sp.inverse, p.HV * BT, [BT, BT], tile),
-             desc(sp.scores, p.HV * BT, [BT, BT], tile), desc(sp.o, p.HV * p.V, [BT, box_v], vtile),
-             sp.beta, sp.rq, sp.rk, sp.gcum if sp.gcum is not None else d]
+        args.append(kd if gk else args[0])
+        launch.update(GK=gk, DELTA=p.delta)
+    args += [desc(sp.v, p.HV * p.V, [BT, box_v], vtile),
+             desc(sp.inverse, p.HV * BT, [BT, BT], tile) if p.delta else scores, scores,
+             desc(sp.o, p.HV * p.V, [BT, box_v], vtile), sp.beta if p.delta else sp.scores, sp.rq, sp.rk,
+             sp.gcum if sp.gcum is not None else d]
     if takes_kd:
         args.append(sp.decay if gk else d)
     if seg == 0 and sp.cu_seqlens is not None and not LONGEST_FIRST:
@@ -289,7 +296,10 @@ def run(p: Problem):
     p = triton_chunk.dense_inputs(p, align=16, in_place=in_place_views(p))   # (TMA: 16-byte aligned bases)
     config = plan(p)
     kernels = {}
-    if p.gk is not None and KDA_PROLOGUE_SM90:                             # (supports: bf16 inputs)
+    if not p.delta:                 # the plain rule: the Triton gate cumsum or GLA prologue
+        if p.gk is None and GDN_SCORES_SM90:
+            kernels["gdn_scores"] = gdn_scores.launch
+    elif p.gk is not None and KDA_PROLOGUE_SM90:                           # (supports: bf16 inputs)
         why = kda_prologue.serves(p)
         if why is None:
             kernels["kda_prologue"] = kda_prologue.launch

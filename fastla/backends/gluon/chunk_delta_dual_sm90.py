@@ -45,15 +45,18 @@ LOADER_REGS = 32        # of the loader's warpgroup (chain 0 gets the rest: 128 
 def _loader_partition(k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s,
                       loaded, freed, bos, c_begin, n_chunks, i_h, i_hv, i_v,
                       K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, GK: gl.constexpr,
-                      SEG: gl.constexpr):
+                      SEG: gl.constexpr, DELTA: gl.constexpr):
     """Chunk i's tiles into stage i % STAGES once both chains have freed it (chunk i - STAGES).
     A segment summary (SEG 1) loads no queries nor scores, and the value tiles of its identity
-    columns (past V) from column 0 of the head (read as zeros by the chains)."""
+    columns (past V) from column 0 of the head (read as zeros by the chains). DELTA False (the
+    plain rule): no P, and with GK no gated keys (the update reads kd)."""
     NK: gl.constexpr = K // BK
     BVC: gl.constexpr = BV // 2
     OUTPUT: gl.constexpr = SEG != 1
-    n_qk: gl.constexpr = (1 if OUTPUT else 0) + (1 if GK else 0) + 1
-    nbytes: gl.constexpr = (n_qk * NK * BT * BK + BT * BV + (2 if OUTPUT else 1) * BT * BT) * 2
+    LOAD_K: gl.constexpr = DELTA or not GK
+    n_qk: gl.constexpr = (1 if OUTPUT else 0) + (1 if GK else 0) + (1 if LOAD_K else 0)
+    n_sq: gl.constexpr = (1 if OUTPUT else 0) + (1 if DELTA else 0)               # A_qk and P tiles
+    nbytes: gl.constexpr = (n_qk * NK * BT * BK + BT * BV + n_sq * BT * BT) * 2
     for i in range(0, n_chunks):
         stage = (i % STAGES).to(gl.int32)
         mbarrier.wait(freed.index(stage), (((i // STAGES) & 1) ^ 1).to(gl.int32))
@@ -61,7 +64,8 @@ def _loader_partition(k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s,
         bar = loaded.index(stage)
         mbarrier.expect(bar, nbytes)
         for j in gl.static_range(NK):
-            tma.async_copy_global_to_shared(k_desc, [t0, i_h * K + j * BK], bar, k_s.index(stage * NK + j))
+            if LOAD_K:
+                tma.async_copy_global_to_shared(k_desc, [t0, i_h * K + j * BK], bar, k_s.index(stage * NK + j))
             if OUTPUT:
                 tma.async_copy_global_to_shared(q_desc, [t0, i_h * K + j * BK], bar, q_s.index(stage * NK + j))
             if GK:
@@ -73,7 +77,8 @@ def _loader_partition(k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s,
                 col = i_v * BV + ch * BVC
                 col = i_hv * V + gl.where(col < V, col, 0)
             tma.async_copy_global_to_shared(v_desc, [t0, col], bar, v_s.index(stage * 2 + ch))
-        tma.async_copy_global_to_shared(p_desc, [t0, i_hv * BT], bar, p_s.index(stage))
+        if DELTA:
+            tma.async_copy_global_to_shared(p_desc, [t0, i_hv * BT], bar, p_s.index(stage))
         if OUTPUT:
             tma.async_copy_global_to_shared(a_desc, [t0, i_hv * BT], bar, a_s.index(stage))
 
@@ -85,7 +90,7 @@ def _chain_partition(CH: gl.constexpr, k_s, q_s, kd_s, v_s, p_s, a_s, s_s, y_s, 
                      H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
                      SK: gl.constexpr, SV: gl.constexpr, HAS_H0: gl.constexpr, STORE_FINAL: gl.constexpr,
                      L2NORM: gl.constexpr, BETA: gl.constexpr, SEG: gl.constexpr, STORE_STATES: gl.constexpr,
-                     STAGES: gl.constexpr, GK: gl.constexpr):
+                     STAGES: gl.constexpr, GK: gl.constexpr, DELTA: gl.constexpr):
     """Chain CH: the columns of value tile 2 i_v + CH (width BV / 2), chunk by chunk."""
     NK: gl.constexpr = K // BK
     BVC: gl.constexpr = BV // 2
@@ -121,7 +126,7 @@ def _chain_partition(CH: gl.constexpr, k_s, q_s, kd_s, v_s, p_s, a_s, s_s, y_s, 
         S0, S1, out = _chunk_step(k_s, q_s, kd_s, stage * NK, v_s.index(stage * 2 + CH), p_s.index(stage),
                                   a_s.index(stage), s_s, CH * NK, y_t, vn_t, vd_t, S0, S1, zero,
                                   b_G, b_Gl, b_beta, b_rk, b_rq, b_dec0, b_dec1, m_t, scale, tile_v * BVC < V,
-                                  acc, NK, GK, SEG != 1)
+                                  acc, NK, GK, SEG != 1, DELTA)
         mbarrier.arrive(freed.index(stage), count=1)                        # this chain is done with the stage
         if SEG != 1:
             _store_output(out, o_desc, o_s.index(CH), o, t0, eos, r, o_v, i_hv, tile_v, n_rows, HV, V, BVC)
@@ -143,7 +148,7 @@ def _scan_dual_sm90_kernel(
     SK: gl.constexpr, SV: gl.constexpr, HAS_H0: gl.constexpr, STORE_FINAL: gl.constexpr,
     L2NORM: gl.constexpr, VARLEN: gl.constexpr, SEG: gl.constexpr, BETA: gl.constexpr,
     STORE_STATES: gl.constexpr, STAGES: gl.constexpr, GK: gl.constexpr, CHAIN_NREG: gl.constexpr,
-    LOADER_NREG: gl.constexpr,
+    LOADER_NREG: gl.constexpr, DELTA: gl.constexpr,
 ):
     NK: gl.constexpr = K // BK
     BVC: gl.constexpr = BV // 2
@@ -184,13 +189,14 @@ def _scan_dual_sm90_kernel(
         (_chain_partition, (0, k_s, q_s, kd_s, v_s, p_s, a_s, s_s, y_s, vn_s, vd_s, o_s, loaded, freed, o_desc,
                             beta, rq, rk, gcum, decay, o, h0, ht, h_chunks, seg_state, bos, eos, c_begin, n_chunks,
                             first_chunk, is_last, i_n, i_s, i_h, i_hv32, i_v, n_rows, scale, H, HV, K, V, BV, SK, SV,
-                            HAS_H0, STORE_FINAL, L2NORM, BETA, SEG, STORE_STATES, STAGES, GK)),
+                            HAS_H0, STORE_FINAL, L2NORM, BETA, SEG, STORE_STATES, STAGES, GK, DELTA)),
         (_chain_partition, (1, k_s, q_s, kd_s, v_s, p_s, a_s, s_s, y_s, vn_s, vd_s, o_s, loaded, freed, o_desc,
                             beta, rq, rk, gcum, decay, o, h0, ht, h_chunks, seg_state, bos, eos, c_begin, n_chunks,
                             first_chunk, is_last, i_n, i_s, i_h, i_hv32, i_v, n_rows, scale, H, HV, K, V, BV, SK, SV,
-                            HAS_H0, STORE_FINAL, L2NORM, BETA, SEG, STORE_STATES, STAGES, GK)),
+                            HAS_H0, STORE_FINAL, L2NORM, BETA, SEG, STORE_STATES, STAGES, GK, DELTA)),
         (_loader_partition, (k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s,
-                             loaded, freed, bos, c_begin, n_chunks, i_h32, i_hv32, i_v, K, V, BV, STAGES, GK, SEG)),
+                             loaded, freed, bos, c_begin, n_chunks, i_h32, i_hv32, i_v, K, V, BV, STAGES, GK, SEG,
+                             DELTA)),
     ], [4, 1], [CHAIN_NREG, LOADER_NREG])
     for st in gl.static_range(STAGES):
         mbarrier.invalidate(loaded.index(st))

@@ -39,6 +39,10 @@ rows past a sequence's end zeroed: the tile's next-sequence kd rows must not rea
 O = qg S + A_qk V_new. The third K-wide tile makes 188 KB of shared memory at BV 64 (224
 registers); 128 columns would need 245 KB, so KDA runs 32 or 64.
 
+DELTA False (the plain rule: Simple GLA and Lightning, GLA with GK): V_new = v, so the step is
+Q = q S under the values' load, then the state update and O as above; P and beta are not read
+(nor, with GK, the gated keys: the update reads kd).
+
 Budget (K = V = 128, STAGES = 2, sm_90 compile): BV 32 168 registers, 131 KB of shared memory;
 BV 64 254 registers, 164 KB; BV 128 on two warpgroups 255 registers, 229 KB (one program per SM
 at every width); no spills, HGMMA and UTMALDG in the SASS (tests/backends/test_gluon_sm90.py).
@@ -90,19 +94,25 @@ def _chunk_vectors(gcum, beta, rq, rk, r, bos, eos, c, valid, i_h, i_hv, H: gl.c
 @gluon.jit
 def _issue_chunk(k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s, bar, stage, t0,
                  i_h, i_hv, i_v, pred, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, NK: gl.constexpr,
-                 GK: gl.constexpr):
+                 GK: gl.constexpr, DELTA: gl.constexpr):
     """TMA loads of one chunk's tiles into ``stage``, completing on ``bar``. GK: the gated keys
-    and queries are per value head (column block i_hv; i_h is passed as i_hv), plus kd."""
-    nbytes: gl.constexpr = ((3 if GK else 2) * NK * BT * BK + BT * BV + 2 * BT * BT) * 2
+    and queries are per value head (column block i_hv; i_h is passed as i_hv), plus kd. DELTA
+    False (the plain rule): no P, and with GK no gated keys (the update reads kd)."""
+    LOAD_K: gl.constexpr = DELTA or not GK
+    nbytes: gl.constexpr = (((1 if LOAD_K else 0) + (2 if GK else 1)) * NK * BT * BK + BT * BV
+                            + (2 if DELTA else 1) * BT * BT) * 2
     mbarrier.expect(bar, nbytes, pred=pred)
     for j in gl.static_range(NK):
-        tma.async_copy_global_to_shared(k_desc, [t0, i_h * K + j * BK], bar, k_s.index(stage * NK + j), pred=pred)
+        if LOAD_K:
+            tma.async_copy_global_to_shared(k_desc, [t0, i_h * K + j * BK], bar, k_s.index(stage * NK + j),
+                                            pred=pred)
         tma.async_copy_global_to_shared(q_desc, [t0, i_h * K + j * BK], bar, q_s.index(stage * NK + j), pred=pred)
         if GK:
             tma.async_copy_global_to_shared(kd_desc, [t0, i_h * K + j * BK], bar, kd_s.index(stage * NK + j),
                                             pred=pred)
     tma.async_copy_global_to_shared(v_desc, [t0, i_hv * V + i_v * BV], bar, v_s.index(stage), pred=pred)
-    tma.async_copy_global_to_shared(p_desc, [t0, i_hv * BT], bar, p_s.index(stage), pred=pred)
+    if DELTA:
+        tma.async_copy_global_to_shared(p_desc, [t0, i_hv * BT], bar, p_s.index(stage), pred=pred)
     tma.async_copy_global_to_shared(a_desc, [t0, i_hv * BT], bar, a_s.index(stage), pred=pred)
 
 
@@ -214,39 +224,54 @@ def _chunk_rows(gcum, beta, rq, rk, decay, h_chunks, r, o_j, p_half, S0, S1, n_G
 @gluon.jit
 def _chunk_step(k_s, q_s, kd_s, kb, v_t, p_t, a_t, s_s, sb, y_t, vn_t, vd_t, S0, S1, zero,
                 b_G, b_Gl, b_beta, b_rk, b_rq, b_dec0, b_dec1, m_t, scale, has_v,
-                acc: gl.constexpr, NK: gl.constexpr, GK: gl.constexpr, OUTPUT: gl.constexpr):
+                acc: gl.constexpr, NK: gl.constexpr, GK: gl.constexpr, OUTPUT: gl.constexpr, DELTA: gl.constexpr):
     """One chunk's products, its tiles landed: keys, queries (and kd) at ring index kb (and
     kb + 1), the values v_t, P and A_qk; S in bf16 at s_s index sb (and sb + 1), rewritten here
     for the next chunk. Returns the new state halves (fp32) and the output [BT, BV] (fp32).
     Not OUTPUT (a segment summary): no Q, no output (``zero`` returned), and the values read as
-    zeros unless ``has_v`` (the identity columns' tiles)."""
-    # X = k S and Q = q S
-    x = warpgroup_mma(k_s.index(kb), s_s.index(sb), zero, use_acc=False, is_async=True)
-    if NK == 2:
-        x = warpgroup_mma(k_s.index(kb + 1), s_s.index(sb + 1), x, is_async=True)
-    if OUTPUT:
-        qs = warpgroup_mma(q_s.index(kb), s_s.index(sb), zero, use_acc=False, is_async=True)
+    zeros unless ``has_v`` (the identity columns' tiles). DELTA False (the plain rule: GLA, Simple
+    GLA, Lightning): V_new = v, so neither k S nor P Y (nor the keys, with GK, nor P are read)."""
+    if DELTA:
+        # X = k S and Q = q S
+        x = warpgroup_mma(k_s.index(kb), s_s.index(sb), zero, use_acc=False, is_async=True)
         if NK == 2:
-            qs = warpgroup_mma(q_s.index(kb + 1), s_s.index(sb + 1), qs, is_async=True)
-        x = warpgroup_mma_wait(num_outstanding=NK, deps=(x,))
+            x = warpgroup_mma(k_s.index(kb + 1), s_s.index(sb + 1), x, is_async=True)
+        if OUTPUT:
+            qs = warpgroup_mma(q_s.index(kb), s_s.index(sb), zero, use_acc=False, is_async=True)
+            if NK == 2:
+                qs = warpgroup_mma(q_s.index(kb + 1), s_s.index(sb + 1), qs, is_async=True)
+            x = warpgroup_mma_wait(num_outstanding=NK, deps=(x,))
+        else:
+            x = warpgroup_mma_wait(num_outstanding=0, deps=(x,))
+        # Y = beta (v - rk e^G X) (GK: beta (v - X), the keys gated already);  V_new = P Y
+        b_v = v_t.load(acc).to(gl.float32)
+        if not OUTPUT:
+            b_v = gl.where(has_v, b_v, 0.0)
+        if GK:
+            b_y = b_beta[:, None] * (b_v - x)
+        else:
+            b_eg = gl.exp(b_G)
+            b_y = b_beta[:, None] * (b_v - (b_rk * b_eg)[:, None] * x)
+        y_t.store(b_y.to(gl.bfloat16))
+        fence_async_shared()
+        vn = warpgroup_mma(p_t, y_t, zero, use_acc=False, is_async=True)
+        if OUTPUT:
+            vn, qs = warpgroup_mma_wait(num_outstanding=0, deps=(vn, qs))
+        else:
+            vn = warpgroup_mma_wait(num_outstanding=0, deps=(vn,))
     else:
-        x = warpgroup_mma_wait(num_outstanding=0, deps=(x,))
-    # Y = beta (v - rk e^G X) (GK: beta (v - X), the keys gated already);  V_new = P Y
-    b_v = v_t.load(acc).to(gl.float32)
-    if not OUTPUT:
-        b_v = gl.where(has_v, b_v, 0.0)
-    if GK:
-        b_y = b_beta[:, None] * (b_v - x)
-    else:
-        b_eg = gl.exp(b_G)
-        b_y = b_beta[:, None] * (b_v - (b_rk * b_eg)[:, None] * x)
-    y_t.store(b_y.to(gl.bfloat16))
-    fence_async_shared()
-    vn = warpgroup_mma(p_t, y_t, zero, use_acc=False, is_async=True)
-    if OUTPUT:
-        vn, qs = warpgroup_mma_wait(num_outstanding=0, deps=(vn, qs))
-    else:
-        vn = warpgroup_mma_wait(num_outstanding=0, deps=(vn,))
+        # Q = q S under the values' load;  V_new = v
+        if OUTPUT:
+            qs = warpgroup_mma(q_s.index(kb), s_s.index(sb), zero, use_acc=False, is_async=True)
+            if NK == 2:
+                qs = warpgroup_mma(q_s.index(kb + 1), s_s.index(sb + 1), qs, is_async=True)
+        vn = v_t.load(acc).to(gl.float32)
+        if not OUTPUT:
+            vn = gl.where(has_v, vn, 0.0)
+        if not GK:
+            b_eg = gl.exp(b_G)
+        if OUTPUT:
+            qs = warpgroup_mma_wait(num_outstanding=0, deps=(qs,))
     # O = diag(scale rq e^G) Q + A_qk V_new;  S = e^G_last S + k^T diag(rk e^(G_last - G)) V_new
     # (GK: O = Q + A_qk V_new;  S = diag(e^G_last) S + kd^T V_new, the rows' decays per chunk)
     if GK:                  # rows past the sequence's end (the next one's kd rows) must not update S
@@ -324,6 +349,7 @@ def _scan_sm90_kernel(
     SK: gl.constexpr, SV: gl.constexpr, HAS_H0: gl.constexpr, STORE_FINAL: gl.constexpr,
     L2NORM: gl.constexpr, VARLEN: gl.constexpr, SEG: gl.constexpr, BETA: gl.constexpr,
     STORE_STATES: gl.constexpr, STAGES: gl.constexpr, WARPGROUPS: gl.constexpr, GK: gl.constexpr,
+    DELTA: gl.constexpr,
 ):
     NK: gl.constexpr = K // BK
     # WARPGROUPS warpgroups split the BV columns; each issues its own products on the shared tiles
@@ -368,7 +394,7 @@ def _scan_sm90_kernel(
     i_h32 = i_hv32 if GK else i_h.to(gl.int32)                           # the column block of k, q (and kd)
     for st in gl.static_range(STAGES):
         _issue_chunk(k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s, bars.index(st),
-                     st, t_first + st * BT, i_h32, i_hv32, i_v, st < n_chunks, K, V, BV, NK, GK)
+                     st, t_first + st * BT, i_h32, i_hv32, i_v, st < n_chunks, K, V, BV, NK, GK, DELTA)
 
     zero = gl.zeros([BT, BV], gl.float32, acc)
     s_s.index(0).store(S0.to(gl.bfloat16))
@@ -388,13 +414,13 @@ def _scan_sm90_kernel(
         mbarrier.wait(bars.index(stage), ((i // STAGES) & 1).to(gl.int32))
         S0, S1, out = _chunk_step(k_s, q_s, kd_s, stage * NK, v_s.index(stage), p_s.index(stage), a_s.index(stage),
                                   s_s, 0, y_s, vn_s, vd_s, S0, S1, zero, b_G, b_Gl, b_beta, b_rk, b_rq,
-                                  b_dec0, b_dec1, m_t, scale, True, acc, NK, GK, True)
+                                  b_dec0, b_dec1, m_t, scale, True, acc, NK, GK, True, DELTA)
         _store_output(out, o_desc, o_s, o, t0, eos, r, o_v, i_hv32, i_v, n_rows, HV, V, BV)
         # the stage is free: chunk i + STAGES into it
         gl.thread_barrier()
         _issue_chunk(k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s,
                      bars.index(stage), stage, (t0 + STAGES * BT).to(gl.int32), i_h32, i_hv32, i_v,
-                     i + STAGES < n_chunks, K, V, BV, NK, GK)
+                     i + STAGES < n_chunks, K, V, BV, NK, GK, DELTA)
 
     tma.store_wait(0)
     for st in gl.static_range(STAGES):
