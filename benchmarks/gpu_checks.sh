@@ -5,6 +5,8 @@
 #   bash benchmarks/gpu_checks.sh coverage  # GPU tests owed from earlier sessions, bf16 A's casts (~4 min)
 #   bash benchmarks/gpu_checks.sh sweeps    # A_BF16 and the strided-input costs (~8 min)
 #   bash benchmarks/gpu_checks.sh cold      # cold starts of the Gluon paths (first call, empty cache)
+#   bash benchmarks/gpu_checks.sh plain     # the plain rule (GLA, Simple GLA, Lightning) on both kernel
+#                                           # tiers: GPU tests, then the registry rows with the switch on (~8 min)
 # Run from the repository root with .whl/ carried (../shared/device/peer-wheels.sh); results go to
 # $OUT when set (the device tool's output folder).
 set -uo pipefail
@@ -31,6 +33,13 @@ case "${1:-tests}" in
   sweeps)
     timeout 280 python3 benchmarks/kda_prefill_sweep.py --tier gluon --variants default,a-bf16 --out "$out" 2>&1 | tail -8
     timeout 280 python3 benchmarks/strided_inputs.py --out "$out" 2>&1 | tail -20
+    ;;
+  plain)
+    # PLAIN_RULE_ON_GPU is off until these pass; the tests switch it on themselves
+    t 240 tests/ops/test_triton_chunk_plain.py
+    timeout 300 python3 -c "import sys; import fastla.backends.triton.chunk_delta as c; c.PLAIN_RULE_ON_GPU = True; \
+from fastla.bench.runner import main; sys.exit(main(sys.argv[1:]))" --filter gla/,simple_gla/,lightning/ \
+      --modes fwd --quick --no-cold --out "$out" 2>&1 | tail -12
     ;;
   cold)
     timeout 500 python3 -m fastla bench --filter gdn/h16-hv64/1x8192,gdn/h2-hv8/1x32768,kda/h64/1x8192 \
