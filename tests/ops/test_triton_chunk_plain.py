@@ -8,7 +8,7 @@ import torch
 from fastla.backends.triton import chunk_delta, interpreting
 from fastla.core.dispatch import use_tier
 from fastla.core.validation import build_problem
-from tests.helpers import DEVICES, OPS, assert_close, call_chunk, call_reference, make_inputs
+from tests.helpers import DEVICES, OPS, assert_close, call_chunk, call_reference, make_inputs, strided_inputs
 
 TOL = 2e-5 if interpreting() else 1e-2
 GLA, SIMPLE, LIGHTNING = OPS["gla"], OPS["simple_gla"], OPS["lightning"]
@@ -81,6 +81,22 @@ def test_segments(monkeypatch):
         t = make_inputs(spec, B=1, T=sum(lengths), H=2, K=32, V=32, N=len(lengths))
         check(spec, t, cu_seqlens=cu, cu_seqlens_cpu=cu)
         check(spec, make_inputs(spec, B=2, T=150, H=2, K=32, V=32))
+
+
+@pytest.mark.parametrize(**SPECS)
+def test_strided_inputs(spec):
+    """Strided views (q, k, v, the gates, g_gamma, the state) give the contiguous inputs' results."""
+    lengths = [70, 1, 59]
+    t = make_inputs(spec, B=1, T=sum(lengths), H=2, K=32, V=32, N=len(lengths))
+    if spec is SIMPLE:
+        t["g_gamma"] = -torch.rand(2) * 0.1
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
+    opts = dict(output_final_state=True, cu_seqlens=cu, cu_seqlens_cpu=cu)
+    with use_tier("triton", strict=True), torch.no_grad():
+        want = call_chunk(spec, t, **opts)
+        got = call_chunk(spec, strided_inputs(t), **opts)
+    for name, a, b in zip(("o", "final_state"), got, want):
+        assert torch.equal(a, b), f"{name} differs with strided inputs"
 
 
 def test_strong_decay():

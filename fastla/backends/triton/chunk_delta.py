@@ -465,7 +465,7 @@ def supports(p: Problem, config: ChunkConfig | None = None) -> str | None:
     return None
 
 
-DENSE_FIELDS = ("q", "k", "v", "g", "gk", "beta", "initial_state", "A_log", "dt_bias", "cu_seqlens")
+DENSE_FIELDS = ("q", "k", "v", "g", "gk", "g_gamma", "beta", "initial_state", "A_log", "dt_bias", "cu_seqlens")
 
 
 def dense_inputs(p: Problem, align: int = 1, in_place: tuple[str, ...] = ()) -> Problem:
