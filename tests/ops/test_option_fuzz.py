@@ -3,7 +3,8 @@ varlen batches (int32 / int64 offsets, on the host only or both), the gate in th
 without dt_bias, KDA's lower_bound), the l2norm, beta sigmoid and negative eigenvalues, initial
 state in either layout, final and intermediate states, strided inputs. On the CPU the Triton tier
 (interpreter) against the torch tier; on an sm_90 GPU the Gluon tier against fp64, within 1.5x the
-Triton tier's error as in test_gluon_chunk_gdn.py."""
+Triton tier's error as in test_gluon_chunk_gdn.py. The same for the plain rule (GLA, Simple GLA,
+Lightning), its kernel tiers switched on for the GPU case."""
 import random
 
 import pytest
@@ -11,9 +12,13 @@ import torch
 import torch.nn.functional as F
 
 from fastla.backends.gluon import available
+from fastla.backends.triton import chunk_delta
 from fastla.core.dispatch import use_tier
 from fastla.ops.gated_delta_rule import chunk_gated_delta_rule
+from fastla.ops.gla import chunk_gla
 from fastla.ops.kda import chunk_kda
+from fastla.ops.lightning_attn import chunk_lightning_attn
+from fastla.ops.simple_gla import chunk_simple_gla
 from tests.helpers import rel_rms, strided
 
 OPS = {"gdn": chunk_gated_delta_rule, "kda": chunk_kda}
@@ -103,6 +108,92 @@ def test_gluon_tier_against_fp64(seed):
     gluon, triton = call(op, t, opts, "gluon"), call(op, t, opts, "triton")
     ref_opts = {n: (x.double() if torch.is_tensor(x) and x.is_floating_point() else x) for n, x in opts.items()}
     ref = call(op, {n: x.double() for n, x in t.items()}, ref_opts, "torch")
+    for i, (g, tr, r) in enumerate(zip(gluon, triton, ref)):
+        if r is None:
+            continue
+        assert torch.isfinite(g).all(), f"output {i} not finite"
+        err, err_t = rel_rms(g, r), rel_rms(tr, r)
+        assert err <= 1.5 * err_t + 2e-3, f"output {i}: gluon {err:.2e} vs triton {err_t:.2e}"
+
+
+# ----------------------------------------------------------------------------- the plain rule
+
+PLAIN_OPS = {"gla": chunk_gla, "simple_gla": chunk_simple_gla, "lightning": chunk_lightning_attn}
+
+
+def random_plain_case(seed: int, gpu: bool):
+    """(op, tensors, options) of one seeded combination of GLA / Simple GLA / Lightning options:
+    head dims, dense or varlen batches, Simple GLA's g and / or g_gamma (or neither), Lightning's
+    layer, initial state in either layout, the final state, strided inputs."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    op = rng.choice(list(PLAIN_OPS))
+    H = rng.choice([1, 2, 3])
+    K = rng.choice([64, 128] if gpu else [16, 32, 48, 64])
+    V = rng.choice([32, 64, 128] if gpu else [16, 32, 48])
+    lengths = None
+    if rng.random() < 0.5:
+        lengths = [rng.choice([1, 5, 63, 64, 65, 129] + ([300, 700] if gpu else [])) for _ in range(rng.choice([1, 2, 3]))]
+        lengths[0] += 64 if gpu else 0
+        B, T, N = 1, sum(lengths), len(lengths)
+    else:
+        B, T = rng.choice([1, 2]), rng.choice([64, 65, 130, 500] if gpu else [1, 17, 64, 65, 130])
+        N = B
+    t = dict(q=rnd(B, T, H, K), k=F.normalize(rnd(B, T, H, K), dim=-1), v=rnd(B, T, H, V))
+    opts = {}
+    if op == "gla":
+        t["g"] = F.logsigmoid(rnd(B, T, H, K) + 2) * rng.choice([0.01, 1.0, 10.0])
+    elif op == "simple_gla":
+        if rng.random() < 0.7:
+            t["g"] = F.logsigmoid(rnd(B, T, H) + 2) * rng.choice([0.01, 1.0, 10.0])
+        if rng.random() < 0.5:
+            t["g_gamma"] = -torch.rand(H, generator=gen) * rng.choice([0.01, 1.0])
+    else:
+        opts.update(layer_idx=rng.choice([0, 3, 7]), num_layers=8)
+    opts["state_v_first"] = rng.random() < 0.3
+    if rng.random() < 0.7:
+        t["initial_state"] = rnd(N, H, V, K) if opts["state_v_first"] else rnd(N, H, K, V)
+    opts["output_final_state"] = rng.random() < 0.8
+    if lengths:
+        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=rng.choice([torch.int32, torch.int64]))
+        opts["cu_seqlens_cpu"] = cu
+        if rng.random() < 0.5:
+            opts["cu_seqlens"] = cu.clone()
+    device, dtype = ("cuda", torch.bfloat16) if gpu else ("cpu", torch.float32)
+    t = {n: x.to(device) if n in ("initial_state", "g_gamma") else x.to(device, dtype) for n, x in t.items()}
+    opts = {n: x.to(device) if torch.is_tensor(x) and n != "cu_seqlens_cpu" else x for n, x in opts.items()}
+    if rng.random() < 0.3:
+        t = {n: strided(x) if x.numel() > 1 else x for n, x in t.items()}
+    return op, t, opts
+
+
+def call_plain(op, t, opts, tier):
+    with use_tier(tier, strict=True), torch.no_grad():
+        return PLAIN_OPS[op](**t, **opts)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_plain_rule_triton_tier_matches_torch_tier(seed):
+    if torch.cuda.is_available():
+        pytest.skip("the CPU interpreter's case (fp32 operands); the GPU case is the Gluon one")
+    op, t, opts = random_plain_case(seed, gpu=False)
+    want, got = call_plain(op, t, opts, "torch"), call_plain(op, t, opts, "triton")
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert (a is None) == (b is None) and (a is None or a.shape == b.shape), f"output {i}"
+        assert a is None or rel_rms(a, b) <= 2e-5, f"output {i}: {rel_rms(a, b):.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or available(torch.device("cuda")) is not None,
+                    reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("seed", range(12))
+def test_plain_rule_gluon_tier_against_fp64(seed, monkeypatch):
+    monkeypatch.setattr(chunk_delta, "PLAIN_RULE_ON_GPU", True)
+    op, t, opts = random_plain_case(seed, gpu=True)
+    gluon, triton = call_plain(op, t, opts, "gluon"), call_plain(op, t, opts, "triton")
+    ref_opts = {n: (x.double() if torch.is_tensor(x) and x.is_floating_point() else x) for n, x in opts.items()}
+    ref = call_plain(op, {n: x.double() for n, x in t.items()}, ref_opts, "torch")
     for i, (g, tr, r) in enumerate(zip(gluon, triton, ref)):
         if r is None:
             continue
