@@ -283,7 +283,7 @@ def _chunk_step(k_s, q_s, kd_s, kb, v_t, p_t, a_t, s_s, sb, y_t, vn_t, vd_t, S0,
         if OUTPUT:
             out = warpgroup_mma(a_t, vn_t, qs, is_async=True)
     else:
-        if OUTPUT:
+        if OUTPUT and DELTA:        # (the plain rule's V_new is v: the output reads the values' tile)
             vn_t.store(vn.to(gl.bfloat16))
         b_d = gl.where(m_t, b_rk * gl.exp(b_Gl - b_G), 0.0)
         vd_t.store((vn * b_d[:, None]).to(gl.bfloat16))
@@ -293,7 +293,7 @@ def _chunk_step(k_s, q_s, kd_s, kb, v_t, p_t, a_t, s_s, sb, y_t, vn_t, vd_t, S0,
         if NK == 2:
             S1 = warpgroup_mma(k_s.index(kb + 1).permute((1, 0)), vd_t, S1 * b_egl, is_async=True)
         if OUTPUT:
-            out = warpgroup_mma(a_t, vn_t, qs * (scale * b_rq * b_eg)[:, None], is_async=True)
+            out = warpgroup_mma(a_t, vn_t if DELTA else v_t, qs * (scale * b_rq * b_eg)[:, None], is_async=True)
     # the state first (the output's product runs on): S -> bf16 smem for the next chunk's products
     PENDING: gl.constexpr = 1 if OUTPUT else 0
     if NK == 2:
