@@ -21,7 +21,27 @@ from fastla.ops.lightning_attn import chunk_lightning_attn
 from fastla.ops.simple_gla import chunk_simple_gla
 from tests.helpers import rel_rms, strided
 
-OPS = {"gdn": chunk_gated_delta_rule, "kda": chunk_kda}
+OPS = {"gdn": chunk_gated_delta_rule, "kda": chunk_kda, "gla": chunk_gla, "simple_gla": chunk_simple_gla,
+       "lightning": chunk_lightning_attn}
+
+
+def random_batch(rng: random.Random, gpu: bool):
+    """(lengths or None, B, T, N): a varlen batch of 1-3 sequences or a dense one; ``gpu``: the
+    Gluon scan's sizes (64 tokens or more)."""
+    if rng.random() < 0.5:
+        lengths = [rng.choice([1, 5, 63, 64, 65, 129] + ([300, 700] if gpu else [])) for _ in range(rng.choice([1, 2, 3]))]
+        lengths[0] += 64 if gpu else 0                              # (the Gluon scan takes 64 tokens or more)
+        return lengths, 1, sum(lengths), len(lengths)
+    B, T = rng.choice([1, 2]), rng.choice([64, 65, 130, 500] if gpu else [1, 17, 64, 65, 130])
+    return None, B, T, B
+
+
+def random_offsets(rng: random.Random, lengths) -> dict:
+    """The offsets of a varlen batch (int32 or int64), on the host only or on both sides."""
+    if not lengths:
+        return {}
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=rng.choice([torch.int32, torch.int64]))
+    return dict(cu_seqlens_cpu=cu, cu_seqlens=cu.clone()) if rng.random() < 0.5 else dict(cu_seqlens_cpu=cu)
 
 
 def random_case(seed: int, gpu: bool, device: str | None = None):
@@ -35,14 +55,7 @@ def random_case(seed: int, gpu: bool, device: str | None = None):
     HV = H * rng.choice([1, 2, 3])
     K = rng.choice([64, 128] if gpu else [16, 32, 48, 64])
     V = rng.choice([32, 64, 128] if gpu else [16, 32, 48])
-    lengths = None
-    if rng.random() < 0.5:
-        lengths = [rng.choice([1, 5, 63, 64, 65, 129] + ([300, 700] if gpu else [])) for _ in range(rng.choice([1, 2, 3]))]
-        lengths[0] += 64 if gpu else 0                              # (the Gluon scan takes 64 tokens or more)
-        B, T, N = 1, sum(lengths), len(lengths)
-    else:
-        B, T = rng.choice([1, 2]), rng.choice([64, 65, 130, 500] if gpu else [1, 17, 64, 65, 130])
-        N = B
+    lengths, B, T, N = random_batch(rng, gpu)
     t = dict(q=rnd(B, T, H, K), k=rnd(B, T, H, K), v=rnd(B, T, HV, V))
     opts = dict(use_qk_l2norm_in_kernel=rng.random() < 0.6)
     if not opts["use_qk_l2norm_in_kernel"]:
@@ -67,11 +80,7 @@ def random_case(seed: int, gpu: bool, device: str | None = None):
         t["initial_state"] = rnd(N, HV, V, K) if opts["state_v_first"] else rnd(N, HV, K, V)
     opts["output_final_state"] = rng.random() < 0.8
     opts["return_intermediate_states"] = rng.random() < 0.25
-    if lengths:
-        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=rng.choice([torch.int32, torch.int64]))
-        opts["cu_seqlens_cpu"] = cu
-        if rng.random() < 0.5:
-            opts["cu_seqlens"] = cu.clone()
+    opts.update(random_offsets(rng, lengths))
     device = device or ("cuda" if gpu else "cpu")
     dtype = torch.bfloat16 if gpu else torch.float32
     t = {n: x.to(device) if n == "initial_state" else x.to(device, dtype) for n, x in t.items()}
@@ -87,11 +96,8 @@ def call(op, t, opts, tier):
     return out if isinstance(out, tuple) else (out,)
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_triton_tier_matches_torch_tier(seed):
-    if torch.cuda.is_available():
-        pytest.skip("the CPU interpreter's case (fp32 operands); the GPU case is the Gluon one")
-    op, t, opts = random_case(seed, gpu=False)
+def triton_matches_torch(op, t, opts):
+    """The Triton tier (CPU interpreter, fp32 operands) within 2e-5 of the torch tier."""
     want, got = call(op, t, opts, "torch"), call(op, t, opts, "triton")
     assert len(got) == len(want)
     for i, (a, b) in enumerate(zip(got, want)):
@@ -99,12 +105,8 @@ def test_triton_tier_matches_torch_tier(seed):
         assert a is None or rel_rms(a, b) <= 2e-5, f"output {i}: {rel_rms(a, b):.2e}"
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or available(torch.device("cuda")) is not None,
-                    reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("seed", range(24))
-def test_gluon_tier_against_fp64(seed):
-    op, t, opts = random_case(seed, gpu=True)
+def gluon_against_fp64(op, t, opts):
+    """The Gluon tier's error against fp64 within 1.5x the Triton tier's plus a floor, finite."""
     gluon, triton = call(op, t, opts, "gluon"), call(op, t, opts, "triton")
     ref_opts = {n: (x.double() if torch.is_tensor(x) and x.is_floating_point() else x) for n, x in opts.items()}
     ref = call(op, {n: x.double() for n, x in t.items()}, ref_opts, "torch")
@@ -116,10 +118,26 @@ def test_gluon_tier_against_fp64(seed):
         assert err <= 1.5 * err_t + 2e-3, f"output {i}: gluon {err:.2e} vs triton {err_t:.2e}"
 
 
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(),
+                              reason="the CPU interpreter's case (fp32 operands); the GPU case is the Gluon one")
+sm90_only = pytest.mark.skipif(not torch.cuda.is_available() or available(torch.device("cuda")) is not None,
+                               reason="needs an sm_90 GPU")
+
+
+@cpu_only
+@pytest.mark.parametrize("seed", range(6))
+def test_triton_tier_matches_torch_tier(seed):
+    triton_matches_torch(*random_case(seed, gpu=False))
+
+
+@pytest.mark.gpu
+@sm90_only
+@pytest.mark.parametrize("seed", range(24))
+def test_gluon_tier_against_fp64(seed):
+    gluon_against_fp64(*random_case(seed, gpu=True))
+
+
 # ----------------------------------------------------------------------------- the plain rule
-
-PLAIN_OPS = {"gla": chunk_gla, "simple_gla": chunk_simple_gla, "lightning": chunk_lightning_attn}
-
 
 def random_plain_case(seed: int, gpu: bool):
     """(op, tensors, options) of one seeded combination of GLA / Simple GLA / Lightning options:
@@ -128,18 +146,11 @@ def random_plain_case(seed: int, gpu: bool):
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     rnd = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
-    op = rng.choice(list(PLAIN_OPS))
+    op = rng.choice(["gla", "simple_gla", "lightning"])
     H = rng.choice([1, 2, 3])
     K = rng.choice([64, 128] if gpu else [16, 32, 48, 64])
     V = rng.choice([32, 64, 128] if gpu else [16, 32, 48])
-    lengths = None
-    if rng.random() < 0.5:
-        lengths = [rng.choice([1, 5, 63, 64, 65, 129] + ([300, 700] if gpu else [])) for _ in range(rng.choice([1, 2, 3]))]
-        lengths[0] += 64 if gpu else 0
-        B, T, N = 1, sum(lengths), len(lengths)
-    else:
-        B, T = rng.choice([1, 2]), rng.choice([64, 65, 130, 500] if gpu else [1, 17, 64, 65, 130])
-        N = B
+    lengths, B, T, N = random_batch(rng, gpu)
     t = dict(q=rnd(B, T, H, K), k=F.normalize(rnd(B, T, H, K), dim=-1), v=rnd(B, T, H, V))
     opts = {}
     if op == "gla":
@@ -155,11 +166,7 @@ def random_plain_case(seed: int, gpu: bool):
     if rng.random() < 0.7:
         t["initial_state"] = rnd(N, H, V, K) if opts["state_v_first"] else rnd(N, H, K, V)
     opts["output_final_state"] = rng.random() < 0.8
-    if lengths:
-        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=rng.choice([torch.int32, torch.int64]))
-        opts["cu_seqlens_cpu"] = cu
-        if rng.random() < 0.5:
-            opts["cu_seqlens"] = cu.clone()
+    opts.update(random_offsets(rng, lengths))
     device, dtype = ("cuda", torch.bfloat16) if gpu else ("cpu", torch.float32)
     t = {n: x.to(device) if n in ("initial_state", "g_gamma") else x.to(device, dtype) for n, x in t.items()}
     opts = {n: x.to(device) if torch.is_tensor(x) and n != "cu_seqlens_cpu" else x for n, x in opts.items()}
@@ -168,35 +175,15 @@ def random_plain_case(seed: int, gpu: bool):
     return op, t, opts
 
 
-def call_plain(op, t, opts, tier):
-    with use_tier(tier, strict=True), torch.no_grad():
-        return PLAIN_OPS[op](**t, **opts)
-
-
+@cpu_only
 @pytest.mark.parametrize("seed", range(4))
 def test_plain_rule_triton_tier_matches_torch_tier(seed):
-    if torch.cuda.is_available():
-        pytest.skip("the CPU interpreter's case (fp32 operands); the GPU case is the Gluon one")
-    op, t, opts = random_plain_case(seed, gpu=False)
-    want, got = call_plain(op, t, opts, "torch"), call_plain(op, t, opts, "triton")
-    for i, (a, b) in enumerate(zip(got, want)):
-        assert (a is None) == (b is None) and (a is None or a.shape == b.shape), f"output {i}"
-        assert a is None or rel_rms(a, b) <= 2e-5, f"output {i}: {rel_rms(a, b):.2e}"
+    triton_matches_torch(*random_plain_case(seed, gpu=False))
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or available(torch.device("cuda")) is not None,
-                    reason="needs an sm_90 GPU")
+@sm90_only
 @pytest.mark.parametrize("seed", range(12))
 def test_plain_rule_gluon_tier_against_fp64(seed, monkeypatch):
     monkeypatch.setattr(chunk_delta, "PLAIN_RULE_ON_GPU", True)
-    op, t, opts = random_plain_case(seed, gpu=True)
-    gluon, triton = call_plain(op, t, opts, "gluon"), call_plain(op, t, opts, "triton")
-    ref_opts = {n: (x.double() if torch.is_tensor(x) and x.is_floating_point() else x) for n, x in opts.items()}
-    ref = call_plain(op, {n: x.double() for n, x in t.items()}, ref_opts, "torch")
-    for i, (g, tr, r) in enumerate(zip(gluon, triton, ref)):
-        if r is None:
-            continue
-        assert torch.isfinite(g).all(), f"output {i} not finite"
-        err, err_t = rel_rms(g, r), rel_rms(tr, r)
-        assert err <= 1.5 * err_t + 2e-3, f"output {i}: gluon {err:.2e} vs triton {err_t:.2e}"
+    gluon_against_fp64(*random_plain_case(seed, gpu=True))
