@@ -254,6 +254,31 @@ def test_pool_decode_is_graph_capturable(op):
     assert torch.equal(static_pool, eager_pool)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_lightning_decay_first_built_under_capture():
+    """Lightning's per-layer decay, first asked for inside a CUDA-graph capture (a layer no eager
+    call has used), is built inside the graph and not cached empty: the replay and a later eager
+    call both equal the reference."""
+    from fastla.ops.lightning_attn import fused_recurrent_lightning_attn, naive_recurrent_lightning_attn
+
+    t = {n: x.cuda() for n, x in make_inputs(OPS["lightning"], B=2, T=1, H=3, K=16, V=16).items()}
+    layers = dict(layer_idx=5, num_layers=13)
+    with torch.no_grad():
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            o_graph, _ = fused_recurrent_lightning_attn(**t, **layers, output_final_state=True)
+        graph.replay()
+        o_eager, _ = fused_recurrent_lightning_attn(**t, **layers, output_final_state=True)
+        torch.cuda.synchronize()
+    # (the reference on the CPU: its decay is not the CUDA tensor under test)
+    ro, _ = naive_recurrent_lightning_attn(*(t[n].cpu().double() for n in ("q", "k", "v")),
+                                           initial_state=t["initial_state"].cpu().double(), **layers)
+    assert_close("o (graph)", o_graph.cpu(), ro, 1e-4)
+    assert_close("o (eager after the capture)", o_eager.cpu(), ro, 1e-4)
+
+
 @pytest.mark.parametrize("tier", TIERS)
 def test_permuted_value_tensor(tier):
     """A dense but permuted v (e.g. from a transpose) is read through its strides; o is contiguous."""
