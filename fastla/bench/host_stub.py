@@ -232,6 +232,7 @@ def cases():
                                                                   h0=True, output_final_state=True), tier, True),
             (f"gla-{tier}-varlen", gla, _gla_case(cu_seqlens_cpu=cu, cu_seqlens=cu.clone(), output_final_state=True),
              tier, True),
+            (f"kda-{tier}-split-v96", kda, _kda_case(T=8192, H=1, V=96, output_final_state=True), tier, True),
             (f"lightning-{tier}-split", lightning, _plain_case(T=8192, H=1, g=False, layer_idx=2, num_layers=8,
                                                                 output_final_state=True), tier, True),
         ]

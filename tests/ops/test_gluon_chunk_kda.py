@@ -94,6 +94,20 @@ def test_varlen_segment_summaries_on_sm90(monkeypatch):
     check_fp64(*bf16_case("varlen"), tier="gluon")
 
 
+def test_segments_at_96_value_columns(monkeypatch):
+    """V = 96 split into segments: the two-chain summary takes 64 of the V + K columns only, so
+    the summaries run on the Triton scan (gluon_chunk.summaries_sm90), the replays on sm_90."""
+    from fastla.backends.gluon import chunk_delta as gluon_chunk
+    from fastla.backends.triton import chunk_delta
+    original = chunk_delta.default_config
+    t, opts = bf16_case("bounded-gate")
+    t = {n: x[..., :96] if n in ("v", "initial_state") else x for n, x in t.items()}
+    t = {n: x.contiguous() for n, x in t.items()}
+    monkeypatch.setattr(chunk_delta, "default_config", lambda p, **kw: dataclasses.replace(original(p, **kw), segment_chunks=4))
+    assert not gluon_chunk.summaries_sm90(type("P", (), dict(V=96, K=128, gk=t["g"]))())
+    check_fp64(t, opts, tier="gluon")
+
+
 def test_segments_and_intermediate_states(monkeypatch):
     """Segments forced on (8-chunk replays in the sm_90 scan) with the chunk-start states: output
     and final state against fp64, the states against the unsplit run."""

@@ -106,6 +106,14 @@ def test_strong_decay():
     check(GLA, make_inputs(GLA, B=1, T=130, H=2, K=32, V=32, strength=30.0))
 
 
+def test_a_decay_that_requires_grad_goes_to_the_torch_tier():
+    """g_gamma requiring grad: the kernel tiers have no backward, so they pass the call on."""
+    t = make_inputs(SIMPLE, B=1, T=8, H=2, K=16, V=16)
+    p = build_problem("chunk_simple_gla", q=t["q"], k=t["k"], v=t["v"], g_gamma=-torch.rand(2).requires_grad_(),
+                      delta=False, gva=False)
+    assert "require grad" in chunk_delta.supports(p)
+
+
 def test_gates_per_value_channel_go_to_the_next_tier():
     """A per-value-channel gate is not on this tier: it says so (the torch tier serves it)."""
     t = make_inputs(GLA, B=1, T=8, H=1, K=16, V=16)

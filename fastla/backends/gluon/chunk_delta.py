@@ -115,12 +115,20 @@ def scan_tile(lanes: float, V: int, sms: int, widths=STEP_US) -> tuple[int, int]
     return bv, WARPGROUPS[bv]
 
 
+def summaries_sm90(p: Problem) -> bool:
+    """Whether the segment summaries run on the two-chain scan (SUMMARY_SM90): its widths for a
+    summary's V + K columns are DUAL_WIDTHS (64 only with a per-channel gate, so V = 32 or 96 with
+    GK takes the Triton summary)."""
+    widths = DUAL_WIDTHS[p.gk is not None]
+    return SUMMARY_SM90 and SCAN_DUAL and any((p.V + p.K) % bv == 0 and p.V % (bv // 2) == 0 for bv in widths)
+
+
 def plan(p: Problem) -> triton_chunk.ChunkConfig:
     """The launch plan of the Triton chunked forward's driver, split with this tier's summary cost;
     the segment combine at COMBINE_WARPS, COMBINE_BLOCK_V columns, with its next summary
     prefetched (two stages: 144 KB of shared memory at K = 128 and 16 columns, an H200's; the
     portable default stays at one stage and 32 columns)."""
-    summaries = SUMMARY_SM90 and SCAN_DUAL
+    summaries = summaries_sm90(p)
     config = triton_chunk.default_config(p, segment_gain=SEGMENT_GAIN_SM90 if summaries else None)
     return dataclasses.replace(config, combine_warps=COMBINE_WARPS, combine_stages=COMBINE_STAGES,
                                combine_block_v=COMBINE_BLOCK_V)
@@ -196,7 +204,7 @@ def in_place_views(p: Problem) -> tuple[str, ...]:
     from fastla.backends.gluon import chunk_prepare_kda_sm90 as kda_prologue
     from fastla.backends.triton.chunk_prepare_kda import bounded_spans
 
-    if not (STRIDED_TMA and SUMMARY_SM90 and SCAN_DUAL) or (not p.delta and p.gk is not None):
+    if not (STRIDED_TMA and summaries_sm90(p)) or (not p.delta and p.gk is not None):
         return ()                   # (GLA's prologue is the Triton one: q and k by pointer)
     if p.gk is None and not (GDN_SCORES_SM90 and GDN_INVERSE_SM90):
         return ()
@@ -310,8 +318,8 @@ def run(p: Problem):
             kernels["gdn_scores"] = gdn_scores.launch
         if GDN_INVERSE_SM90:
             kernels["gdn_inverse"] = gdn_inverse.launch
-    return triton_chunk.run(p, config, sequence_scan=_sequence_scan, summaries=SUMMARY_SM90 and SCAN_DUAL,
-                            dense=False, **kernels)
+    return triton_chunk.run(p, config, sequence_scan=_sequence_scan, summaries=summaries_sm90(p), dense=False,
+                            **kernels)
 
 
 @functools.lru_cache(maxsize=None)
