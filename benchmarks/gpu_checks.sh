@@ -37,6 +37,7 @@ case "${1:-tests}" in
   plain)
     # PLAIN_RULE_ON_GPU is off until these pass; the tests switch it on themselves
     t 240 tests/ops/test_triton_chunk_plain.py
+    t 60 tests/ops/test_recurrent.py -k lightning_decay_first_built_under_capture
     timeout 300 python3 -c "import sys; import fastla.backends.triton.chunk_delta as c; c.PLAIN_RULE_ON_GPU = True; \
 from fastla.bench.runner import main; sys.exit(main(sys.argv[1:]))" --filter gla/,simple_gla/,lightning/ \
       --modes fwd --quick --no-cold --out "$out" 2>&1 | tail -12
