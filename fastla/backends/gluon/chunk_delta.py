@@ -304,10 +304,7 @@ def run(p: Problem):
     p = triton_chunk.dense_inputs(p, align=16, in_place=in_place_views(p))   # (TMA: 16-byte aligned bases)
     config = plan(p)
     kernels = {}
-    if not p.delta:                 # the plain rule: the Triton gate cumsum or GLA prologue
-        if p.gk is None and GDN_SCORES_SM90:
-            kernels["gdn_scores"] = gdn_scores.launch
-    elif p.gk is not None and KDA_PROLOGUE_SM90:                           # (supports: bf16 inputs)
+    if p.gk is not None and KDA_PROLOGUE_SM90:     # KDA, and GLA (its A and kg unused; supports: bf16 inputs)
         why = kda_prologue.serves(p)
         if why is None:
             kernels["kda_prologue"] = kda_prologue.launch
@@ -316,7 +313,7 @@ def run(p: Problem):
     elif p.gk is None:              # (supports: K = 64 or 128, whole [64, 64] TMA boxes of keys)
         if GDN_SCORES_SM90:
             kernels["gdn_scores"] = gdn_scores.launch
-        if GDN_INVERSE_SM90:
+        if GDN_INVERSE_SM90 and p.delta:           # (the plain rule's G: the Triton gate cumsum)
             kernels["gdn_inverse"] = gdn_inverse.launch
     return triton_chunk.run(p, config, sequence_scan=_sequence_scan, summaries=summaries_sm90(p), dense=False,
                             **kernels)

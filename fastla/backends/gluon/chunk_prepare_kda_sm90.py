@@ -378,7 +378,8 @@ def serves(p) -> str | None:
 def launch(p, beta, beta_mode: int, total: int, tables, inverse, scores, kg, kd, qg, decay) -> None:
     """Runs the prologue over ``total`` chunks (``tables`` = (cu_seqlens, chunk index) or Nones):
     P into ``inverse`` and Aqk into ``scores`` ``[B, T, HV, 64]``, the gated keys and queries into
-    ``kg``, ``kd``, ``qg`` ``[B, T, HV, K]``, e^(G_last) into ``decay`` ``[total, HV, K]``."""
+    ``kg``, ``kd``, ``qg`` ``[B, T, HV, K]``, e^(G_last) into ``decay`` ``[total, HV, K]``. For GLA
+    (``p.delta`` False) the same kernels run, their A and kg unused, and no inverse: no P."""
     from fastla.backends.gluon.chunk_delta import _tile_layout, tma_descriptor
     from fastla.backends.triton import chunk_prepare_kda, chunk_prepare_kda_wide
     from fastla.backends.triton import sm_count
@@ -405,4 +406,5 @@ def launch(p, beta, beta_mode: int, total: int, tables, inverse, scores, kg, kd,
     )
     if flag:                                                # the flagged blocks again, exactly
         chunk_prepare_kda_wide.launch(p, beta, beta_mode, total, tables, a_kk, scores, kg, kd, qg, flags)
-    chunk_prepare_kda.launch_inverse(p, total, tables, a_kk, inverse, INVERSE_WARPS)
+    if p.delta:                     # (GLA, the plain rule, reads Aqk, qg, kd and decay only)
+        chunk_prepare_kda.launch_inverse(p, total, tables, a_kk, inverse, INVERSE_WARPS)

@@ -556,11 +556,13 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, kda_p
         # plain rule) reads no gated keys
         q, kd = (call_plan.empty((B, T, HV, K), op_dtype, dev) for _ in range(2))
         decay = call_plan.empty((max(total, 1), HV, K), torch.float32, dev)
-        k = call_plan.empty((B, T, HV, K), op_dtype, dev) if p.delta else decay
+        # (the sm_90 prologue writes kg for GLA too, unread)
+        k = call_plan.empty((B, T, HV, K), op_dtype, dev) if p.delta or kda_prologue is not None else decay
         gcum = rq = rk = None
         dummy = decay
         if not p.delta:
-            beta = inverse = dummy                                          # read by no kernel
+            # no beta nor P: the sm_90 prologue's A (unused) reads the gate as beta, in bounds
+            beta, inverse = p.gk, dummy
         if total and kda_prologue is not None:
             kda_prologue(p, beta, beta_mode, total, tables, inverse, scores, k, kd, q, decay)
         elif total:
