@@ -380,6 +380,8 @@ KDA_PROLOGUE_VARIANTS = {
     "kda-prologue-wide-bounded-neg-eigval": dict(FLAG=True, BETA=3),
     # A stored in bf16 (chunk_prepare_kda_sm90.A_BF16)
     "kda-prologue-a-bf16": dict(A_BF16=True),
+    # GLA (the plain rule, DELTA False): its given gate, no l2norm, no A nor kg
+    "gla-prologue": dict(GATE=0, HAS_A=False, HAS_BIAS=False, FLAG=True, L2NORM=False, BETA=1, DELTA=False, H=64),
 }
 # Spills known and left (sm_90 compile): every build sits at 255 registers; the persistent loop (the
 # next item's coordinates live across the slices) spills 16 bytes on the default build, 40-56 with
@@ -396,7 +398,7 @@ def _child_kda_prologue(name: str, folder: str) -> None:
     from fastla.backends.gluon.chunk_prepare_kda_sm90 import _kda_prologue_sm90_kernel as kern
 
     consts = dict(H=32, HV=64, K=128, L2NORM=True, GATE=3, HAS_A=True, HAS_BIAS=True, BETA=2, VARLEN=False,
-                  FLAG=False)
+                  FLAG=False, DELTA=True)
     consts.update(KDA_PROLOGUE_VARIANTS[name])
     gate_fp32 = consts.pop("GATE_FP32", False)
     a_kk = "*bf16" if consts.pop("A_BF16", False) else "*fp32"

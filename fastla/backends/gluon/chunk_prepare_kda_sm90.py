@@ -111,34 +111,41 @@ def _row_norms(x_s, base, NS: gl.constexpr, L3: gl.constexpr):
 
 
 @gluon.jit
-def _column_operands(x_s, q_s, c: gl.constexpr, on_c, kmid, qmid, X, Q, below):
+def _column_operands(x_s, q_s, c: gl.constexpr, on_c, kmid, qmid, X, Q, below, DELTA: gl.constexpr):
     """Column block c's left operands k 2^(G - M_c), scale q 2^(G - M_c) into shared memory,
     channel-major ([32, 64]: each thread's 16 rows are contiguous there). On block c (``on_c``
     [4, 1, 1]) they are kmid, qmid (referenced at the row's own block's midpoint); below it X, Q
     (k 2^(G - c_(b-1)) <= |k|) times ``below`` = 2^(c_(b-1) - M_c) <= 1 [4, 32] (0 above block
-    c): two factors <= 1, so a factor underflows only where the operand is below 2^-126 |k|."""
+    c): two factors <= 1, so a factor underflows only where the operand is below 2^-126 |k|.
+    Not DELTA (GLA): the queries' only."""
     f = gl.expand_dims(below, 1)
-    x_s.index(c).store(gl.permute(gl.reshape(gl.where(on_c, kmid, X * f), [64, BC]), (1, 0)).to(gl.bfloat16))
+    if DELTA:
+        x_s.index(c).store(gl.permute(gl.reshape(gl.where(on_c, kmid, X * f), [64, BC]), (1, 0)).to(gl.bfloat16))
     q_s.index(c).store(gl.permute(gl.reshape(gl.where(on_c, qmid, Q * f), [64, BC]), (1, 0)).to(gl.bfloat16))
 
 
 @gluon.jit
-def _products(x_s, q_s, f_s, c: gl.constexpr, akk, aqk):
-    """A and Aqk's column block c [64, 16] += (k 2^(G - M_c)) R_c^T and (scale q 2^(G - M_c)) R_c^T."""
+def _products(x_s, q_s, f_s, c: gl.constexpr, akk, aqk, DELTA: gl.constexpr):
+    """A and Aqk's column block c [64, 16] += (k 2^(G - M_c)) R_c^T and (scale q 2^(G - M_c)) R_c^T
+    (not DELTA, GLA: Aqk's only)."""
     rT = f_s.slice(c * BC, BC, dim=0)                                       # R_c^T [32 channels, 16 columns]
-    akk = warpgroup_mma(x_s.index(c).permute((1, 0)), rT, akk, is_async=True)
+    if DELTA:
+        akk = warpgroup_mma(x_s.index(c).permute((1, 0)), rT, akk, is_async=True)
     aqk = warpgroup_mma(q_s.index(c).permute((1, 0)), rT, aqk, is_async=True)
     return akk, aqk
 
 
 @gluon.jit
-def _store_columns(a_kk, a_qk, row_off, r, valid_r, beta_r, c: gl.constexpr, akk, aqk, cols_l: gl.constexpr):
-    """Columns 16c .. 16c + 15 of A (strict lower, times beta; fp32, or bf16 with A_BF16) and Aqk
-    (lower, bf16), rows < n_left."""
+def _store_columns(a_kk, a_qk, row_off, r, valid_r, beta_r, c: gl.constexpr, akk, aqk, cols_l: gl.constexpr,
+                   DELTA: gl.constexpr):
+    """Columns 16c .. 16c + 15 of A (strict lower, times beta; fp32, or bf16 with A_BF16; not for
+    GLA, not DELTA) and Aqk (lower, bf16), rows < n_left."""
     col = (16 * c + gl.arange(0, 16, layout=cols_l))[None, :]
     off = row_off[:, None] + col
     m = valid_r[:, None]
-    gl.store(a_kk + off, gl.where(col < r[:, None], akk * beta_r[:, None], 0.0).to(a_kk.dtype.element_ty), mask=m)
+    if DELTA:
+        gl.store(a_kk + off, gl.where(col < r[:, None], akk * beta_r[:, None], 0.0).to(a_kk.dtype.element_ty),
+                 mask=m)
     gl.store(a_qk + off, gl.where(col <= r[:, None], aqk, 0.0).to(gl.bfloat16), mask=m)
 
 
@@ -177,7 +184,7 @@ def _kda_prologue_sm90_kernel(
     cu_seqlens, chunk_index, T, NT, total,
     H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, L2NORM: gl.constexpr, GATE: gl.constexpr,
     HAS_A: gl.constexpr, HAS_BIAS: gl.constexpr, BETA: gl.constexpr, VARLEN: gl.constexpr, FLAG: gl.constexpr,
-    QK_BUFFERS: gl.constexpr,
+    QK_BUFFERS: gl.constexpr, DELTA: gl.constexpr,
 ):
     """Persistent: program p takes items p, p + programs, ... (``total`` chunks x HV value heads,
     chunks fastest). GATE as recurrent.py numbers it: 3 the bounded gate in the op; 2
@@ -185,7 +192,8 @@ def _kda_prologue_sm90_kernel(
     bit b for a block b whose span passes SPAN_LIMIT, all four bits for a rising (positive) gate
     anywhere in the chunk (what depends on those blocks may be wrong: the wide-block kernel
     rewrites it). QK_BUFFERS 2: the next item's q and k load while this one's products run; 1:
-    after them (an fp32 gate, for two programs an SM)."""
+    after them (an fp32 gate, for two programs an SM). DELTA False (GLA, the plain rule): no A
+    nor kg (their operands, products and stores), Aqk, qg, kd and decay as for KDA."""
     gl.static_assert(K % BC == 0, "K in slices of 32 channels")
     NS: gl.constexpr = K // BC
     gl.static_assert(NS % 2 == 0, "the gate's slices alternate between two slots")
@@ -305,31 +313,38 @@ def _kda_prologue_sm90_kernel(
             for cb in gl.static_range(4):
                 mid_c = gl.convert_layout(gl.sum(gl.where(im == cb, mids, 0.0), 0), gl.SliceLayout(0, L_bc))[None, :]
                 _column_operands(x_s, q_s, cb, ib3 == cb, kmid, qmid, X, Q,
-                                 gl.where(ib > cb, gl.exp2(start - mid_c), 0.0))
+                                 gl.where(ib > cb, gl.exp2(start - mid_c), 0.0), DELTA)
             fence_async_shared()
-            k0, q0 = _products(x_s, q_s, f_s, 0, k0, q0)
-            k1, q1 = _products(x_s, q_s, f_s, 1, k1, q1)
-            k2, q2 = _products(x_s, q_s, f_s, 2, k2, q2)
-            k3, q3 = _products(x_s, q_s, f_s, 3, k3, q3)
+            k0, q0 = _products(x_s, q_s, f_s, 0, k0, q0, DELTA)
+            k1, q1 = _products(x_s, q_s, f_s, 1, k1, q1, DELTA)
+            k2, q2 = _products(x_s, q_s, f_s, 2, k2, q2, DELTA)
+            k3, q3 = _products(x_s, q_s, f_s, 3, k3, q3, DELTA)
             # the gated keys and queries from the chunk's start (while the products run)
             e_start = gl.expand_dims(gl.exp2(start), 1)                     # 2^(c_(b-1)) <= 1
-            gl.store(kg + out, (X * e_start).to(kg.dtype.element_ty), mask=valid)
+            if DELTA:
+                gl.store(kg + out, (X * e_start).to(kg.dtype.element_ty), mask=valid)
             gl.store(qg + out, (Q * e_start).to(qg.dtype.element_ty), mask=valid)
             o_d = (i_c * HV + i_hv) * K + ks * BC + gl.arange(0, BC, layout=gl.SliceLayout(0, L_bc))
             gl.store(decay + o_d, gl.exp2(gl.sum(s, 0)))                    # replicated over warps: same value
-            k0, k1, k2, k3, q0, q1, q2, q3 = warpgroup_mma_wait(num_outstanding=0,
-                                                                deps=(k0, k1, k2, k3, q0, q1, q2, q3))
+            if DELTA:
+                k0, k1, k2, k3, q0, q1, q2, q3 = warpgroup_mma_wait(num_outstanding=0,
+                                                                    deps=(k0, k1, k2, k3, q0, q1, q2, q3))
+            else:
+                q0, q1, q2, q3 = warpgroup_mma_wait(num_outstanding=0, deps=(q0, q1, q2, q3))
         if QK_BUFFERS == 1:                     # the next item's q and k, now that this one's are read
             gl.thread_barrier()
             _load_qk(q_desc, k_desc, q_in, k_in, qk_bar.index(0), 0, t0_n, h_n, has_next, K, NS)
 
         valid_r = r < n_left
-        beta_r = _activate_beta(gl.load(beta + beta_base + r * HV, mask=valid_r, other=0.0), valid_r, BETA)
+        if DELTA:
+            beta_r = _activate_beta(gl.load(beta + beta_base + r * HV, mask=valid_r, other=0.0), valid_r, BETA)
+        else:
+            beta_r = gl.where(valid_r, 0.0, 0.0)                           # (no A)
         row_off = (beta_base + r * HV) * 64
-        _store_columns(a_kk, a_qk, row_off, r, valid_r, beta_r, 0, k0, q0, cols_l)
-        _store_columns(a_kk, a_qk, row_off, r, valid_r, beta_r, 1, k1, q1, cols_l)
-        _store_columns(a_kk, a_qk, row_off, r, valid_r, beta_r, 2, k2, q2, cols_l)
-        _store_columns(a_kk, a_qk, row_off, r, valid_r, beta_r, 3, k3, q3, cols_l)
+        _store_columns(a_kk, a_qk, row_off, r, valid_r, beta_r, 0, k0, q0, cols_l, DELTA)
+        _store_columns(a_kk, a_qk, row_off, r, valid_r, beta_r, 1, k1, q1, cols_l, DELTA)
+        _store_columns(a_kk, a_qk, row_off, r, valid_r, beta_r, 2, k2, q2, cols_l, DELTA)
+        _store_columns(a_kk, a_qk, row_off, r, valid_r, beta_r, 3, k3, q3, cols_l, DELTA)
         if FLAG:                                                            # bit b: block b too wide; all if rising
             bit = 1 << gl.arange(0, 4, layout=gl.SliceLayout(1, L_bc))
             widest = gl.max(wide, 1)                                        # [4]
@@ -402,7 +417,7 @@ def launch(p, beta, beta_mode: int, total: int, tables, inverse, scores, kg, kd,
         a_kk, scores, kg, kd, qg, decay, flags, cu if varlen else decay, chunk_index if varlen else decay, p.T, NT,
         total, H=p.H, HV=p.HV, K=p.K, L2NORM=p.use_qk_l2norm, GATE=chunk_prepare_kda.gate_mode(p),
         HAS_A=p.A_log is not None, HAS_BIAS=p.dt_bias is not None, BETA=beta_mode, VARLEN=varlen, FLAG=flag,
-        QK_BUFFERS=2 if p.gk.dtype == torch.bfloat16 else 1, num_warps=4, **({"maxnreg": MAXNREG} if MAXNREG and p.K == 128 else {}),
+        QK_BUFFERS=2 if p.gk.dtype == torch.bfloat16 else 1, DELTA=p.delta, num_warps=4, **({"maxnreg": MAXNREG} if MAXNREG and p.K == 128 else {}),
     )
     if flag:                                                # the flagged blocks again, exactly
         chunk_prepare_kda_wide.launch(p, beta, beta_mode, total, tables, a_kk, scores, kg, kd, qg, flags)
