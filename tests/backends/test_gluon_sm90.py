@@ -207,7 +207,13 @@ def test_row_views_for_tma(monkeypatch):
     assert gluon_chunk.in_place_views(gdn) == ()                                        # STRIDED_TMA off
     monkeypatch.setattr(gluon_chunk, "STRIDED_TMA", True)
     assert gluon_chunk.in_place_views(gdn) == ("q", "k", "v")
-    assert gluon_chunk.in_place_views(bounded) == ("q", "k", "v")
+    # V = 32 with a per-channel gate: the Triton summary (summaries_sm90), which reads q, k by pointer
+    assert gluon_chunk.in_place_views(bounded) == ()
+    q2, k2, v2 = torch.randn(B, T, 2 * H * K + HV * 64, **bf).split([H * K, H * K, HV * 64], -1)
+    bounded64 = build_problem("chunk_kda", q=q2.view(B, T, H, K), k=k2.view(B, T, H, K), v=v2.view(B, T, HV, 64),
+                              gk=gk, beta=beta, delta=True, gva=True, gate_in_op="kda", A_log=torch.zeros(HV),
+                              lower_bound=-5.0)
+    assert gluon_chunk.in_place_views(bounded64) == ("q", "k", "v")
     assert gluon_chunk.in_place_views(unbounded) == ()                                  # the wide-block rewrite
     dense = build_problem("chunk_gated_delta_rule", q=q.contiguous(), k=k, v=v.contiguous(), g=g, beta=beta,
                           delta=True, gva=True)
@@ -238,12 +244,12 @@ def test_launcher_builds_descriptors(monkeypatch):
             return lambda *args, **kw: launches.append((grid, args, dict(kw, kernel=self.name)))
 
     names = chunk_delta_sm90._scan_sm90_kernel.arg_names
-    gk_only = ("kd_desc", "decay", "STAGES", "WARPGROUPS", "GK")                # the plain kernel's own
+    gk_only = ("kd_desc", "decay", "STAGES", "WARPGROUPS", "GK", "DELTA")       # the plain kernel's own
     assert chunk_delta_ws_sm90._scan_ws_sm90_kernel.arg_names[:-1] == [n for n in names if n not in gk_only]
     monkeypatch.setattr(chunk_delta_sm90, "_scan_sm90_kernel", Recorder("plain"))
     monkeypatch.setattr(chunk_delta_ws_sm90, "_scan_ws_sm90_kernel", Recorder("specialized"))
     dual_names = chunk_delta_dual_sm90._scan_dual_sm90_kernel.arg_names
-    assert dual_names == [n for n in names if n != "WARPGROUPS"] + ["CHAIN_NREG", "LOADER_NREG"]
+    assert dual_names == [n for n in names if n not in ("WARPGROUPS", "DELTA")] + ["CHAIN_NREG", "LOADER_NREG", "DELTA"]
     monkeypatch.setattr(chunk_delta_dual_sm90, "_scan_dual_sm90_kernel", Recorder("dual"))
     monkeypatch.setattr(gluon_chunk, "SCAN_DUAL", False)                 # the plain kernel first
     B, T, H, HV, K, V = 1, 32768, 16, 64, 128, 128
@@ -317,6 +323,19 @@ def test_launcher_builds_descriptors(monkeypatch):
     grid, args, kw = launches[-1]
     assert kw["kernel"] == "dual" and kw["SEG"] == 1 and kw["BV"] == 64 and grid == (8 * HV * (V + K) // 64,)
     assert args[dual_names.index("seg_state")] is summary
+
+    # the plain rule (DELTA False): GLA's kd descriptor stands in for the gated keys' and the
+    # scores' for P's (neither is loaded); the scores tensor for beta's pointer (rows unused)
+    p = build_problem("chunk_gla", q=q, k=k, v=v[:, :, :H], gk=torch.empty(B, T, H, K, **bf), delta=False, gva=False)
+    sp = chunk_delta.SequencePass(qg[:, :, :H], decay, v[:, :, :H], decay, 1, decay, scratch[:, :, :H], None, None,
+                                  None, v[:, :, :H], None, None, None, None, None, T, 128, decay,
+                                  kd[:, :, :H].contiguous(), decay)
+    gluon_chunk._sequence_scan(p, sp, 0, g, g, B)
+    grid, args, kw = launches[-1]
+    assert kw["DELTA"] is False and kw["GK"] is True
+    k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc = args[:6]
+    assert k_desc is kd_desc and kd_desc.base is sp.kd and p_desc is a_desc and a_desc.base is sp.scores
+    assert args[dual_names.index("beta")] is sp.scores
 
 
 def test_plan_on_sm90():
