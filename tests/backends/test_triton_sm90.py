@@ -167,6 +167,13 @@ GDN_KERNELS = {
     "plain-gla-prepare": ("chunk_prepare_kda._kda_prepare_kernel", KDA_PREPARE_POINTERS,
                           dict(BK=16, GATE=0, HAS_A=False, HAS_BIAS=False, BETA=1, SCORES=False, EXACT=True,
                                DELTA=False, L2NORM=False, H=32), 1, 1),
+    "plain-gla-wide-blocks": ("chunk_prepare_kda_wide._kda_wide_blocks_kernel",
+                              {"q": "*bf16", "k": "*bf16", "g": "*bf16", "beta": "*fp32", "A_log": "*fp32",
+                               "dt_bias": "*fp32", "a_kk": "*fp32", "a_qk": "*bf16", "kg": "*fp32", "kd": "*bf16",
+                               "qg": "*bf16", "flags": "*i32", "items": "*i32", "count": "*i32", "cu_seqlens": "*i64",
+                               "chunk_index": "*i32"},
+                              dict(BK=16, GATE=0, HAS_A=False, HAS_BIAS=False, BETA=1, DELTA=False, L2NORM=False,
+                                   H=32), 4, 1),
     "plain-gla-scan": ("chunk_delta._scan_kernel", SCAN_POINTERS,
                        dict(BV=64, SK=128, SV=1, HAS_H0=True, STORE_FINAL=True, SEG=0, BETA=1, STORE_STATES=False,
                             L2NORM=False, GK=True, DELTA=False, H=32), 8, 2),
@@ -225,7 +232,7 @@ def test_gdn_chunk_kernels_compile_for_sm90(name, tmp_path):
     shared memory, spills bounded."""
     res = _run_child(f"_child_gdn({name!r}, {str(tmp_path)!r})", tmp_path)
     # no tensor-core products: fp32 FMA products (ieee), a list, a cumsum, GLA's kd and decay
-    if not name.startswith(("kda-wide", "plain-gate", "plain-gla-prepare")):
+    if not name.startswith(("kda-wide", "plain-gate", "plain-gla-prepare", "plain-gla-wide")):
         small = name in ("inverse", "kda-inverse", "kda-inverse-a-bf16") or name.startswith("kda-prepare")
         assert (res["hmma"] if small else res["hgmma"]) > 0, res
     assert res["shared_bytes"] <= 227 * 1024, res

@@ -189,15 +189,16 @@ def test_bf16_segments_and_intermediate_states(monkeypatch):
     assert_close("h", h, h_whole, 2e-2)
 
 
-@pytest.mark.parametrize("gate,a_dtype", [("softplus", torch.float32), ("given", torch.float32),
-                                          ("bounded", torch.float32), ("softplus", torch.bfloat16)])
+@pytest.mark.parametrize("gate,a_dtype,delta", [("softplus", torch.float32, True), ("given", torch.float32, True),
+                                                ("bounded", torch.float32, True), ("softplus", torch.bfloat16, True),
+                                                ("given", torch.float32, False)])
 @pytest.mark.parametrize("varlen", [False, True])
-def test_wide_blocks_rewrite_flagged_blocks_exactly(gate, a_dtype, varlen):
+def test_wide_blocks_rewrite_flagged_blocks_exactly(gate, a_dtype, delta, varlen):
     """The wide-block kernel (chunk_prepare_kda_wide.py) on random block flags under decay far
     past the sm_90 prologue's span limit: every entry it owns (the flagged blocks' diagonals, their
     columns below, their rows left of the unflagged column blocks, their gated keys and queries)
     equals fp64 (A rounded once when it is bf16: chunk_prepare_kda_sm90.A_BF16), everything else
-    stays poisoned."""
+    stays poisoned. Without the delta rule (GLA): no A nor kg written, the rest as for KDA."""
     from fastla.backends.torch.chunked import _channel_scores_block
     from fastla.backends.triton import chunk_prepare_kda_wide
     from fastla.backends.triton.recurrent import BETA_SIGMOID
@@ -230,6 +231,7 @@ def test_wide_blocks_rewrite_flagged_blocks_exactly(gate, a_dtype, varlen):
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist()) if varlen else None
     p = build_problem("chunk_kda", q=q, k=k, v=v, gk=g, beta=beta, delta=True, gva=True, use_qk_l2norm=True,
                       cu_seqlens=cu, **gate_opts)
+    p = dataclasses.replace(p, delta=delta)
     p = dataclasses.replace(p, q=p.q.to(device), k=p.k.to(device), gk=p.gk.to(device),
                             **{n: getattr(p, n).to(device) for n in ("A_log", "dt_bias") if getattr(p, n) is not None})
     seqs = [(0, n, s) for s, n in zip(cu[:-1].tolist(), lengths)] if varlen else \
@@ -266,6 +268,9 @@ def test_wide_blocks_rewrite_flagged_blocks_exactly(gate, a_dtype, varlen):
                 own[16 * bi:16 * bi + 16] = bool((flags[i_c, hv] >> bi) & 1)
             for name, x, ref in (("A", a_kk, A), ("Aqk", scores, Aqk)):
                 got = x[b, rows, hv].double().cpu()
+                if name == "A" and not delta:
+                    assert got.isnan().all(), (name, i_c, hv)              # GLA: no A
+                    continue
                 assert got[~mine].isnan().all(), (name, i_c, hv)
                 ref = torch.nn.functional.pad(ref, (0, 64 - n))[mine]
                 # bf16: one rounding, to nearest on a GPU; the interpreter's casts truncate
@@ -274,6 +279,9 @@ def test_wide_blocks_rewrite_flagged_blocks_exactly(gate, a_dtype, varlen):
             ek = torch.stack([Gc.exp() * kc, (Gc[-1] - Gc).exp() * kc, Gc.exp() * qc])
             for x, ref in zip((kg, kd, qg), ek):
                 got = x[b, rows, hv].double().cpu()
+                if x is kg and not delta:
+                    assert got.isnan().all()                                # GLA: no kg
+                    continue
                 # fp32 exponents: the cumsum's rounding grows with |G| (up to ~2500 nats here)
                 rtol = 1e-4 + 1e-6 * Gc.abs().max().item()
                 assert got[~own].isnan().all() and torch.allclose(got[own], ref[own], rtol=rtol, atol=1e-6)

@@ -394,7 +394,7 @@ def launch(p, beta, beta_mode: int, total: int, tables, inverse, scores, kg, kd,
     """Runs the prologue over ``total`` chunks (``tables`` = (cu_seqlens, chunk index) or Nones):
     P into ``inverse`` and Aqk into ``scores`` ``[B, T, HV, 64]``, the gated keys and queries into
     ``kg``, ``kd``, ``qg`` ``[B, T, HV, K]``, e^(G_last) into ``decay`` ``[total, HV, K]``. For GLA
-    (``p.delta`` False) the same kernels run, their A and kg unused, and no inverse: no P."""
+    (``p.delta`` False: no beta, A, kg nor inverse) Aqk, kd, qg and decay."""
     from fastla.backends.gluon.chunk_delta import _tile_layout, tma_descriptor
     from fastla.backends.triton import chunk_prepare_kda, chunk_prepare_kda_wide
     from fastla.backends.triton import sm_count
@@ -406,7 +406,8 @@ def launch(p, beta, beta_mode: int, total: int, tables, inverse, scores, kg, kd,
     cu, chunk_index = tables
     varlen = cu is not None
     NT = -(-p.T // 64)
-    a_kk = call_plan.empty((p.B, p.T, p.HV, 64), torch.bfloat16 if A_BF16 else torch.float32, p.device)
+    a_dtype = torch.bfloat16 if A_BF16 else torch.float32
+    a_kk = call_plan.empty((p.B, p.T, p.HV, 64), a_dtype, p.device) if p.delta else decay    # (GLA: no A)
     flag = not chunk_prepare_kda.bounded_spans(p)           # unbounded spans: flag the blocks past SPAN_LIMIT
     flags = call_plan.empty((total, p.HV), torch.int32, p.device) if flag else decay
     items = total * p.HV

@@ -556,13 +556,11 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, kda_p
         # plain rule) reads no gated keys
         q, kd = (call_plan.empty((B, T, HV, K), op_dtype, dev) for _ in range(2))
         decay = call_plan.empty((max(total, 1), HV, K), torch.float32, dev)
-        # (GLA: the sm_90 prologue's wide-block rewrite writes the flagged blocks' kg, unread)
-        k = call_plan.empty((B, T, HV, K), op_dtype, dev) if p.delta or kda_prologue is not None else decay
+        k = call_plan.empty((B, T, HV, K), op_dtype, dev) if p.delta else decay
         gcum = rq = rk = None
         dummy = decay
         if not p.delta:
-            # no beta nor P: the wide-block rewrite's A rows (unread) take the gate as beta, in bounds
-            beta, inverse = p.gk, dummy
+            beta = inverse = dummy                                          # read by no kernel
         if total and kda_prologue is not None:
             kda_prologue(p, beta, beta_mode, total, tables, inverse, scores, k, kd, q, decay)
         elif total:

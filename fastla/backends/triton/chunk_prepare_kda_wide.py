@@ -90,14 +90,16 @@ def _kda_wide_blocks_kernel(
     chunk_index, T, NT,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, L2NORM: tl.constexpr,
     GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, BETA: tl.constexpr, VARLEN: tl.constexpr,
+    DELTA: tl.constexpr,
 ):
-    """Persistent: program i rewrites the listed blocks i, i + programs, i + 2 programs, ..."""
+    """Persistent: program i rewrites the listed blocks i, i + programs, i + 2 programs, ...
+    (DELTA False, GLA: their Aqk, qg and kd only; no A nor kg)."""
     for i in range(tl.program_id(0), tl.load(count), tl.num_programs(0)):
         item = tl.load(items + i)
         entry = (item // 4).to(tl.int64)
         _rewrite_block(q, k, g, beta, A_log, dt_bias, lower_bound, scale, a_kk, a_qk, kg, kd, qg, cu_seqlens,
                        chunk_index, T, NT, entry // HV, entry % HV, item % 4, tl.load(flags + entry), H, HV, K, BK,
-                       L2NORM, GATE, HAS_A, HAS_BIAS, BETA, VARLEN)
+                       L2NORM, GATE, HAS_A, HAS_BIAS, BETA, VARLEN, DELTA)
 
 
 @triton.jit
@@ -105,6 +107,7 @@ def _rewrite_block(
     q, k, g, beta, A_log, dt_bias, lower_bound, scale, a_kk, a_qk, kg, kd, qg, cu_seqlens, chunk_index, T, NT,
     i_c, i_hv, b, bits, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, L2NORM: tl.constexpr,
     GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, BETA: tl.constexpr, VARLEN: tl.constexpr,
+    DELTA: tl.constexpr,
 ):
     """Block b of chunk i_c, value head i_hv (``bits``: the chunk's flags)."""
     i_h = i_hv // (HV // H)                                                 # GVA: the q/k head
@@ -156,47 +159,55 @@ def _rewrite_block(
         # earlier columns j, referenced at c_(b-1): k_j 2^(c_(b-1) - G_j) and 2^(G_i - c_(b-1)) = 2^L
         right = tl.where(before, kc * tl.exp2(start - tl.cumsum(tl.where(before, x, 0.0), 0)), 0.0)
         e_L = tl.exp2(L)
-        row_k = tl.dot(kb * e_L, tl.trans(right), row_k, input_precision="ieee")
+        if DELTA:
+            row_k = tl.dot(kb * e_L, tl.trans(right), row_k, input_precision="ieee")
         row_q = tl.dot(qb * e_L, tl.trans(right), row_q, input_precision="ieee")
         # later rows i, referenced at c_b: 2^(G_i - c_b) and k_j 2^(c_b - G_j) = k_j 2^(span - L)
         e_after = tl.where(after, tl.exp2(tl.cumsum(tl.where(after, x, 0.0), 0)), 0.0)
         right_b = kb * tl.exp2(span - L)
-        col_k = tl.dot(kc * e_after, tl.trans(right_b), col_k, input_precision="ieee")
+        if DELTA:
+            col_k = tl.dot(kc * e_after, tl.trans(right_b), col_k, input_precision="ieee")
         col_q = tl.dot(qc * e_after, tl.trans(right_b), col_q, input_precision="ieee")
         # the block's own pairs j <= i: 2^(L_i - L_j) [16, 16, BK]
         e = tl.where(lower3, tl.exp2(tl.where(lower3, L[:, None, :] - L[None, :, :], 0.0)), 0.0)
         ke = kb[None, :, :] * e
-        dia_k += tl.sum(kb[:, None, :] * ke, 2)
+        if DELTA:
+            dia_k += tl.sum(kb[:, None, :] * ke, 2)
         dia_q += tl.sum(qb[:, None, :] * ke, 2)
         # the gated keys and queries of the block's rows
         G = start + L
         out = gate_base + rb[:, None] * (HV * K) + o_k[None, :]
         m = (rb < n_left)[:, None] & (o_k < K)[None, :]
         e_G = tl.exp2(G)
-        tl.store(kg + out, (kb * e_G).to(kg.dtype.element_ty), mask=m)
+        if DELTA:
+            tl.store(kg + out, (kb * e_G).to(kg.dtype.element_ty), mask=m)
         tl.store(qg + out, (qb * e_G).to(qg.dtype.element_ty), mask=m)
         tl.store(kd + out, (kb * tl.exp2(tl.sum(x, 0)[None, :] - G)).to(kd.dtype.element_ty), mask=m)
 
     valid_b = rb < n_left
     valid = r < n_left
-    beta_b = _activate_beta(tl.load(beta + beta_base + rb * HV, mask=valid_b, other=0.0), valid_b, BETA)[:, None]
-    beta_r = _activate_beta(tl.load(beta + beta_base + r * HV, mask=valid, other=0.0), valid, BETA)[:, None]
+    if DELTA:
+        beta_b = _activate_beta(tl.load(beta + beta_base + rb * HV, mask=valid_b, other=0.0), valid_b, BETA)[:, None]
+        beta_r = _activate_beta(tl.load(beta + beta_base + r * HV, mask=valid, other=0.0), valid, BETA)[:, None]
     cols = tl.arange(0, 64)[None, :]
     # row block b in the earlier column blocks whose bit is clear
     mine = (cols < b * 16) & (((bits >> (cols // 16)) & 1) == 0) & valid_b[:, None]
     off_b = ((beta_base + rb * HV) * 64)[:, None] + cols
-    tl.store(a_kk + off_b, (row_k * beta_b).to(a_kk.dtype.element_ty), mask=mine)
+    if DELTA:
+        tl.store(a_kk + off_b, (row_k * beta_b).to(a_kk.dtype.element_ty), mask=mine)
     tl.store(a_qk + off_b, row_q.to(a_qk.dtype.element_ty), mask=mine)
     # the diagonal block, zeros above
     jb = tl.arange(0, 16)[None, :]
     ib = tl.arange(0, 16)[:, None]
     off_d = ((beta_base + rb * HV) * 64 + b * 16)[:, None] + jb
-    tl.store(a_kk + off_d, tl.where(jb < ib, dia_k * beta_b, 0.0).to(a_kk.dtype.element_ty), mask=valid_b[:, None])
+    if DELTA:
+        tl.store(a_kk + off_d, tl.where(jb < ib, dia_k * beta_b, 0.0).to(a_kk.dtype.element_ty), mask=valid_b[:, None])
     tl.store(a_qk + off_d, tl.where(jb <= ib, dia_q, 0.0).to(a_qk.dtype.element_ty), mask=valid_b[:, None])
     # column block b in the later rows
     off_c = ((beta_base + r * HV) * 64 + b * 16)[:, None] + jb
     m_c = after & valid[:, None]
-    tl.store(a_kk + off_c, (col_k * beta_r).to(a_kk.dtype.element_ty), mask=m_c)
+    if DELTA:
+        tl.store(a_kk + off_c, (col_k * beta_r).to(a_kk.dtype.element_ty), mask=m_c)
     tl.store(a_qk + off_c, col_q.to(a_qk.dtype.element_ty), mask=m_c)
 
 
@@ -223,5 +234,6 @@ def launch(p, beta, beta_mode: int, total: int, tables, a_kk, scores, kg, kd, qg
         a_kk, scores, kg, kd, qg, flags, items, count, cu if varlen else flags, chunk_index if varlen else flags,
         p.T, NT,
         H=p.H, HV=p.HV, K=p.K, BK=BLOCK_K, L2NORM=p.use_qk_l2norm, GATE=gate_mode(p), HAS_A=p.A_log is not None,
-        HAS_BIAS=p.dt_bias is not None, BETA=beta_mode, VARLEN=varlen, num_warps=WARPS, num_stages=STAGES,
+        HAS_BIAS=p.dt_bias is not None, BETA=beta_mode, VARLEN=varlen, DELTA=p.delta, num_warps=WARPS,
+        num_stages=STAGES,
     )
