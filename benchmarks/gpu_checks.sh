@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks and measurements this tree still owes (docs/notes/gdn-prefill.md v21,
 # docs/notes/kda-prefill.md v11), in device calls of under ten minutes each:
-#   bash benchmarks/gpu_checks.sh tests     # GPU tests of what was built without a device (~6 min)
-#   bash benchmarks/gpu_checks.sh coverage  # GPU tests owed from earlier sessions, bf16 A's casts (~4 min)
+#   bash benchmarks/gpu_checks.sh alltests  # every test below at once, side by side (first call; ~5 min?)
+#   bash benchmarks/gpu_checks.sh tests     # GPU tests of what was built without a device
+#   bash benchmarks/gpu_checks.sh coverage  # GPU tests owed from earlier sessions, bf16 A's casts
 #   bash benchmarks/gpu_checks.sh sweeps    # A_BF16 and the strided-input costs (~8 min)
 #   bash benchmarks/gpu_checks.sh cold      # cold starts of the Gluon paths (first call, empty cache)
 #   bash benchmarks/gpu_checks.sh plain     # the plain rule (GLA, Simple GLA, Lightning) on both kernel
@@ -15,29 +16,41 @@ python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/
 mkdir -p /tmp/tc && tar xzf .whl/fla-0.6.0-autotune-h200.tgz -C /tmp/tc
 export PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR=/tmp/tc TRITON_CACHE_AUTOTUNING=1 PYTHONUNBUFFERED=1
 out=${OUT:-.}
-t() { timeout "$1" python3 -m pytest -m gpu -q -p no:cacheprovider "${@:2}" 2>&1 | tail -4; }
+t() { echo "== ${*:2}"; timeout "$1" python3 -m pytest -m gpu -q -p no:cacheprovider "${@:2}" 2>&1 | tail -4; }
+# the test groups run side by side (correctness only; their compiles spread over the host's cores),
+# each one's lines printed together once all are done
+n=0
+bg() { ( t "$@" > "/tmp/gpu_checks.$n" 2>&1 ) & n=$((n + 1)); }
+show() { wait; for i in $(seq 0 $((n - 1))); do cat "/tmp/gpu_checks.$i"; done; }
+tests() {
+  bg 240 tests/ops/test_gluon_chunk_gdn.py -k "strided or host_only or segments or summaries"
+  bg 240 tests/ops/test_gluon_chunk_kda.py -k "segment or a_in_bf16 or strided"
+  bg 240 tests/ops/test_option_fuzz.py
+  bg 180 tests/core/test_call_plan.py
+  bg 120 tests/ops/test_compile.py
+}
+coverage() {
+  # (the device-agnostic tests carry no gpu mark: -m "" keeps them, "not cpu" their CUDA cases)
+  bg 240 tests/ops/test_triton_chunk_gdn.py tests/ops/test_triton_chunk_kda.py -m "" \
+    -k "(launch_variants or sequence_parallel or strided or host_only or inverse_kernel or wide_blocks) and not cpu"
+  bg 300 tests/ops/test_gluon_recurrent.py
+}
+plain_tests() {
+  # PLAIN_RULE_ON_GPU is off until these pass; the tests switch it on themselves
+  bg 300 tests/ops/test_triton_chunk_plain.py
+  bg 120 tests/ops/test_recurrent.py -k lightning_decay_first_built_under_capture
+}
 case "${1:-tests}" in
-  tests)
-    t 150 tests/ops/test_gluon_chunk_gdn.py -k "strided or host_only or segments or summaries"
-    t 120 tests/ops/test_gluon_chunk_kda.py -k "segment or a_in_bf16 or strided"
-    t 120 tests/ops/test_option_fuzz.py
-    t 90 tests/core/test_call_plan.py
-    t 60 tests/ops/test_compile.py
-    ;;
-  coverage)
-    # (the device-agnostic tests carry no gpu mark: -m "" keeps them, "not cpu" their CUDA cases)
-    t 150 tests/ops/test_triton_chunk_gdn.py tests/ops/test_triton_chunk_kda.py -m "" \
-      -k "(launch_variants or sequence_parallel or strided or host_only or inverse_kernel or wide_blocks) and not cpu"
-    t 200 tests/ops/test_gluon_recurrent.py
-    ;;
+  tests) tests; show ;;
+  coverage) coverage; show ;;
+  alltests) tests; coverage; plain_tests; show ;;       # every owed GPU test in one call
+  plain-tests) plain_tests; show ;;
   sweeps)
     timeout 280 python3 benchmarks/kda_prefill_sweep.py --tier gluon --variants default,a-bf16 --out "$out" 2>&1 | tail -8
     timeout 280 python3 benchmarks/strided_inputs.py --out "$out" 2>&1 | tail -20
     ;;
   plain)
-    # PLAIN_RULE_ON_GPU is off until these pass; the tests switch it on themselves
-    t 240 tests/ops/test_triton_chunk_plain.py
-    t 60 tests/ops/test_recurrent.py -k lightning_decay_first_built_under_capture
+    plain_tests; show
     timeout 300 python3 -c "import sys; import fastla.backends.triton.chunk_delta as c; c.PLAIN_RULE_ON_GPU = True; \
 from fastla.bench.runner import main; sys.exit(main(sys.argv[1:]))" --filter gla/,simple_gla/,lightning/ \
       --modes fwd --quick --no-cold --out "$out" 2>&1 | tail -12
