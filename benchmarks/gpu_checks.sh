@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU checks and measurements this tree still owes (docs/notes/gdn-prefill.md v21,
-# docs/notes/kda-prefill.md v11), in device calls of under ten minutes each:
+# The GPU checks and measurements this tree still owes (docs/notes/gdn-prefill.md v21-v22,
+# docs/notes/kda-prefill.md v11-v12, docs/notes/plain-prefill.md v1), in device calls of under ten
+# minutes each:
 #   bash benchmarks/gpu_checks.sh alltests  # every test below at once, side by side (first call; ~5 min?)
 #   bash benchmarks/gpu_checks.sh tests     # GPU tests of what was built without a device
 #   bash benchmarks/gpu_checks.sh coverage  # GPU tests owed from earlier sessions, bf16 A's casts
