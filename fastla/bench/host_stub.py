@@ -147,17 +147,12 @@ def _plain_case(T=200, H=2, K=128, V=128, gamma=False, g=True, **opts):
     """Simple GLA (``g`` and / or the constant ``g_gamma``) or, without q / k / v's extras, the
     plain rule's inputs for Lightning (``layer_idx`` / ``num_layers`` in ``opts``)."""
     def make(seed):
-        kw = _gdn_case(T=T, H=H, HV=H, K=K, V=V)(seed)
+        kw = _gdn_case(T=T, H=H, HV=H, K=K, V=V, **opts)(seed)
         del kw["beta"]
-        gen = torch.Generator().manual_seed(seed + 2)
         if not g:
             del kw["g"]
         if gamma:
-            kw["g_gamma"] = -torch.rand(H, generator=gen)
-        if opts.pop("h0", False):
-            kw["initial_state"] = torch.randn(len(opts["cu_seqlens_cpu"]) - 1 if "cu_seqlens_cpu" in opts else 1, H,
-                                              K, V, generator=gen)
-        kw.update(opts)
+            kw["g_gamma"] = -torch.rand(H, generator=torch.Generator().manual_seed(seed + 2))
         return kw
     return make
 
