@@ -106,12 +106,10 @@ torch.library.register_fake("fastla::chunk", _chunk_fake, lib=_lib)
 
 def compiled_recurrent(op: str, **kw):
     """The public recurrent op's call as one custom op (used while ``torch.compile`` traces)."""
-    args = dict(kw)
-    args["gate_in_op"] = args.get("gate_in_op") or ""
-    if args["ssm_state_indices"] is not None:
-        o = torch.ops.fastla.recurrent_pool(op, **args)
-        return o, args["initial_state"]
-    o, final = torch.ops.fastla.recurrent(op, **args)
+    if kw["ssm_state_indices"] is not None:
+        o = torch.ops.fastla.recurrent_pool(op, **kw)
+        return o, kw["initial_state"]
+    o, final = torch.ops.fastla.recurrent(op, **kw)
     return o, final if kw["output_final_state"] else None
 
 
@@ -126,8 +124,9 @@ def _op_args(kw: dict) -> dict:
     """A public call's build_problem keywords as the custom ops' schema takes them."""
     args = {n: kw.get(n) for n in (
         "q", "k", "v", "g", "gk", "gv", "beta", "A_log", "dt_bias", "g_gamma", "initial_state", "cu_seqlens",
-        "cu_seqlens_cpu", "ssm_state_indices", "num_accepted_tokens", "lower_bound", "gate_in_op")}
+        "cu_seqlens_cpu", "ssm_state_indices", "num_accepted_tokens", "lower_bound")}
     args.update(
+        gate_in_op=kw.get("gate_in_op") or "",                 # (the schema's str: "" for none)
         scale=float(kw["scale"]) if kw.get("scale") is not None else kw["q"].shape[-1] ** -0.5,
         delta=kw["delta"], gva=kw["gva"], use_qk_l2norm=bool(kw.get("use_qk_l2norm")), beta_sigmoid=bool(kw.get("beta_sigmoid")),
         allow_neg_eigval=bool(kw.get("allow_neg_eigval")), output_final_state=bool(kw.get("output_final_state")),
@@ -151,7 +150,7 @@ def run_chunk(op: str, check=None, **kw):
     and no ``check``, recorded as one custom op."""
     if (torch.compiler.is_compiling() and not _needs_grad(kw) and not kw.get("return_intermediate_states")
             and check is None):
-        args = dict(_op_args(kw), gate_in_op=kw.get("gate_in_op") or "")
+        args = _op_args(kw)
         o, final = torch.ops.fastla.chunk(op, **args, safe_gate=bool(kw.get("safe_gate")),
                                           chunk_size=int(kw.get("chunk_size") or 64))
         return o, final if args["output_final_state"] else None
