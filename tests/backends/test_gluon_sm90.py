@@ -324,17 +324,18 @@ def test_launcher_builds_descriptors(monkeypatch):
     assert kw["kernel"] == "dual" and kw["SEG"] == 1 and kw["BV"] == 64 and grid == (8 * HV * (V + K) // 64,)
     assert args[dual_names.index("seg_state")] is summary
 
-    # the plain rule (DELTA False): GLA's kd descriptor stands in for the gated keys' and the
-    # scores' for P's (neither is loaded); the scores tensor for beta's pointer (rows unused)
+    # the plain rule (DELTA False): GLA's kd descriptor stands in for the gated keys' (not loaded);
+    # P and beta are the scores (as triton_chunk.run passes them; neither is used)
     p = build_problem("chunk_gla", q=q, k=k, v=v[:, :, :H], gk=torch.empty(B, T, H, K, **bf), delta=False, gva=False)
-    sp = chunk_delta.SequencePass(qg[:, :, :H], decay, v[:, :, :H], decay, 1, decay, scratch[:, :, :H], None, None,
+    scores = scratch[:, :, :H]
+    sp = chunk_delta.SequencePass(qg[:, :, :H], decay, v[:, :, :H], scores, 1, scores, scores, None, None,
                                   None, v[:, :, :H], None, None, None, None, None, T, 128, decay,
                                   kd[:, :, :H].contiguous(), decay)
     gluon_chunk._sequence_scan(p, sp, 0, g, g, B)
     grid, args, kw = launches[-1]
     assert kw["DELTA"] is False and kw["GK"] is True
     k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc = args[:6]
-    assert k_desc is kd_desc and kd_desc.base is sp.kd and p_desc is a_desc and a_desc.base is sp.scores
+    assert k_desc is kd_desc and kd_desc.base is sp.kd and p_desc.base is a_desc.base is sp.scores
     assert args[dual_names.index("beta")] is sp.scores
 
 

@@ -204,8 +204,8 @@ def in_place_views(p: Problem) -> tuple[str, ...]:
     from fastla.backends.gluon import chunk_prepare_kda_sm90 as kda_prologue
     from fastla.backends.triton.chunk_prepare_kda import bounded_spans
 
-    if not (STRIDED_TMA and summaries_sm90(p)) or (not p.delta and p.gk is not None):
-        return ()                   # (GLA's prologue is the Triton one: q and k by pointer)
+    if not (STRIDED_TMA and summaries_sm90(p)):
+        return ()
     if p.gk is None and not (GDN_SCORES_SM90 and GDN_INVERSE_SM90):
         return ()
     if p.gk is not None and not (KDA_PROLOGUE_SM90 and kda_prologue.serves(p) is None and bounded_spans(p)):
@@ -266,20 +266,18 @@ def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments
         kernel, launch = _scan_sm90_kernel, dict(STAGES=SCAN_STAGES, WARPGROUPS=warpgroups, num_warps=4 * warpgroups)
     # GK (KDA): the gated keys and queries are per value head, and the kd tiles and chunk decays
     # come too (the one- and two-chain kernels; the warp-specialized one serves GDN only)
-    # The plain rule (DELTA False) reads no P, beta nor, with GK, gated keys: the scores' descriptor,
-    # the scores and kd's descriptor stand in for them (the beta rows are loaded, in bounds, unused)
+    # The plain rule (DELTA False) reads no P nor, with GK, gated keys: kd's descriptor stands in
+    # for the keys' (its P and beta are the scores, triton_chunk.run)
     qk_width = (p.HV if gk else p.H) * p.K
     kd = desc(sp.kd, qk_width, [BT, BK], tile) if gk else None
-    scores = desc(sp.scores, p.HV * BT, [BT, BT], tile)
     args = [kd if gk and not p.delta else desc(sp.k, qk_width, [BT, BK], tile), desc(sp.q, qk_width, [BT, BK], tile)]
     takes_kd = kernel is not _scan_ws_sm90_kernel
     if takes_kd:
         args.append(kd if gk else args[0])
         launch.update(GK=gk, DELTA=p.delta)
-    args += [desc(sp.v, p.HV * p.V, [BT, box_v], vtile),
-             desc(sp.inverse, p.HV * BT, [BT, BT], tile) if p.delta else scores, scores,
-             desc(sp.o, p.HV * p.V, [BT, box_v], vtile), sp.beta if p.delta else sp.scores, sp.rq, sp.rk,
-             sp.gcum if sp.gcum is not None else d]
+    args += [desc(sp.v, p.HV * p.V, [BT, box_v], vtile), desc(sp.inverse, p.HV * BT, [BT, BT], tile),
+             desc(sp.scores, p.HV * BT, [BT, BT], tile), desc(sp.o, p.HV * p.V, [BT, box_v], vtile),
+             sp.beta, sp.rq, sp.rk, sp.gcum if sp.gcum is not None else d]
     if takes_kd:
         args.append(sp.decay if gk else d)
     if seg == 0 and sp.cu_seqlens is not None and not LONGEST_FIRST:

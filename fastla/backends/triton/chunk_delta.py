@@ -539,15 +539,18 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, kda_p
     bf16 = p.q.dtype == torch.bfloat16 and not interpreting()
     op_dtype = torch.bfloat16 if bf16 else torch.float32
     dot = tl.bfloat16 if bf16 else tl.float32
-    if not p.delta:
-        beta, beta_mode = None, BETA_GIVEN                                  # the plain rule reads no beta
-    elif p.beta is None:
-        beta, beta_mode = call_plan.full((B, T, HV), 1.0, torch.float32, dev), BETA_GIVEN
-    else:
-        beta = p.beta
-        beta_mode = (BETA_SIGMOID2 if p.allow_neg_eigval else BETA_SIGMOID) if p.beta_sigmoid else BETA_GIVEN
-    inverse = call_plan.empty((B, T, HV, BT), op_dtype, dev) if p.delta else None
     scores = call_plan.empty((B, T, HV, BT), op_dtype, dev)
+    if not p.delta:
+        # the plain rule reads neither beta nor P: the scores stand in for both (the sm_90 scans
+        # load beta's rows, in bounds, and leave them unused)
+        beta, beta_mode, inverse = scores, BETA_GIVEN, scores
+    else:
+        if p.beta is None:
+            beta, beta_mode = call_plan.full((B, T, HV), 1.0, torch.float32, dev), BETA_GIVEN
+        else:
+            beta = p.beta
+            beta_mode = (BETA_SIGMOID2 if p.allow_neg_eigval else BETA_SIGMOID) if p.beta_sigmoid else BETA_GIVEN
+        inverse = call_plan.empty((B, T, HV, BT), op_dtype, dev)
     BK, BVF = max(16, next_pow2(K)), max(16, next_pow2(V))   # tl.dot needs >= 16
     tables = (cu, chunk_index) if varlen else (None, None)
     channel_gate = p.gk is not None
@@ -559,8 +562,6 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, kda_p
         k = call_plan.empty((B, T, HV, K), op_dtype, dev) if p.delta else decay
         gcum = rq = rk = None
         dummy = decay
-        if not p.delta:
-            beta = inverse = dummy                                          # read by no kernel
         if total and kda_prologue is not None:
             kda_prologue(p, beta, beta_mode, total, tables, inverse, scores, k, kd, q, decay)
         elif total:
@@ -574,8 +575,6 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, kda_p
                   else (None, None))
         dummy = gcum
         kd = decay = None
-        if not p.delta:
-            beta = inverse = dummy                                          # read by no kernel
         q, k = (p.q, p.k) if p.q.dtype == op_dtype or bf16 else (p.q.to(op_dtype), p.k.to(op_dtype))
         if total and p.delta:
             g = p.g if p.g is not None else call_plan.full((B, T, HV), 0.0, torch.float32, dev)
