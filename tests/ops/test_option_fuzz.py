@@ -19,7 +19,7 @@ from fastla.ops.gla import chunk_gla
 from fastla.ops.kda import chunk_kda
 from fastla.ops.lightning_attn import chunk_lightning_attn
 from fastla.ops.simple_gla import chunk_simple_gla
-from tests.helpers import rel_rms, strided
+from tests.helpers import rel_rms, strided_inputs
 
 OPS = {"gdn": chunk_gated_delta_rule, "kda": chunk_kda, "gla": chunk_gla, "simple_gla": chunk_simple_gla,
        "lightning": chunk_lightning_attn}
@@ -44,9 +44,20 @@ def random_offsets(rng: random.Random, lengths) -> dict:
     return dict(cu_seqlens_cpu=cu, cu_seqlens=cu.clone()) if rng.random() < 0.5 else dict(cu_seqlens_cpu=cu)
 
 
-def random_case(seed: int, gpu: bool, device: str | None = None):
+def placed(rng: random.Random, t: dict, opts: dict, gpu: bool):
+    """A case's tensors on its device (bf16 on the GPU; the state and g_gamma stay fp32) and its
+    option tensors there too (the host offsets stay), strided views three cases in ten."""
+    device, dtype = ("cuda", torch.bfloat16) if gpu else ("cpu", torch.float32)
+    t = {n: x.to(device) if n in ("initial_state", "g_gamma") else x.to(device, dtype) for n, x in t.items()}
+    opts = {n: x.to(device) if torch.is_tensor(x) and n != "cu_seqlens_cpu" else x for n, x in opts.items()}
+    if rng.random() < 0.3:
+        t = strided_inputs(t)
+    return t, opts
+
+
+def random_case(seed: int, gpu: bool):
     """(op, tensors, options) of one seeded combination. ``gpu``: the Gluon scan's shapes (bf16,
-    K = 64 or 128, V a multiple of 32, 64 tokens or more) on ``device`` (CUDA by default)."""
+    K = 64 or 128, V a multiple of 32, 64 tokens or more) on CUDA."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     rnd = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
@@ -81,13 +92,7 @@ def random_case(seed: int, gpu: bool, device: str | None = None):
     opts["output_final_state"] = rng.random() < 0.8
     opts["return_intermediate_states"] = rng.random() < 0.25
     opts.update(random_offsets(rng, lengths))
-    device = device or ("cuda" if gpu else "cpu")
-    dtype = torch.bfloat16 if gpu else torch.float32
-    t = {n: x.to(device) if n == "initial_state" else x.to(device, dtype) for n, x in t.items()}
-    opts = {n: x.to(device) if torch.is_tensor(x) and n != "cu_seqlens_cpu" else x for n, x in opts.items()}
-    if rng.random() < 0.3:
-        t = {n: strided(x) for n, x in t.items()}
-    return op, t, opts
+    return (op, *placed(rng, t, opts, gpu))
 
 
 def call(op, t, opts, tier):
@@ -124,19 +129,6 @@ sm90_only = pytest.mark.skipif(not torch.cuda.is_available() or available(torch.
                                reason="needs an sm_90 GPU")
 
 
-@cpu_only
-@pytest.mark.parametrize("seed", range(6))
-def test_triton_tier_matches_torch_tier(seed):
-    triton_matches_torch(*random_case(seed, gpu=False))
-
-
-@pytest.mark.gpu
-@sm90_only
-@pytest.mark.parametrize("seed", range(24))
-def test_gluon_tier_against_fp64(seed):
-    gluon_against_fp64(*random_case(seed, gpu=True))
-
-
 # ----------------------------------------------------------------------------- the plain rule
 
 def random_plain_case(seed: int, gpu: bool):
@@ -167,23 +159,23 @@ def random_plain_case(seed: int, gpu: bool):
         t["initial_state"] = rnd(N, H, V, K) if opts["state_v_first"] else rnd(N, H, K, V)
     opts["output_final_state"] = rng.random() < 0.8
     opts.update(random_offsets(rng, lengths))
-    device, dtype = ("cuda", torch.bfloat16) if gpu else ("cpu", torch.float32)
-    t = {n: x.to(device) if n in ("initial_state", "g_gamma") else x.to(device, dtype) for n, x in t.items()}
-    opts = {n: x.to(device) if torch.is_tensor(x) and n != "cu_seqlens_cpu" else x for n, x in opts.items()}
-    if rng.random() < 0.3:
-        t = {n: strided(x) if x.numel() > 1 else x for n, x in t.items()}
-    return op, t, opts
+    return (op, *placed(rng, t, opts, gpu))
+
+
+# ----------------------------------------------------------------------------- the tests
+
+CASES = {"delta": random_case, "plain": random_plain_case}
 
 
 @cpu_only
-@pytest.mark.parametrize("seed", range(4))
-def test_plain_rule_triton_tier_matches_torch_tier(seed):
-    triton_matches_torch(*random_plain_case(seed, gpu=False))
+@pytest.mark.parametrize("family,seed", [("delta", s) for s in range(6)] + [("plain", s) for s in range(4)])
+def test_triton_tier_matches_torch_tier(family, seed):
+    triton_matches_torch(*CASES[family](seed, gpu=False))
 
 
 @pytest.mark.gpu
 @sm90_only
-@pytest.mark.parametrize("seed", range(12))
-def test_plain_rule_gluon_tier_against_fp64(seed, monkeypatch):
-    monkeypatch.setattr(chunk_delta, "PLAIN_RULE_ON_GPU", True)
-    gluon_against_fp64(*random_plain_case(seed, gpu=True))
+@pytest.mark.parametrize("family,seed", [("delta", s) for s in range(24)] + [("plain", s) for s in range(12)])
+def test_gluon_tier_against_fp64(family, seed, monkeypatch):
+    monkeypatch.setattr(chunk_delta, "PLAIN_RULE_ON_GPU", True)     # (the plain rule's; GDN / KDA never read it)
+    gluon_against_fp64(*CASES[family](seed, gpu=True))
