@@ -25,6 +25,12 @@ _needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, _needs_cuda])]
 
 
+def poison():
+    """Fill the CUDA caching allocator's free blocks with NaN (512 MB), so unwritten outputs fail."""
+    x = torch.full((1 << 27,), float("nan"), device="cuda")
+    del x
+
+
 def gpu(test):
     """A test that needs a CUDA device: skipped without one, selected by ``-m gpu``."""
     return pytest.mark.gpu(_needs_cuda(test))

@@ -3,19 +3,14 @@ H200-class GPU only (bf16 inputs: the Gluon scan's tiles; the CPU suite skips th
 import pytest
 import torch
 
+from fastla.bench.host_stub import split_views
 from fastla.core.dispatch import use_tier
 from fastla.ops.gated_delta_rule import chunk_gated_delta_rule, naive_recurrent_gated_delta_rule
-from tests.helpers import OPS, call_chunk, call_reference, make_inputs, rel_rms, strided
+from tests.helpers import OPS, call_chunk, call_reference, make_inputs, poison, rel_rms
 
 SPEC = OPS["gdn"]
 sm90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not sm90, reason="needs an sm_90 GPU")]
-
-
-def poison():
-    """Fill the caching allocator's free blocks with NaN, so unwritten outputs fail."""
-    x = torch.full((1 << 27,), float("nan"), device="cuda")
-    del x
 
 
 def on(tier, fn, *args, **kwargs):
@@ -251,10 +246,7 @@ def test_strided_and_misaligned_inputs(in_place, monkeypatch):
     monkeypatch.setattr(gluon_chunk, "in_place_views", lambda p: kept.append(real(p)) or kept[-1])
     B, T, H, HV, K, V = 2, 200, 2, 4, 128, 128
     t = bf16_inputs(B=B, T=T, H=H, HV=HV, K=K, V=V)
-    qkv = torch.cat([t["q"].flatten(2), t["k"].flatten(2), t["v"].flatten(2)], -1)
-    q, k, v = qkv.split([H * K, H * K, HV * V], -1)
-    split = dict(t, q=q.view(B, T, H, K), k=k.view(B, T, H, K), v=v.view(B, T, HV, V), g=strided(t["g"]),
-                 beta=strided(t["beta"]), initial_state=strided(t["initial_state"]))
+    split = split_views(t)
     buf = torch.empty(t["q"].numel() + 1, dtype=t["q"].dtype, device="cuda")
     misaligned = buf[1:].view_as(t["q"]).copy_(t["q"])
     opts = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)

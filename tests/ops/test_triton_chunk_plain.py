@@ -8,7 +8,9 @@ import torch
 from fastla.backends.triton import chunk_delta, interpreting
 from fastla.core.dispatch import use_tier
 from fastla.core.validation import build_problem
-from tests.helpers import DEVICES, OPS, assert_close, call_chunk, call_reference, make_inputs, strided_inputs
+from tests.helpers import (
+    DEVICES, OPS, assert_close, call_chunk, call_reference, make_inputs, poison, strided_inputs,
+)
 
 TOL = 2e-5 if interpreting() else 1e-2
 GLA, SIMPLE, LIGHTNING = OPS["gla"], OPS["simple_gla"], OPS["lightning"]
@@ -150,8 +152,7 @@ def test_bf16_wide_heads_gpu(tier, spec, shape, monkeypatch):
         opts = dict(cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu)
     runs = []
     for _ in range(2):
-        x = torch.full((1 << 27,), float("nan"), device="cuda")
-        del x
+        poison()
         with use_tier(tier, strict=True), torch.no_grad():
             runs.append(call_chunk(spec, t, output_final_state=True, **opts))
     for a, b in zip(*runs):
