@@ -72,14 +72,19 @@ def kda_gate(
 
 def lightning_g_gamma(num_heads: int, layer_idx: int, num_layers: int, device) -> torch.Tensor:
     """Lightning attention's constant per-head log decay ``[H]`` (float32). Eager calls share one
-    tensor per (heads, layer, layers, device), built once: a repeated call then runs no op on the
-    device before its kernels, so a call plan can record it (core/call_plan.py). Read only. Built
-    per call while compiling or capturing a CUDA graph (a capture only records the ops that would
-    fill it, so a tensor cached then would hold nothing until the graph replays)."""
+    tensor per (heads, layer, layers, device), built once and noted as a constant of a call plan
+    being recorded: a repeated call then runs no op on the device before its kernels, so a plan
+    can record it (core/call_plan.py). Read only. Built per call while compiling or capturing a
+    CUDA graph (a capture only records the ops that would fill it, so a tensor cached then would
+    hold nothing until the graph replays)."""
+    from fastla.core import call_plan
+
     device = torch.device(device)
     if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         return _lightning_g_gamma(num_heads, layer_idx, num_layers, device)
-    return _lightning_g_gamma_shared(num_heads, layer_idx, num_layers, device)
+    shared = _lightning_g_gamma_shared(num_heads, layer_idx, num_layers, device)
+    call_plan.keep_constants(shared)
+    return shared
 
 
 def _lightning_g_gamma(num_heads: int, layer_idx: int, num_layers: int, device) -> torch.Tensor:

@@ -40,7 +40,6 @@ def chunk_lightning_attn(
     check_lightning_layers(layer_idx, num_layers)
     chunk_size = check_chunk_size(chunk_size, None)
     g_gamma = lightning_g_gamma(q.shape[2], layer_idx, num_layers, q.device)
-    call_plan.keep_constants(g_gamma)       # one shared tensor per (heads, layer, layers, device)
     return run_chunk(
         "chunk_lightning_attn", q=q, k=k, v=v, g_gamma=g_gamma, delta=False, gva=False, scale=scale,
         initial_state=initial_state, output_final_state=output_final_state, state_v_first=state_v_first,

@@ -34,7 +34,6 @@ def fused_recurrent_lightning_attn(
     state_v_first = resolve_state_layout(state_v_first, transpose_state_layout)
     check_lightning_layers(layer_idx, num_layers)
     g_gamma = lightning_g_gamma(q.shape[2], layer_idx, num_layers, q.device)
-    call_plan.keep_constants(g_gamma)       # one shared tensor per (heads, layer, layers, device)
     return run_recurrent(
         "fused_recurrent_lightning_attn", q=q, k=k, v=v, g_gamma=g_gamma, delta=False, gva=False, scale=scale,
         initial_state=initial_state, output_final_state=output_final_state, state_v_first=state_v_first,
