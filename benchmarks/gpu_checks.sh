@@ -5,6 +5,7 @@
 #   bash benchmarks/gpu_checks.sh alltests  # every test below at once, side by side (first call; ~5 min?)
 #   bash benchmarks/gpu_checks.sh tests     # GPU tests of what was built without a device
 #   bash benchmarks/gpu_checks.sh coverage  # GPU tests owed from earlier sessions, bf16 A's casts
+#   bash benchmarks/gpu_checks.sh plain-tests  # the plain rule's GPU tests alone (both kernel tiers)
 #   bash benchmarks/gpu_checks.sh sweeps    # A_BF16 and the strided-input costs (~8 min)
 #   bash benchmarks/gpu_checks.sh cold      # cold starts of the Gluon paths (first call, empty cache)
 #   bash benchmarks/gpu_checks.sh plain     # the plain rule (GLA, Simple GLA, Lightning) on both kernel

@@ -2,8 +2,9 @@
 can run, Triton's compile is replaced by a stand-in compiled kernel whose launcher records its
 calls, and call plans treat floating-point and multi-dimensional CPU tensors as device tensors.
 Validation, dispatch, launch planning, the launch keys, TMA descriptors and call plans run as
-they do on the GPU. Used by ``benchmarks/gdn_host_overhead.py --stub`` (host time) and
-tests/core/test_call_plan.py (the plans' replays against the full path).
+they do on the GPU. Used by ``benchmarks/gdn_host_overhead.py --stub`` (host time),
+``benchmarks/compile_times.py`` (cold-start compiles) and tests/core/test_call_plan.py (the plans'
+replays against the full path).
 
 ``install(monkeypatch)`` patches through a pytest monkeypatch (undone after the test);
 ``install()`` patches for the rest of the process. Must run before the kernels are launched and

@@ -76,7 +76,7 @@ def test_recording_flags_device_data_and_unknown_tensors(monkeypatch):
 def test_replays_match_the_full_path():
     """fastla/bench/host_stub.py in a process without the Triton interpreter: for GDN and KDA
     (both tiers: plain, state layouts, varlen with the gate in the op, segments with chunk
-    states, KDA's gates) and decode, the replayed launches (kernels, grids, every argument, the
+    states, KDA's gates), GLA, Simple GLA and Lightning (both tiers) and decode, the replayed launches (kernels, grids, every argument, the
     buffers named) and result equal the full path's, strided inputs are copied before the replayed
     launches (their dense copies hold the call's values); fp16 inputs (cast first) are not planned."""
     pytest.importorskip("triton")

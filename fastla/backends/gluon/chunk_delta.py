@@ -3,8 +3,9 @@ combine (backends/triton/chunk_delta.py), with the sequence passes of the scan i
 the two-chain scan (chunk_delta_dual_sm90.py) where it serves, else the one-chain scan
 (chunk_delta_sm90.py; KDA's 32 columns, chunk states stored), both with KDA's per-channel ``GK``
 step. The plain rule (GLA, Simple GLA, Lightning) runs the same scans without the delta
-correction (``DELTA`` False) over the Triton tier's plain prologue (GDN's sm_90 scores kernel for
-the scalar gates); on CUDA behind triton_chunk.PLAIN_RULE_ON_GPU, with the Triton tier's."""
+correction (``DELTA`` False): for a scalar gate over the Triton gate cumsum and GDN's sm_90 scores
+kernel, for GLA over KDA's sm_90 prologue without A (and no inverse); on CUDA behind
+triton_chunk.PLAIN_RULE_ON_GPU, with the Triton tier's."""
 from __future__ import annotations
 
 import dataclasses
@@ -302,7 +303,7 @@ def run(p: Problem):
     p = triton_chunk.dense_inputs(p, align=16, in_place=in_place_views(p))   # (TMA: 16-byte aligned bases)
     config = plan(p)
     kernels = {}
-    if p.gk is not None and KDA_PROLOGUE_SM90:     # KDA, and GLA (its A and kg unused; supports: bf16 inputs)
+    if p.gk is not None and KDA_PROLOGUE_SM90:     # KDA and GLA (GLA: no A, kg nor P; supports: bf16 inputs)
         why = kda_prologue.serves(p)
         if why is None:
             kernels["kda_prologue"] = kda_prologue.launch

@@ -21,6 +21,9 @@ stored only for return_intermediate_states); and the final state. With segments 
 parallelism, ``segment_length``) the same kernel runs a summary pass (SEG 1, no output) and a
 replay pass (SEG 2) around ``_segment_combine_kernel``. KDA (per-channel gate ``gk``
 ``[B, T, HV, K]``) runs its own prologue (chunk_prepare_kda.py) and the scan's ``GK`` step.
+The plain rule (GLA, Simple GLA, Lightning: ``DELTA`` False) has V_new = v: no P, beta nor k S;
+its scalar gate (``g`` and / or the constant ``g_gamma``) takes chunk_prepare's gate cumsum before
+the scores, GLA's per-channel gate KDA's prologue without P and the gated keys.
 The Gluon tier (backends/gluon) runs its own sm_90 kernel for the GDN sequence passes and
 reuses the rest through ``run``.
 
@@ -442,8 +445,6 @@ def supports(p: Problem, config: ChunkConfig | None = None) -> str | None:
             return "per-value-channel gates (gv)"
         if p.device.type == "cuda" and not PLAIN_RULE_ON_GPU:
             return "the plain rule's kernels have not run on a GPU yet (chunk_delta.PLAIN_RULE_ON_GPU)"
-    if p.reverse:
-        return "reverse scans"
     if p.chunk_size != BT:
         return f"chunk_size {p.chunk_size} (the Triton chunked forward uses {BT})"
     if p.K > 128 or p.V > 128:

@@ -1,5 +1,6 @@
 """Token-parallel prologue of the GDN chunked forward (Triton and Gluon tiers): per 64-token chunk
-the WY factor P and the causal scores.
+the WY factor P and the causal scores; for the plain rule with a scalar gate (Simple GLA,
+Lightning) ``_gate_cumsum_kernel`` writes G alone, before the same scores kernel.
 
 ``_inverse_kernel``, grid ``(chunks, HV / VPP)``: one chunk of VPP value heads that share a q/k
 head (GVA; up to 4 while the grid keeps 6 programs per SM, ``values_per_program``). With

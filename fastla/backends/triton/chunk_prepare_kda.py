@@ -334,7 +334,8 @@ def launch(p, q, k, beta, beta_mode: int, total: int, tables, inverse, scores, k
            block_k: int = 16, warps: int = 1, maxnreg: int | None = None) -> None:
     """Runs the prologue over ``total`` chunks (``tables`` = (cu_seqlens, chunk index) or Nones):
     writes P into ``inverse``, Aqk into ``scores`` ``[B, T, HV, BT]``, the gated keys and queries
-    into ``kg``, ``kd``, ``qg`` ``[B, T, HV, K]`` and e^(G_last) into ``decay`` ``[total, HV, K]``."""
+    into ``kg``, ``kd``, ``qg`` ``[B, T, HV, K]`` and e^(G_last) into ``decay`` ``[total, HV, K]``
+    (GLA, ``p.delta`` False: no P nor kg)."""
     cu, chunk_index = tables
     varlen = cu is not None
     dummy = decay

@@ -80,5 +80,4 @@ def chunk_gated_delta_rule(
     )
 
 
-
 chunk_gdn = chunk_gated_delta_rule
