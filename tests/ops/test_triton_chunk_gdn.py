@@ -179,12 +179,13 @@ def test_launch_variants(variant, device, monkeypatch):
 
 @pytest.mark.parametrize("v_first", [False, True])
 @pytest.mark.parametrize("h0", [False, True])
-def test_sequence_parallel_segments(v_first, h0, monkeypatch):
+@pytest.mark.parametrize("device", DEVICES)
+def test_sequence_parallel_segments(v_first, h0, device, monkeypatch):
     """Segments of a long sequence run in parallel from their exact start states (summary pass:
     end state from zero and transition; combine; replay): output, final and chunk states match."""
     from fastla.backends.triton import chunk_delta
     monkeypatch.setattr(chunk_delta, "default_config", lambda p, **kw: chunk_delta.ChunkConfig(segment_chunks=2))
-    t = make_inputs(SPEC, B=2, T=330, H=1, HV=2, K=32, V=16, h0=h0, v_first=v_first)
+    t = make_inputs(SPEC, B=2, T=330, H=1, HV=2, K=32, V=16, h0=h0, v_first=v_first, device=device)
     opts = dict(output_final_state=True, return_intermediate_states=True, state_v_first=v_first)
     with torch.inference_mode():
         o, ht, h = on_triton(call_chunk, SPEC, t, **opts)
@@ -229,16 +230,17 @@ def test_varlen_sequence_orders():
 
 
 @pytest.mark.parametrize("op", ["gdn", "kda"])
-def test_offsets_on_the_host_only(op):
+@pytest.mark.parametrize("device", DEVICES)
+def test_offsets_on_the_host_only(op, device):
     """Offsets given only as cu_seqlens_cpu (no device cu_seqlens) are a varlen batch on this tier,
     as on the torch tier (it ran them as one dense sequence and wrote past its buffers)."""
     from tests.ops.test_triton_chunk_kda import SPEC as KDA
     spec = SPEC if op == "gdn" else KDA
     lengths = [70, 1, 130]
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
-    t = make_inputs(spec, B=1, T=sum(lengths), H=2, HV=4, K=32, V=16, N=len(lengths))
+    t = make_inputs(spec, B=1, T=sum(lengths), H=2, HV=4, K=32, V=16, N=len(lengths), device=device)
     host_only = on_triton(call_chunk, spec, t, output_final_state=True, cu_seqlens_cpu=cu)
-    both = on_triton(call_chunk, spec, t, output_final_state=True, cu_seqlens=cu, cu_seqlens_cpu=cu)
+    both = on_triton(call_chunk, spec, t, output_final_state=True, cu_seqlens=cu.to(device), cu_seqlens_cpu=cu)
     for name, a, b in zip(("o", "final_state"), host_only, both):
         assert torch.equal(a, b), f"{name} differs with the offsets on the host only"
 

@@ -99,13 +99,14 @@ def test_segments_and_intermediate_states(monkeypatch):
 
 
 @pytest.mark.parametrize("warps,block_k", [(4, 32), (2, 16)])
-def test_prologue_launch_variants(warps, block_k, monkeypatch):
+@pytest.mark.parametrize("device", DEVICES)
+def test_prologue_launch_variants(warps, block_k, device, monkeypatch):
     """The prologue's other launch shapes (the sweep times them) compute the same function; K = 64
     runs two or four channel slices."""
     from fastla.backends.triton import chunk_delta
     config = chunk_delta.ChunkConfig(kda_prepare_warps=warps, kda_prepare_block_k=block_k)
     monkeypatch.setattr(chunk_delta, "default_config", lambda p, **kw: config)
-    check(make_inputs(SPEC, B=1, T=70, H=1, K=64, V=16))
+    check(make_inputs(SPEC, B=1, T=70, H=1, K=64, V=16, device=device))
 
 
 def bf16_case(case: str):
@@ -325,5 +326,8 @@ def test_inverse_kernel_matches_fp64(varlen, a_dtype):
             blk = a[b, t0:t0 + n, hv, :n].double()
             ref = torch.linalg.inv(torch.eye(n, dtype=torch.float64) + blk)
             got = out[b, t0:t0 + n, hv].double().cpu()
-            assert torch.allclose(got[:, :n], ref, rtol=1e-5, atol=1e-5), (b, t0, hv)
+            # on a GPU the block merges take tf32 operands (FLA's merge precision, u = 2^-11): entries
+            # up to ~30 here come out within ~1e-4 of the largest; the interpreter multiplies in fp32
+            tol = 1e-5 if interpreting() else 1e-3 * ref.abs().max().item()
+            assert (got[:, :n] - ref).abs().max() <= tol, (b, t0, hv)
             assert (got[:, n:] == 0).all(), (b, t0, hv)     # whole rows: zeros right of the chunk's end
