@@ -318,6 +318,7 @@ def _check_in_place_views() -> list[str]:
                            ("kda", kda, _kda_case(use_gate_in_kernel=True, lower_bound=-5.0, output_final_state=True))):
         x = _split(make)(0)
         width = x["q"].stride(1)
+        strided, enabled = gluon_chunk.STRIDED_TMA, call_plan.ENABLED
         gluon_chunk.STRIDED_TMA, call_plan.ENABLED = True, True
         try:
             with use_tier("gluon", strict=True), torch.no_grad():
@@ -328,7 +329,7 @@ def _check_in_place_views() -> list[str]:
                 LAUNCHES.clear()
                 op(**x)
         finally:
-            gluon_chunk.STRIDED_TMA = False
+            gluon_chunk.STRIDED_TMA, call_plan.ENABLED = strided, enabled
             call_plan.clear()
         if isinstance(plan, str) or plan is None:
             failures.append(f"{name}: strided q, k, v in place: not planned ({plan})")

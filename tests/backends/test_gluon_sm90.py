@@ -204,7 +204,8 @@ def test_row_views_for_tma(monkeypatch):
     bounded = build_problem("chunk_kda", q=q, k=k, v=v, gk=gk, beta=beta, delta=True, gva=True, gate_in_op="kda",
                             A_log=torch.zeros(HV), lower_bound=-5.0)
     unbounded = build_problem("chunk_kda", q=q, k=k, v=v, gk=gk, beta=beta, delta=True, gva=True)
-    assert gluon_chunk.in_place_views(gdn) == ()                                        # STRIDED_TMA off
+    monkeypatch.setattr(gluon_chunk, "STRIDED_TMA", False)
+    assert gluon_chunk.in_place_views(gdn) == ()
     monkeypatch.setattr(gluon_chunk, "STRIDED_TMA", True)
     assert gluon_chunk.in_place_views(gdn) == ("q", "k", "v")
     # V = 32 with a per-channel gate: the Triton summary (summaries_sm90), which reads q, k by pointer

@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 
 from fastla.backends.gluon import available
-from fastla.backends.triton import chunk_delta
 from fastla.core.dispatch import use_tier
 from fastla.ops.gated_delta_rule import chunk_gated_delta_rule
 from fastla.ops.gla import chunk_gla
@@ -176,6 +175,5 @@ def test_triton_tier_matches_torch_tier(family, seed):
 @pytest.mark.gpu
 @sm90_only
 @pytest.mark.parametrize("family,seed", [("delta", s) for s in range(24)] + [("plain", s) for s in range(12)])
-def test_gluon_tier_against_fp64(family, seed, monkeypatch):
-    monkeypatch.setattr(chunk_delta, "PLAIN_RULE_ON_GPU", True)     # (the plain rule's; GDN / KDA never read it)
+def test_gluon_tier_against_fp64(family, seed):
     gluon_against_fp64(*CASES[family](seed, gpu=True))

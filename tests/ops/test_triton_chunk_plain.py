@@ -1,7 +1,6 @@
 """The Triton chunked forward of the plain rule (GLA, Simple GLA, Lightning: the scan without the
 delta correction) against the fp64 reference, through the public ops; on the CPU it runs in the
-Triton interpreter. On CUDA the tier serves these ops only with ``chunk_delta.PLAIN_RULE_ON_GPU`` (the
-GPU cases below switch it on)."""
+Triton interpreter."""
 import pytest
 import torch
 
@@ -15,11 +14,6 @@ from tests.helpers import (
 TOL = 2e-5 if interpreting() else 1e-2
 GLA, SIMPLE, LIGHTNING = OPS["gla"], OPS["simple_gla"], OPS["lightning"]
 SPECS = dict(argnames="spec", argvalues=[GLA, SIMPLE, LIGHTNING], ids=["gla", "simple_gla", "lightning"])
-
-
-@pytest.fixture(autouse=True)
-def _plain_rule_on_gpu(monkeypatch):
-    monkeypatch.setattr(chunk_delta, "PLAIN_RULE_ON_GPU", True)
 
 
 def check(spec, t, tol=TOL, tier="triton", **opts):

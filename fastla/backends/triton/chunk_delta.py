@@ -428,11 +428,6 @@ def _varlen_chunk_counts(cu: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(-(-(e - s) // BT) for s, e in zip(cu[:-1], cu[1:]))
 
 
-# The plain rule (GLA, Simple GLA, Lightning: DELTA False) on CUDA devices. Off until its GPU tests run
-# (tests/ops/test_triton_chunk_plain.py -m gpu): built and checked in the CPU interpreter only.
-PLAIN_RULE_ON_GPU = False
-
-
 def supports(p: Problem, config: ChunkConfig | None = None) -> str | None:
     """None when this tier serves ``p`` (under ``config``, default_config's when None), else why not."""
     from fastla.backends.triton import available
@@ -443,8 +438,6 @@ def supports(p: Problem, config: ChunkConfig | None = None) -> str | None:
     if not p.delta:
         if p.gv is not None:
             return "per-value-channel gates (gv)"
-        if p.device.type == "cuda" and not PLAIN_RULE_ON_GPU:
-            return "the plain rule's kernels have not run on a GPU yet (chunk_delta.PLAIN_RULE_ON_GPU)"
     if p.chunk_size != BT:
         return f"chunk_size {p.chunk_size} (the Triton chunked forward uses {BT})"
     if p.K > 128 or p.V > 128:
