@@ -373,7 +373,9 @@ PROGRAMS_PER_SM = 2
 # each way at 1x8k H64, which the 67 us inverse kernel reads at ~3 TB/s). Precision on the CPU
 # (benchmarks/kda_a_precision.py, the kernels' roundings in fp64): output error 3.299e-3 either
 # way at the registry's draw, 4.011e-3 -> 4.033e-3 with slow decay, 3.440e-3 -> 3.447e-3 with
-# correlated keys and beta up to 2. Off: compile-checked, not yet run on a GPU
+# correlated keys and beta up to 2. Off: correct on the H200 but slower, 783 -> 796 us at 1x8k H64
+# and 1.7-2.5% on the sweep's three shapes (the prologue's casts cost more than the bytes saved;
+# kda_prefill_sweep-v13-a-bf16.json)
 A_BF16 = False
 
 
