@@ -1,0 +1,80 @@
+"""Where the plain rule's prefill time goes (GLA, Simple GLA, Lightning; docs/notes/plain-prefill.md):
+each kernel tier's CUDA-graph time and per-kernel split against FLA 0.6.0's, in one process, on the
+registry's configs, with the byte floor of the call (q, k, v read and o written once, bf16; GLA's
+per-channel gate read once; the final state written once in fp32).
+
+    python benchmarks/plain_prefill_split.py [--out DIR] [--shapes gla/h32/1x8192,simple_gla/h64/1x8192]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import triton
+from triton.testing import do_bench_cudagraph
+
+import fastla  # noqa: F401  (registers the tiers)
+from benchmarks.gdn_prefill_sweep import kernel_split, rel
+from fastla.bench.inputs import call_kwargs, make_inputs
+from fastla.bench.registry import get_config
+from fastla.bench.runner import load_op
+from fastla.core.dispatch import use_tier
+
+SHAPES = "gla/h32/1x8192,simple_gla/h64/1x8192,lightning/h64/1x8192,simple_gla/h64/1x32768"
+HBM_BYTES_PER_S = 4.8e12
+
+
+def floor_us(cfg) -> float:
+    """Microseconds to move the call's compulsory bytes at the H200's HBM rate."""
+    token_heads = cfg.B * cfg.T * cfg.HV
+    per_token_head = 2 * (2 * cfg.K + 2 * cfg.V) + (4 * cfg.K if cfg.op == "chunk_gla" else 0)
+    state = cfg.N * cfg.HV * cfg.K * cfg.V * 4
+    return 1e6 * (token_heads * per_token_head + state) / HBM_BYTES_PER_S
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--shapes", default=SHAPES)
+    args = ap.parse_args()
+    rows = []
+    for shape in args.shapes.split(","):
+        cfg = get_config(shape)
+        kw = call_kwargs(make_inputs(cfg, "cuda"))
+        ours = load_op("fastla", cfg)
+        print(f"{shape:28s} floor {floor_us(cfg):8.1f} us", flush=True)
+        with torch.no_grad():
+            with use_tier("gluon", strict=True):
+                want = ours(**kw)[0]
+            for tier in ("gluon", "triton"):
+                with use_tier(tier, strict=True):
+                    call = lambda: ours(**kw)  # noqa: E731
+                    o = call()[0]
+                    us = 1e3 * do_bench_cudagraph(call, rep=100)
+                    split_us = kernel_split(call)
+                rows.append(dict(shape=shape, case=tier, us=us, kernels=split_us, err_vs_gluon=rel(o, want)))
+                print(f"{shape:28s} {tier:8s} {us:9.1f} us  vs gluon {rel(o, want):.1e}  "
+                      + ", ".join(f"{k} {v:.0f}" for k, v in split_us.items()), flush=True)
+            try:
+                fla = load_op("fla", cfg)
+            except Exception:
+                fla = None
+            if fla is not None:
+                fo = fla(**kw)[0]
+                us = 1e3 * do_bench_cudagraph(lambda: fla(**kw), rep=100)
+                split_us = kernel_split(lambda: fla(**kw))
+                rows.append(dict(shape=shape, case="FLA", us=us, kernels=split_us, err_vs_gluon=rel(fo, want)))
+                print(f"{shape:28s} FLA      {us:9.1f} us  vs gluon {rel(fo, want):.1e}  "
+                      + ", ".join(f"{k} {v:.0f}" for k, v in split_us.items()), flush=True)
+        kw = want = None
+        torch.cuda.empty_cache()
+        with open(os.path.join(args.out, "plain_prefill_split.json"), "w") as f:       # after each shape
+            json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                           rows=rows), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
