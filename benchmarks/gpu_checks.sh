@@ -30,7 +30,7 @@ case "${1:-tests}" in
     bg 420 tests/core/test_call_plan.py tests/ops/test_compile.py tests/ops/test_recurrent.py
     show ;;
   decode-tests) bg 300 tests/ops/test_gluon_recurrent.py; show ;;
-  plain-split) timeout 300 python3 benchmarks/plain_prefill_split.py --out "$out" 2>&1 | tail -20 ;;
+  plain-split) timeout 300 python3 benchmarks/plain_prefill_split.py --segments 16,32 --out "$out" 2>&1 | tail -30 ;;
   cold)
     timeout 500 python3 -m fastla bench --filter gdn/h16-hv64/1x8192,gdn/h2-hv8/1x32768,kda/h64/1x8192 \
       --modes fwd --quick --cold-all --out "$out" 2>&1 | tail -12

@@ -1,13 +1,17 @@
 """Where the plain rule's prefill time goes (GLA, Simple GLA, Lightning; docs/notes/plain-prefill.md):
 each kernel tier's CUDA-graph time and per-kernel split against FLA 0.6.0's, in one process, on the
 registry's configs, with the byte floor of the call (q, k, v read and o written once, bf16; GLA's
-per-channel gate read once; the final state written once in fp32).
+per-channel gate read once; the final state written once in fp32). ``--segments 16,32`` adds
+gluon-tier rows with the sequence split into segments of that many chunks (the plan's choice
+otherwise).
 
     python benchmarks/plain_prefill_split.py [--out DIR] [--shapes gla/h32/1x8192,simple_gla/h64/1x8192]
+        [--segments 16,32]
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 
@@ -19,11 +23,22 @@ import fastla  # noqa: F401  (registers the tiers)
 from benchmarks.gdn_prefill_sweep import kernel_split, rel
 from fastla.bench.inputs import call_kwargs, make_inputs
 from fastla.bench.registry import get_config
+from fastla.backends.triton import chunk_delta as triton_chunk
 from fastla.bench.runner import load_op
+from fastla.core import call_plan
 from fastla.core.dispatch import use_tier
 
 SHAPES = "gla/h32/1x8192,simple_gla/h64/1x8192,lightning/h64/1x8192,simple_gla/h64/1x32768"
 HBM_BYTES_PER_S = 4.8e12
+call_plan.ENABLED = False       # the segment variants change the plan between calls of one signature
+PLANNED = triton_chunk.default_config
+
+
+def segments_of(chunks: int | None):
+    """A default_config that splits every sequence into segments of ``chunks`` (None: the plan's)."""
+    if chunks is None:
+        return PLANNED
+    return lambda p, **kw: dataclasses.replace(PLANNED(p, **kw), segment_chunks=chunks)
 
 
 def floor_us(cfg) -> float:
@@ -38,7 +53,9 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--shapes", default=SHAPES)
+    ap.add_argument("--segments", default="", help="chunks per segment, comma-separated (gluon rows)")
     args = ap.parse_args()
+    variants = [("gluon", None), ("triton", None)] + [("gluon", int(n)) for n in args.segments.split(",") if n]
     rows = []
     for shape in args.shapes.split(","):
         cfg = get_config(shape)
@@ -48,14 +65,19 @@ def main() -> int:
         with torch.no_grad():
             with use_tier("gluon", strict=True):
                 want = ours(**kw)[0]
-            for tier in ("gluon", "triton"):
-                with use_tier(tier, strict=True):
-                    call = lambda: ours(**kw)  # noqa: E731
-                    o = call()[0]
-                    us = 1e3 * do_bench_cudagraph(call, rep=100)
-                    split_us = kernel_split(call)
-                rows.append(dict(shape=shape, case=tier, us=us, kernels=split_us, err_vs_gluon=rel(o, want)))
-                print(f"{shape:28s} {tier:8s} {us:9.1f} us  vs gluon {rel(o, want):.1e}  "
+            for tier, chunks in variants:
+                case = tier if chunks is None else f"{tier} seg{chunks}"
+                triton_chunk.default_config = segments_of(chunks)
+                try:
+                    with use_tier(tier, strict=True):
+                        call = lambda: ours(**kw)  # noqa: E731
+                        o = call()[0]
+                        us = 1e3 * do_bench_cudagraph(call, rep=100)
+                        split_us = kernel_split(call)
+                finally:
+                    triton_chunk.default_config = PLANNED
+                rows.append(dict(shape=shape, case=case, us=us, kernels=split_us, err_vs_gluon=rel(o, want)))
+                print(f"{shape:28s} {case:12s} {us:9.1f} us  vs gluon {rel(o, want):.1e}  "
                       + ", ".join(f"{k} {v:.0f}" for k, v in split_us.items()), flush=True)
             try:
                 fla = load_op("fla", cfg)
@@ -66,7 +88,7 @@ def main() -> int:
                 us = 1e3 * do_bench_cudagraph(lambda: fla(**kw), rep=100)
                 split_us = kernel_split(lambda: fla(**kw))
                 rows.append(dict(shape=shape, case="FLA", us=us, kernels=split_us, err_vs_gluon=rel(fo, want)))
-                print(f"{shape:28s} FLA      {us:9.1f} us  vs gluon {rel(fo, want):.1e}  "
+                print(f"{shape:28s} {'FLA':12s} {us:9.1f} us  vs gluon {rel(fo, want):.1e}  "
                       + ", ".join(f"{k} {v:.0f}" for k, v in split_us.items()), flush=True)
         kw = want = None
         torch.cuda.empty_cache()
