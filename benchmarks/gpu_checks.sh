@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_checks.sh decode-tests # the decode kernels' GPU tests (~1 min)
 #   bash benchmarks/gpu_checks.sh plain-split  # the plain rule's kernel split vs FLA (docs/notes/plain-prefill.md)
 #   bash benchmarks/gpu_checks.sh cold         # cold starts of the Gluon paths (first call, empty cache)
-# A group's argument is a number of seconds followed by pytest's arguments. Run from the repository
+# LIMIT: seconds for each test group (420). Run from the repository
 # root with .whl/ carried (../shared/device/peer-wheels.sh); results go to $OUT when set (the device
 # tool's output folder).
 set -uo pipefail
@@ -13,8 +13,13 @@ python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/
 mkdir -p /tmp/tc && tar xzf .whl/fla-0.6.0-autotune-h200.tgz -C /tmp/tc
 export PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR=/tmp/tc TRITON_CACHE_AUTOTUNING=1 PYTHONUNBUFFERED=1
 out=${OUT:-.}
-t() { echo "== ${*:2}"; timeout "$1" python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=line "${@:2}" 2>&1 \
-        | grep -E "^FAILED|^E |passed|failed|error" | head -12; }
+t() {
+  echo "== ${*:2}"
+  timeout "$1" python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=line "${@:2}" > "/tmp/gpu_log.$BASHPID" 2>&1
+  local rc=$?
+  grep -E "^FAILED|^E |passed|failed|error" "/tmp/gpu_log.$BASHPID" | head -12
+  if [ "$rc" = 124 ]; then echo "(timed out after $1 s)"; fi
+}
 # the test groups run side by side (correctness only; their compiles spread over the host's cores),
 # each one's lines printed together once all are done
 n=0
@@ -22,12 +27,12 @@ bg() { ( t "$@" > "/tmp/gpu_checks.$n" 2>&1 ) & n=$((n + 1)); }
 show() { wait; for i in $(seq 0 $((n - 1))); do cat "/tmp/gpu_checks.$i"; done; }
 case "${1:-tests}" in
   tests)
-    bg 420 tests/ops/test_gluon_chunk_gdn.py
-    bg 420 tests/ops/test_gluon_chunk_kda.py
-    bg 420 tests/ops/test_triton_chunk_plain.py tests/ops/test_chunk_vs_reference.py
-    bg 420 tests/ops/test_option_fuzz.py
-    bg 420 tests/ops/test_triton_chunk_gdn.py tests/ops/test_triton_chunk_kda.py
-    bg 420 tests/core/test_call_plan.py tests/ops/test_compile.py tests/ops/test_recurrent.py
+    bg "${LIMIT:-420}" tests/ops/test_gluon_chunk_gdn.py
+    bg "${LIMIT:-420}" tests/ops/test_gluon_chunk_kda.py
+    bg "${LIMIT:-420}" tests/ops/test_triton_chunk_plain.py tests/ops/test_chunk_vs_reference.py
+    bg "${LIMIT:-420}" tests/ops/test_option_fuzz.py
+    bg "${LIMIT:-420}" tests/ops/test_triton_chunk_gdn.py tests/ops/test_triton_chunk_kda.py
+    bg "${LIMIT:-420}" tests/core/test_call_plan.py tests/ops/test_compile.py tests/ops/test_recurrent.py
     show ;;
   decode-tests) bg 300 tests/ops/test_gluon_recurrent.py; show ;;
   plain-split) timeout 300 python3 benchmarks/plain_prefill_split.py --segments 16,32 --out "$out" 2>&1 | tail -30 ;;
