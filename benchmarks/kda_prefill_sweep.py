@@ -67,7 +67,6 @@ VARIANTS = {
     "no-segments": dict(segment_chunks=0),
     "seg16": dict(segment_chunks=16),
     "given-order": dict(longest_first=False),
-    "a-bf16": dict(a_bf16=True),                   # the sm_90 prologue's A in bf16 (chunk_prepare_kda_sm90.A_BF16)
     "sm90-per-item": dict(sm90_programs_per_sm=None),   # the sm_90 prologue one program per item (not persistent)     # whole varlen sequences scanned in the given order
 }
 SHAPES = "kda/h64/1x8192,kda/h64/2x16384,kda/h96/varlen8x15193"
@@ -104,7 +103,6 @@ def main() -> int:
     original = chunk_delta.default_config
     default_maxnreg, default_unbounded = sm90_prologue.MAXNREG, sm90_prologue.UNBOUNDED
     default_programs = sm90_prologue.PROGRAMS_PER_SM
-    default_a_bf16 = sm90_prologue.A_BF16
     default_wide = wide.BLOCK_K, wide.WARPS, wide.STAGES
     default_dual = gluon_chunk.SCAN_DUAL
     for shape in args.shapes.split(","):
@@ -123,7 +121,6 @@ def main() -> int:
             sm90_prologue.INVERSE_WARPS = over.pop("inverse_warps", 1)
             sm90_prologue.UNBOUNDED = over.pop("sm90_unbounded", default_unbounded)
             sm90_prologue.PROGRAMS_PER_SM = over.pop("sm90_programs_per_sm", default_programs)
-            sm90_prologue.A_BF16 = over.pop("a_bf16", default_a_bf16)
             wide.BLOCK_K, wide.WARPS, wide.STAGES = over.pop("wide", default_wide)
             gluon_chunk.SCAN_DUAL = over.pop("scan_dual", default_dual)
             gluon_chunk.SCAN_BLOCK_V = over.pop("scan_bv", None)
@@ -146,7 +143,6 @@ def main() -> int:
                 sm90_prologue.MAXNREG, sm90_prologue.INVERSE_WARPS = default_maxnreg, 1
                 sm90_prologue.UNBOUNDED = default_unbounded
                 sm90_prologue.PROGRAMS_PER_SM = default_programs
-                sm90_prologue.A_BF16 = default_a_bf16
                 wide.BLOCK_K, wide.WARPS, wide.STAGES = default_wide
                 gluon_chunk.SCAN_DUAL, gluon_chunk.SCAN_BLOCK_V = default_dual, None
                 gluon_chunk.LONGEST_FIRST = True

@@ -399,15 +399,13 @@ KDA_PROLOGUE_VARIANTS = {
     "kda-prologue-given-fp32-gate": dict(GATE=0, HAS_A=False, HAS_BIAS=False, FLAG=True, GATE_FP32=True),
     "kda-prologue-softplus-gate": dict(GATE=2, FLAG=True),
     "kda-prologue-wide-bounded-neg-eigval": dict(FLAG=True, BETA=3),
-    # A stored in bf16 (chunk_prepare_kda_sm90.A_BF16)
-    "kda-prologue-a-bf16": dict(A_BF16=True),
     # GLA (the plain rule, DELTA False): its given gate, no l2norm, no A nor kg
     "gla-prologue": dict(GATE=0, HAS_A=False, HAS_BIAS=False, FLAG=True, L2NORM=False, BETA=1, DELTA=False, H=64),
 }
 # Spills known and left (sm_90 compile): every build sits at 255 registers; the persistent loop (the
 # next item's coordinates live across the slices) spills 16 bytes on the default build, 40-56 with
 # the block flags, 120 at K = 64 and 168 with an fp32 gate; the bare varlen build none
-KDA_PROLOGUE_STACK = {"kda-prologue": 16, "kda-prologue-a-bf16": 16, "kda-prologue-k64": 120, "kda-prologue-given-gate": 40,
+KDA_PROLOGUE_STACK = {"kda-prologue": 16, "kda-prologue-k64": 120, "kda-prologue-given-gate": 40,
                       "kda-prologue-given-fp32-gate": 168, "kda-prologue-softplus-gate": 56,
                       "kda-prologue-wide-bounded-neg-eigval": 56}
 
@@ -422,11 +420,10 @@ def _child_kda_prologue(name: str, folder: str) -> None:
                   FLAG=False, DELTA=True)
     consts.update(KDA_PROLOGUE_VARIANTS[name])
     gate_fp32 = consts.pop("GATE_FP32", False)
-    a_kk = "*bf16" if consts.pop("A_BF16", False) else "*fp32"
     consts["QK_BUFFERS"] = 1 if gate_fp32 else 2                           # as launch()
     box = gl.NVMMASharedLayout.get_default_for([64, 32], gl.bfloat16)
     gate_box = gl.NVMMASharedLayout.get_default_for([64, 32], gl.float32) if gate_fp32 else box
-    pointers = {"beta": "*bf16", "A_log": "*fp32", "dt_bias": "*fp32", "a_kk": a_kk, "a_qk": "*bf16",
+    pointers = {"beta": "*bf16", "A_log": "*fp32", "dt_bias": "*fp32", "a_kk": "*fp32", "a_qk": "*bf16",
                 "kg": "*bf16", "kd": "*bf16", "qg": "*bf16", "decay": "*fp32", "flags": "*i32",
                 "cu_seqlens": "*i64", "chunk_index": "*i32"}
     names = kern.arg_names

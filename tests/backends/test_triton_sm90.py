@@ -138,15 +138,6 @@ GDN_KERNELS = {
     # P from the sm_90 prologue's A (the diagonal blocks' rows loaded as the substitution needs them)
     "kda-inverse": ("chunk_prepare_kda._kda_inverse_kernel",
                     {"a": "*fp32", "p_out": "*bf16", "cu_seqlens": "*i64", "chunk_index": "*i32"}, {}, 1, 1),
-    # ... from A in bf16 (chunk_prepare_kda_sm90.A_BF16), and the wide-block rewrite storing it
-    "kda-inverse-a-bf16": ("chunk_prepare_kda._kda_inverse_kernel",
-                           {"a": "*bf16", "p_out": "*bf16", "cu_seqlens": "*i64", "chunk_index": "*i32"}, {}, 1, 1),
-    "kda-wide-blocks-a-bf16": ("chunk_prepare_kda_wide._kda_wide_blocks_kernel",
-                               {"q": "*bf16", "k": "*bf16", "g": "*bf16", "beta": "*bf16", "A_log": "*fp32",
-                                "dt_bias": "*fp32", "a_kk": "*bf16", "a_qk": "*bf16", "kg": "*bf16", "kd": "*bf16",
-                                "qg": "*bf16", "flags": "*i32", "items": "*i32", "count": "*i32",
-                                "cu_seqlens": "*i64", "chunk_index": "*i32"},
-                               dict(BK=16, GATE=2, HAS_A=True, HAS_BIAS=True, BETA=2), 4, 1),
     # the segment combine, as the portable tier launches it and as the sm_90 tier does
     "combine": ("chunk_delta._segment_combine_kernel", COMBINE_POINTERS, dict(BV=32, SK=128, SV=1, HAS_H0=True), 4, 1),
     "combine-sm90": ("chunk_delta._segment_combine_kernel", COMBINE_POINTERS, dict(BV=16, SK=128, SV=1, HAS_H0=True),
@@ -233,7 +224,7 @@ def test_gdn_chunk_kernels_compile_for_sm90(name, tmp_path):
     res = _run_child(f"_child_gdn({name!r}, {str(tmp_path)!r})", tmp_path)
     # no tensor-core products: fp32 FMA products (ieee), a list, a cumsum, GLA's kd and decay
     if not name.startswith(("kda-wide", "plain-gate", "plain-gla-prepare", "plain-gla-wide")):
-        small = name in ("inverse", "kda-inverse", "kda-inverse-a-bf16") or name.startswith("kda-prepare")
+        small = name in ("inverse", "kda-inverse") or name.startswith("kda-prepare")
         assert (res["hmma"] if small else res["hgmma"]) > 0, res
     assert res["shared_bytes"] <= 227 * 1024, res
     assert res["LOCAL"] == 0, res

@@ -31,27 +31,6 @@ def test_tile_widths(block_v, case, monkeypatch):
     check_fp64(*bf16_case(case), tier="gluon")
 
 
-@pytest.mark.parametrize("case", ["bounded-gate", "bounded-varlen", "unbounded-gate", "v-first-k64", "strong-decay"])
-def test_a_in_bf16(case, monkeypatch):
-    """The sm_90 prologue's A in bf16 (A_BF16; the wide-block rewrite and the inverse kernel take
-    it too): against fp64 as every case, and within 1.1x the fp32 A's error (CPU emulation:
-    benchmarks/kda_a_precision.py, +0.5% at worst)."""
-    from fastla.backends.gluon import chunk_prepare_kda_sm90 as sm90
-    from tests.helpers import call_chunk, call_reference, rel_rms
-    t, opts = bf16_case(case)
-    ref_opts = {n: (x.double() if torch.is_tensor(x) and x.is_floating_point() else x) for n, x in opts.items()
-                if n != "cu_seqlens_cpu"}
-    ro, rht = call_reference(SPEC, {n: x.double() for n, x in t.items()}, output_final_state=True, **ref_opts)
-    errors = {}
-    for a_bf16 in (False, True):
-        monkeypatch.setattr(sm90, "A_BF16", a_bf16)
-        o, ht = on_tier(call_chunk, SPEC, t, tier="gluon", output_final_state=True, **opts)
-        errors[a_bf16] = rel_rms(o, ro), rel_rms(ht, rht)
-    check_fp64(t, opts, tier="gluon")                                       # (A_BF16 still on)
-    for i, name in enumerate(("o", "final_state")):
-        assert errors[True][i] <= 1.1 * errors[False][i] + 1e-4, (name, errors)
-
-
 @pytest.mark.parametrize("in_place", [False, True], ids=["copies", "strided-tma"])
 def test_strided_inputs(in_place, monkeypatch):
     """Strided views of every input (q, k, v, the raw gate, beta, the state, the offsets, A_log and

@@ -190,16 +190,13 @@ def test_bf16_segments_and_intermediate_states(monkeypatch):
     assert_close("h", h, h_whole, 2e-2)
 
 
-@pytest.mark.parametrize("gate,a_dtype,delta", [("softplus", torch.float32, True), ("given", torch.float32, True),
-                                                ("bounded", torch.float32, True), ("softplus", torch.bfloat16, True),
-                                                ("given", torch.float32, False)])
+@pytest.mark.parametrize("gate,delta", [("softplus", True), ("given", True), ("bounded", True), ("given", False)])
 @pytest.mark.parametrize("varlen", [False, True])
-def test_wide_blocks_rewrite_flagged_blocks_exactly(gate, a_dtype, delta, varlen):
+def test_wide_blocks_rewrite_flagged_blocks_exactly(gate, delta, varlen):
     """The wide-block kernel (chunk_prepare_kda_wide.py) on random block flags under decay far
     past the sm_90 prologue's span limit: every entry it owns (the flagged blocks' diagonals, their
     columns below, their rows left of the unflagged column blocks, their gated keys and queries)
-    equals fp64 (A rounded once when it is bf16: chunk_prepare_kda_sm90.A_BF16), everything else
-    stays poisoned. Without the delta rule (GLA): no A nor kg written, the rest as for KDA."""
+    equals fp64, everything else stays poisoned. Without the delta rule (GLA): no A nor kg written, the rest as for KDA."""
     from fastla.backends.torch.chunked import _channel_scores_block
     from fastla.backends.triton import chunk_prepare_kda_wide
     from fastla.backends.triton.recurrent import BETA_SIGMOID
@@ -246,7 +243,7 @@ def test_wide_blocks_rewrite_flagged_blocks_exactly(gate, a_dtype, delta, varlen
     flags = torch.randint(0, 16, (total, HV), generator=gen, dtype=torch.int32)
     flags[0] = 15
     nan = float("nan")
-    a_kk, scores = (torch.full((B, T, HV, 64), nan, device=device, dtype=dt) for dt in (a_dtype, torch.float32))
+    a_kk, scores = (torch.full((B, T, HV, 64), nan, device=device) for _ in range(2))
     kg, kd, qg = (torch.full((B, T, HV, K), nan, device=device) for _ in range(3))
     chunk_prepare_kda_wide.launch(p, beta.to(device), BETA_SIGMOID, total, tables, a_kk, scores, kg, kd, qg,
                                   flags.to(device))
@@ -274,9 +271,7 @@ def test_wide_blocks_rewrite_flagged_blocks_exactly(gate, a_dtype, delta, varlen
                     continue
                 assert got[~mine].isnan().all(), (name, i_c, hv)
                 ref = torch.nn.functional.pad(ref, (0, 64 - n))[mine]
-                # bf16: one rounding, to nearest on a GPU; the interpreter's casts truncate
-                rtol = 1e-4 if x.dtype == torch.float32 else 1e-4 + 2 ** -7
-                assert torch.allclose(got[mine], ref, rtol=rtol, atol=1e-5), (name, i_c, hv)
+                assert torch.allclose(got[mine], ref, rtol=1e-4, atol=1e-5), (name, i_c, hv)
             ek = torch.stack([Gc.exp() * kc, (Gc[-1] - Gc).exp() * kc, Gc.exp() * qc])
             for x, ref in zip((kg, kd, qg), ek):
                 got = x[b, rows, hv].double().cpu()
@@ -288,11 +283,10 @@ def test_wide_blocks_rewrite_flagged_blocks_exactly(gate, a_dtype, delta, varlen
                 assert got[~own].isnan().all() and torch.allclose(got[own], ref[own], rtol=rtol, atol=1e-6)
 
 
-@pytest.mark.parametrize("a_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("varlen", [False, True])
-def test_inverse_kernel_matches_fp64(varlen, a_dtype):
+def test_inverse_kernel_matches_fp64(varlen):
     """The KDA inverse kernel (chunk_prepare_kda.launch_inverse, after the sm_90 prologue): P = (I + A)^-1
-    per chunk and value head from a strictly lower fp32 or bf16 A (chunk_prepare_kda_sm90.A_BF16),
+    per chunk and value head from a strictly lower fp32 A,
     partial last chunks included, against torch's fp64 inverse of that A; rows past a chunk's end
     are never read (poisoned) and never written."""
     from types import SimpleNamespace
@@ -319,7 +313,6 @@ def test_inverse_kernel_matches_fp64(varlen, a_dtype):
         index = [(i, c) for i, n in enumerate(lengths) for c in range(-(-n // 64))]
         tables = (cu.to(device), torch.tensor(index, dtype=torch.int32, device=device))
     out = torch.full((B, T, HV, 64), nan, device=device)
-    a = a.to(a_dtype)
     chunk_prepare_kda.launch_inverse(SimpleNamespace(T=T, HV=HV), len(chunks), tables, a.to(device), out)
     for b, t0, n in chunks:
         for hv in range(HV):
@@ -328,6 +321,6 @@ def test_inverse_kernel_matches_fp64(varlen, a_dtype):
             got = out[b, t0:t0 + n, hv].double().cpu()
             # on a GPU the block merges take tf32 operands (FLA's merge precision, u = 2^-11): entries
             # up to ~30 here come out within ~1e-4 of the largest; the interpreter multiplies in fp32
-            tol = 1e-5 if interpreting() else 1e-3 * ref.abs().max().item()
-            assert (got[:, :n] - ref).abs().max() <= tol, (b, t0, hv)
+            tol = 1e-5 * (1 + ref.abs()) if interpreting() else 1e-3 * ref.abs().max()
+            assert ((got[:, :n] - ref).abs() <= tol).all(), (b, t0, hv)
             assert (got[:, n:] == 0).all(), (b, t0, hv)     # whole rows: zeros right of the chunk's end

@@ -7,8 +7,7 @@ Per 64-token chunk and value head, with G the in-chunk cumsum of the log decay (
 keys and queries when the l2norm is in the op, and per-channel products
 ``(a * b)_ij = sum_c a_ic b_jc 2^(G_ic - G_jc)``, it writes
     A   = strict_lower(diag(beta) (k * k))          fp32  [B * T, HV, 64]  (scratch: the inverse
-                                                          kernel turns it into P = (I + A)^-1;
-                                                          bf16 with A_BF16)
+                                                          kernel turns it into P = (I + A)^-1)
     Aqk = scale lower(q * k)                         bf16  [B * T, HV, 64]  (whole rows, zeros above)
     kg = k 2^G,  qg = scale q 2^G,  kd = k 2^(G_last - G)     bf16  [B * T, HV, K]
     decay = 2^(G_last)                               fp32  [chunks, HV, K]
@@ -138,8 +137,8 @@ def _products(x_s, q_s, f_s, c: gl.constexpr, akk, aqk, DELTA: gl.constexpr):
 @gluon.jit
 def _store_columns(a_kk, a_qk, row_off, r, valid_r, beta_r, c: gl.constexpr, akk, aqk, cols_l: gl.constexpr,
                    DELTA: gl.constexpr):
-    """Columns 16c .. 16c + 15 of A (strict lower, times beta; fp32, or bf16 with A_BF16; not for
-    GLA, not DELTA) and Aqk (lower, bf16), rows < n_left."""
+    """Columns 16c .. 16c + 15 of A (strict lower, times beta; fp32; not for GLA, not DELTA) and Aqk
+    (lower, bf16), rows < n_left."""
     col = (16 * c + gl.arange(0, 16, layout=cols_l))[None, :]
     off = row_off[:, None] + col
     m = valid_r[:, None]
@@ -368,15 +367,6 @@ INVERSE_WARPS = 1
 # Persistent programs per SM (shared memory at K = 128, sm_90 compile: 108.5 KB with a bf16 gate, q
 # and k of two items; 84.5 KB with an fp32 gate, q and k of one); None: one program per item (A/B sweeps)
 PROGRAMS_PER_SM = 2
-# A (the inverse kernel's input) in bf16 instead of fp32: half its bytes each way, 128 B a
-# token-head written here (and by the wide-block rewrite) and read by the inverse kernel (~134 MB
-# each way at 1x8k H64, which the 67 us inverse kernel reads at ~3 TB/s). Precision on the CPU
-# (benchmarks/kda_a_precision.py, the kernels' roundings in fp64): output error 3.299e-3 either
-# way at the registry's draw, 4.011e-3 -> 4.033e-3 with slow decay, 3.440e-3 -> 3.447e-3 with
-# correlated keys and beta up to 2. Off: correct on the H200 but slower, 783 -> 796 us at 1x8k H64
-# and 1.7-2.5% on the sweep's three shapes (the prologue's casts cost more than the bytes saved;
-# kda_prefill_sweep-v13-a-bf16.json)
-A_BF16 = False
 
 
 def serves(p) -> str | None:
@@ -408,8 +398,7 @@ def launch(p, beta, beta_mode: int, total: int, tables, inverse, scores, kg, kd,
     cu, chunk_index = tables
     varlen = cu is not None
     NT = -(-p.T // 64)
-    a_dtype = torch.bfloat16 if A_BF16 else torch.float32
-    a_kk = call_plan.empty((p.B, p.T, p.HV, 64), a_dtype, p.device) if p.delta else decay    # (GLA: no A)
+    a_kk = call_plan.empty((p.B, p.T, p.HV, 64), torch.float32, p.device) if p.delta else decay    # (GLA: no A)
     flag = not chunk_prepare_kda.bounded_spans(p)           # unbounded spans: flag the blocks past SPAN_LIMIT
     flags = call_plan.empty((total, p.HV), torch.int32, p.device) if flag else decay
     items = total * p.HV

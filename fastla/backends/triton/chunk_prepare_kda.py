@@ -281,8 +281,8 @@ def _load_block(a, row0, bi: tl.constexpr, bj: tl.constexpr, n_left, stride):
 @triton.jit(do_not_specialize=["T", "NT"])     # as chunk_delta._scan_kernel
 def _kda_inverse_kernel(a, p_out, cu_seqlens, chunk_index, T, NT, HV: tl.constexpr, BT: tl.constexpr,
                         VARLEN: tl.constexpr):
-    """P = (I + A)^-1 per chunk and value head from A (strictly lower, beta applied, fp32 or bf16
-    ``[B, T, HV, 64]``; fp32 arithmetic either way) as the sm_90 prologue writes it (backends/gluon/chunk_prepare_kda_sm90.py);
+    """P = (I + A)^-1 per chunk and value head from A (strictly lower, beta applied, fp32
+    ``[B, T, HV, 64]``) as the sm_90 prologue writes it (backends/gluon/chunk_prepare_kda_sm90.py);
     grid (chunks, HV), one warp; the diagonal blocks' substitution loads A's rows as it needs them
     (1x8k H64: 67 us, against 120 with the rows extracted from registers)."""
     i_c = tl.program_id(0).to(tl.int64)
@@ -301,7 +301,7 @@ def _kda_inverse_kernel(a, p_out, cu_seqlens, chunk_index, T, NT, HV: tl.constex
 
 
 def launch_inverse(p, total: int, tables, a, inverse, warps: int = 1) -> None:
-    """P = (I + A)^-1 into ``inverse`` from the fp32 (or bf16) A ``[B, T, HV, 64]`` of the sm_90 prologue."""
+    """P = (I + A)^-1 into ``inverse`` from the fp32 A ``[B, T, HV, 64]`` of the sm_90 prologue."""
     cu, chunk_index = tables
     varlen = cu is not None
     NT = -(-p.T // BT)

@@ -220,7 +220,7 @@ PROGRAMS_PER_SM = 2
 
 def launch(p, beta, beta_mode: int, total: int, tables, a_kk, scores, kg, kd, qg, flags) -> None:
     """Rewrites the flagged blocks (``flags`` ``[total, HV]`` int32, bit b for block b) of A (fp32
-    scratch, bf16 with A_BF16) and Aqk ``[B, T, HV, 64]`` and of kg, kd, qg ``[B, T, HV, K]`` (GLA,
+    scratch) and Aqk ``[B, T, HV, 64]`` and of kg, kd, qg ``[B, T, HV, K]`` (GLA,
     ``p.delta`` False: no A nor kg)."""
     cu, chunk_index = tables
     varlen = cu is not None
