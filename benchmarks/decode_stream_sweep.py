@@ -8,16 +8,15 @@ first checked against the fp64 reference (outputs NaN-poisoned); CUDA-graph repl
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 import torch
-import triton
 from triton.testing import do_bench_cudagraph
 
 sys.path.insert(0, os.path.dirname(__file__))
 from decode_sweep import HV, K, V, fla_call, make, problem, rel  # noqa: E402
+from gdn_prefill_sweep import save_rows  # noqa: E402
 
 import fastla  # noqa: F401,E402
 from fastla.backends.gluon import recurrent as stream  # noqa: E402
@@ -92,9 +91,7 @@ def main() -> int:
                     msg += f" | FLA {res['fla']['us']:.2f}"
                 print(msg, flush=True)
     path = os.path.join(args.out, f"decode_stream_sweep-{args.cases.replace(',', '-')}.json")
-    with open(path, "w") as f:
-        json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                       commit=os.environ.get("FASTLA_COMMIT"), rows=rows), f, indent=1)
+    save_rows(path, rows, commit=os.environ.get("FASTLA_COMMIT"))
     print("wrote", path)
     return 0
 

@@ -9,18 +9,17 @@ checked against the fp64 reference (NaN-poisoned outputs).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 import torch
-import triton
 from triton.testing import do_bench_cudagraph
 
 import fastla  # noqa: F401
 from fastla.backends.triton import recurrent
 from fastla.core.reference import reference_for
 from fastla.core.validation import build_problem
+from gdn_prefill_sweep import save_rows    # (this folder: the sweeps' shared helpers)
 
 K = V = 128
 HV = 32
@@ -134,9 +133,7 @@ def main() -> int:
                       f"{best['tbs']:5.2f} TB/s | FLA {fla_us and round(fla_us, 2)} us", flush=True)
                 rows.append(dict(op=op, N=N, state=str(sd), fla_us=fla_us, kind="fla"))
     path = os.path.join(args.out, f"decode_sweep-{args.form}.json")
-    with open(path, "w") as f:
-        json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                       rows=rows), f, indent=1)
+    save_rows(path, rows)
     print("wrote", path)
     return 0
 

@@ -18,11 +18,9 @@ chains' split CHAIN_REGS = N + 40), ``overlap-rN`` (that scan, the prologue besi
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 import torch
-import triton
 from triton.testing import do_bench_cudagraph
 
 import fastla  # noqa: F401  (registers the tiers)
@@ -34,7 +32,7 @@ from fastla.bench.registry import get_config
 from fastla.core import call_plan
 from fastla.core.dispatch import use_tier
 from fastla.ops.gated_delta_rule import chunk_gated_delta_rule
-from gdn_prefill_sweep import kernel_split    # (this folder: the sweep's per-kernel split)
+from gdn_prefill_sweep import kernel_split, save_rows    # (this folder: the sweeps' shared helpers)
 
 call_plan.ENABLED = False
 SHAPES = "gdn/h8-hv32/1x8192,gdn/h16-hv32/1x8192,gdn/h16-hv32/1x32768,gdn/h16-hv64/1x8192,gdn/h16-hv64/1x32768"
@@ -108,9 +106,7 @@ def main() -> int:
                   + ", ".join(f"{k[:22]} {v:.0f}" for k, v in split.items()), flush=True)
         kw = None
         torch.cuda.empty_cache()
-        with open(os.path.join(args.out, "gdn_overlap_probe.json"), "w") as f:
-            json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                           rows=rows), f, indent=1)
+        save_rows(os.path.join(args.out, "gdn_overlap_probe.json"), rows)
     return 0
 
 

@@ -98,6 +98,23 @@ def rel(x, ref):
     return ((x.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
+def save_rows(path: str, rows: list, **extra) -> None:
+    """The sweep's rows to ``path`` as JSON, with the GPU and the torch and Triton versions."""
+    with open(path, "w") as f:
+        json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                       **extra, rows=rows), f, indent=1)
+
+
+def timed(call) -> tuple[torch.Tensor, float, dict[str, float]]:
+    """The call's first output, its CUDA-graph time in microseconds and its per-kernel split."""
+    o = call()[0]
+    return o, 1e3 * do_bench_cudagraph(call, rep=100), kernel_split(call)
+
+
+def split_text(split: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.0f}" for k, v in split.items())
+
+
 def kernel_split(fn) -> dict[str, float]:
     """Microseconds per call of each kernel, from the profiler over 10 calls."""
     from torch.profiler import ProfilerActivity, profile
@@ -139,7 +156,7 @@ def main() -> int:
             fla_o = fla_op(**kw)[0]
             fla_us = 1e3 * do_bench_cudagraph(lambda: fla_op(**kw), rep=100)
             fla_split = kernel_split(lambda: fla_op(**kw))
-            print(f"{shape:28s} FLA {fla_us:9.1f} us: " + ", ".join(f"{k} {v:.0f}" for k, v in fla_split.items()),
+            print(f"{shape:28s} FLA {fla_us:9.1f} us: " + split_text(fla_split),
                   flush=True)
         first = None
         for name in names:
@@ -185,9 +202,7 @@ def main() -> int:
                   + ", ".join(f"{k.split('(')[0][-24:]} {v:.0f}" for k, v in split.items()), flush=True)
         inputs = kw = fla_o = first = None                                 # free before the next shape
         torch.cuda.empty_cache()
-        with open(os.path.join(args.out, "gdn_prefill_sweep.json"), "w") as f:      # after each shape: a timeout keeps them
-            json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                           rows=rows), f, indent=1)
+        save_rows(os.path.join(args.out, "gdn_prefill_sweep.json"), rows)   # after each shape: a timeout keeps them
     return 0
 
 

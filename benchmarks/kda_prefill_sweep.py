@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 
 import torch
-import triton
 from triton.testing import do_bench_cudagraph
 
 import fastla  # noqa: F401  (registers the tiers)
-from benchmarks.gdn_prefill_sweep import kernel_split, rel
+from benchmarks.gdn_prefill_sweep import kernel_split, rel, save_rows, split_text
 from fastla.backends.gluon import chunk_delta as gluon_chunk
 from fastla.backends.gluon import chunk_prepare_kda_sm90 as sm90_prologue
 from fastla.backends.triton import chunk_delta
@@ -112,7 +110,7 @@ def main() -> int:
             fla_o = fla_op(**kw)[0]
             fla_us = 1e3 * do_bench_cudagraph(lambda: fla_op(**kw), rep=100)
             fla_split = kernel_split(lambda: fla_op(**kw))
-            print(f"{shape:24s} FLA {fla_us:9.1f} us: " + ", ".join(f"{k} {v:.0f}" for k, v in fla_split.items()),
+            print(f"{shape:24s} FLA {fla_us:9.1f} us: " + split_text(fla_split),
                   flush=True)
         for name in names:
             over = dict(VARIANTS[name] or {})
@@ -155,9 +153,7 @@ def main() -> int:
                   f"{speed} | vs FLA {err_fla if err_fla is None else f'{err_fla:.1e}'}", flush=True)
         kw = fla_o = None
         torch.cuda.empty_cache()
-        with open(os.path.join(args.out, "kda_prefill_sweep.json"), "w") as f:      # after each shape: a timeout keeps them
-            json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                           rows=rows), f, indent=1)
+        save_rows(os.path.join(args.out, "kda_prefill_sweep.json"), rows)   # after each shape: a timeout keeps them
     return 0
 
 

@@ -12,15 +12,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 
 import torch
-import triton
-from triton.testing import do_bench_cudagraph
 
 import fastla  # noqa: F401  (registers the tiers)
-from benchmarks.gdn_prefill_sweep import kernel_split, rel
+from benchmarks.gdn_prefill_sweep import rel, save_rows, split_text, timed
 from fastla.bench.inputs import call_kwargs, make_inputs
 from fastla.bench.registry import get_config
 from fastla.backends.triton import chunk_delta as triton_chunk
@@ -70,31 +67,24 @@ def main() -> int:
                 triton_chunk.default_config = segments_of(chunks)
                 try:
                     with use_tier(tier, strict=True):
-                        call = lambda: ours(**kw)  # noqa: E731
-                        o = call()[0]
-                        us = 1e3 * do_bench_cudagraph(call, rep=100)
-                        split_us = kernel_split(call)
+                        o, us, split_us = timed(lambda: ours(**kw))
                 finally:
                     triton_chunk.default_config = PLANNED
                 rows.append(dict(shape=shape, case=case, us=us, kernels=split_us, err_vs_gluon=rel(o, want)))
-                print(f"{shape:28s} {case:12s} {us:9.1f} us  vs gluon {rel(o, want):.1e}  "
-                      + ", ".join(f"{k} {v:.0f}" for k, v in split_us.items()), flush=True)
+                print(f"{shape:28s} {case:12s} {us:9.1f} us  vs gluon {rel(o, want):.1e}  {split_text(split_us)}",
+                      flush=True)
             try:
                 fla = load_op("fla", cfg)
             except Exception:
                 fla = None
             if fla is not None:
-                fo = fla(**kw)[0]
-                us = 1e3 * do_bench_cudagraph(lambda: fla(**kw), rep=100)
-                split_us = kernel_split(lambda: fla(**kw))
+                fo, us, split_us = timed(lambda: fla(**kw))
                 rows.append(dict(shape=shape, case="FLA", us=us, kernels=split_us, err_vs_gluon=rel(fo, want)))
-                print(f"{shape:28s} {'FLA':12s} {us:9.1f} us  vs gluon {rel(fo, want):.1e}  "
-                      + ", ".join(f"{k} {v:.0f}" for k, v in split_us.items()), flush=True)
+                print(f"{shape:28s} {'FLA':12s} {us:9.1f} us  vs gluon {rel(fo, want):.1e}  {split_text(split_us)}",
+                      flush=True)
         kw = want = None
         torch.cuda.empty_cache()
-        with open(os.path.join(args.out, "plain_prefill_split.json"), "w") as f:       # after each shape
-            json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                           rows=rows), f, indent=1)
+        save_rows(os.path.join(args.out, "plain_prefill_split.json"), rows)     # after each shape
     return 0
 
 

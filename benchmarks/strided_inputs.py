@@ -9,15 +9,13 @@ call's (fastla) and the error vs FLA's.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 import torch
-import triton
 from triton.testing import do_bench_cudagraph
 
 import fastla  # noqa: F401  (registers the tiers)
-from benchmarks.gdn_prefill_sweep import kernel_split, rel
+from benchmarks.gdn_prefill_sweep import rel, save_rows, split_text, timed
 from fastla.backends.gluon import chunk_delta as gluon_chunk
 from fastla.bench.host_stub import split_views
 from fastla.bench.inputs import call_kwargs, make_inputs
@@ -61,15 +59,12 @@ def main() -> int:
                 gluon_chunk.STRIDED_TMA = in_place
                 try:
                     with use_tier("gluon", strict=True):
-                        call = lambda: ours(**inputs)  # noqa: E731
-                        o = call()[0]
-                        us = 1e3 * do_bench_cudagraph(call, rep=100)
-                        split_us = kernel_split(call)
+                        o, us, split_us = timed(lambda: ours(**inputs))
                 finally:
                     gluon_chunk.STRIDED_TMA = IN_PLACE_DEFAULT
                 rows.append(dict(shape=shape, case=name, us=us, kernels=split_us, equal=bool(torch.equal(o, want))))
                 print(f"{shape:28s} fastla {name:16s} {us:9.1f} us  bit-equal {torch.equal(o, want)}  "
-                      + ", ".join(f"{k} {v:.0f}" for k, v in split_us.items()), flush=True)
+                      + split_text(split_us), flush=True)
             if fla is not None:
                 for name, inputs in (("contiguous", kw), ("split", split)):
                     fo = fla(**inputs)[0]
@@ -78,9 +73,7 @@ def main() -> int:
                     print(f"{shape:28s} FLA    {name:16s} {us:9.1f} us  vs fastla {rel(fo, want):.1e}", flush=True)
         kw = split = want = None
         torch.cuda.empty_cache()
-        with open(os.path.join(args.out, "strided_inputs.json"), "w") as f:       # after each shape
-            json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                           rows=rows), f, indent=1)
+        save_rows(os.path.join(args.out, "strided_inputs.json"), rows)     # after each shape
     return 0
 
 
