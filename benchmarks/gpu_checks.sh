@@ -4,6 +4,8 @@
 #   bash benchmarks/gpu_checks.sh decode-tests # the decode kernels' GPU tests (~1 min)
 #   bash benchmarks/gpu_checks.sh plain-split  # the plain rule's kernel split vs FLA (docs/notes/plain-prefill.md)
 #   bash benchmarks/gpu_checks.sh cold         # cold starts of the Gluon paths (first call, empty cache)
+#   bash benchmarks/gpu_checks.sh cold-gates   # KDA's first call with its unbounded and given gates (the registry
+#                                              # cold-starts only the bounded one)
 # LIMIT: seconds for each test group (420). Run from the repository
 # root with .whl/ carried (../shared/device/peer-wheels.sh); results go to $OUT when set (the device
 # tool's output folder).
@@ -40,4 +42,20 @@ case "${1:-tests}" in
     timeout 500 python3 -m fastla bench --filter gdn/h16-hv64/1x8192,gdn/h2-hv8/1x32768,kda/h64/1x8192 \
       --modes fwd --quick --cold-all --out "$out" 2>&1 | tail -12
     ;;
+  cold-gates)
+    for gate in unbounded given; do
+      TRITON_CACHE_DIR=$(mktemp -d) timeout 120 python3 -c "
+import sys, time, torch
+sys.path.insert(0, 'benchmarks')
+from kda_prefill_sweep import with_gate
+from fastla.bench.inputs import call_kwargs, make_inputs
+from fastla.bench.registry import get_config
+from fastla.ops import chunk_kda
+kw = with_gate(call_kwargs(make_inputs(get_config('kda/h64/1x8192'), 'cuda')), '$gate')
+torch.cuda.synchronize(); start = time.perf_counter()
+with torch.no_grad():
+    chunk_kda(**kw)
+torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate: first call', round(time.perf_counter() - start, 2), 's')
+" 2>&1 | tail -1
+    done ;;
 esac
