@@ -129,13 +129,15 @@ def test_chunk_calls_the_custom_op_only_where_it_can(monkeypatch):
 
 
 @gpu
-@pytest.mark.parametrize("op", ["gdn", "kda"])
+@pytest.mark.parametrize("op", ["gdn", "kda", "gla", "simple_gla", "lightning"])
 def test_chunk_compiles_fullgraph_on_gpu(op):
     """On the GPU (the kernel tiers, whose host code a trace could not hold): fullgraph with one
     fastla.chunk node, eager's results bit for bit, under inductor."""
     torch._dynamo.reset()
     spec = OPS[op]
-    t = make_inputs(spec, B=2, T=200, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16, device="cuda")
+    delta = op in ("gdn", "kda")
+    t = make_inputs(spec, B=2, T=200, H=2, HV=4 if delta else 2, K=128, V=128, dtype=torch.bfloat16, device="cuda")
+    opts = dict(use_qk_l2norm_in_kernel=True) if delta else {}
     graphs = []
 
     def backend(gm, example_inputs):
@@ -144,7 +146,7 @@ def test_chunk_compiles_fullgraph_on_gpu(op):
         return compile_fx(gm, example_inputs)
 
     def step(t):
-        return call_chunk(spec, t, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        return call_chunk(spec, t, output_final_state=True, **opts)
 
     with torch.no_grad():
         o, ht = step(t)
