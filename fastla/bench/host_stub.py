@@ -119,7 +119,7 @@ def strided(x: torch.Tensor) -> torch.Tensor:
 def split_views(kw: dict) -> dict:
     """``kw`` with q, k, v split from one projection and the other tensors but ``cu_seqlens_cpu``
     strided (``strided``), the values unchanged: the tiers read them through dense copies that a
-    plan replays."""
+    plan replays (the gluon tier's TMA loads read such q, k, v in place: STRIDED_TMA)."""
     q, k, v = kw["q"], kw["k"], kw["v"]
     qkv = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], -1)
     views = qkv.split([q[0, 0].numel(), k[0, 0].numel(), v[0, 0].numel()], -1)
