@@ -1,7 +1,7 @@
 """Where the plain rule's prefill time goes (GLA, Simple GLA, Lightning; docs/notes/plain-prefill.md):
 each kernel tier's CUDA-graph time and per-kernel split against FLA 0.6.0's, in one process, on the
 registry's configs, with the byte floor of the call (q, k, v read and o written once, bf16; GLA's
-per-channel gate read once; the final state written once in fp32). ``--segments 16,32`` adds
+per-channel gate read once; the fp32 initial state read and final state written once). ``--segments 16,32`` adds
 gluon-tier rows with the sequence split into segments of that many chunks (the plan's choice
 otherwise).
 
@@ -42,7 +42,7 @@ def floor_us(cfg) -> float:
     """Microseconds to move the call's compulsory bytes at the H200's HBM rate."""
     token_heads = cfg.B * cfg.T * cfg.HV
     per_token_head = 2 * (2 * cfg.K + 2 * cfg.V) + (4 * cfg.K if cfg.op == "chunk_gla" else 0)
-    state = cfg.N * cfg.HV * cfg.K * cfg.V * 4
+    state = 2 * cfg.N * cfg.HV * cfg.K * cfg.V * 4
     return 1e6 * (token_heads * per_token_head + state) / HBM_BYTES_PER_S
 
 

@@ -178,7 +178,7 @@ def test_row_views_for_tma(monkeypatch):
     """row_stride: q, k, v split from one projection read as strided [B * T, heads * D] arrays;
     not heads apart, a batch stride that is not T rows, a misaligned base or row stride.
     in_place_views: those views, only with STRIDED_TMA and where every reader is a TMA load (not
-    KDA's wide-block rewrite of unbounded gates)."""
+    KDA's wide-block rewrite of unbounded gates), and not yet for the plain rule."""
     import torch
 
     from fastla.backends.gluon import chunk_delta as gluon_chunk
@@ -216,6 +216,9 @@ def test_row_views_for_tma(monkeypatch):
                               lower_bound=-5.0)
     assert gluon_chunk.in_place_views(bounded64) == ("q", "k", "v")
     assert gluon_chunk.in_place_views(unbounded) == ()                                  # the wide-block rewrite
+    simple_gla = build_problem("chunk_simple_gla", q=q2.view(B, T, H, K), k=k2.view(B, T, H, K),
+                               v=v2.view(B, T, HV, 64)[:, :, :H], g=torch.randn(B, T, H), delta=False, gva=False)
+    assert gluon_chunk.in_place_views(simple_gla) == ()                                 # (not run on a GPU yet)
     dense = build_problem("chunk_gated_delta_rule", q=q.contiguous(), k=k, v=v.contiguous(), g=g, beta=beta,
                           delta=True, gva=True)
     assert gluon_chunk.in_place_views(dense) == ("k",)

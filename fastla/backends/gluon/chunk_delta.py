@@ -200,11 +200,12 @@ def in_place_views(p: Problem) -> tuple[str, ...]:
     """The q, k, v views that this call's kernels can read in place (STRIDED_TMA): the row views
     (``row_stride``) among them when every kernel that reads them loads them by TMA: the sm_90
     scan and summaries, GDN's sm_90 scores and inverse, KDA's sm_90 prologue without the
-    wide-block rewrite (which reads q and k by pointer); none otherwise."""
+    wide-block rewrite (which reads q and k by pointer); none otherwise, and none for the plain
+    rule (GLA, Simple GLA, Lightning), whose in-place reads have not run on a GPU yet."""
     from fastla.backends.gluon import chunk_prepare_kda_sm90 as kda_prologue
     from fastla.backends.triton.chunk_prepare_kda import bounded_spans
 
-    if not (STRIDED_TMA and summaries_sm90(p)):
+    if not (STRIDED_TMA and p.delta and summaries_sm90(p)):
         return ()
     if p.gk is None and not (GDN_SCORES_SM90 and GDN_INVERSE_SM90):
         return ()
