@@ -105,6 +105,13 @@ def save_rows(path: str, rows: list, **extra) -> None:
                        **extra, rows=rows), f, indent=1)
 
 
+def config_with(original, fields: dict | None):
+    """A default_config giving ``original``'s plan with ``fields`` replaced (none: ``original``)."""
+    if not fields:
+        return original
+    return lambda p, **kw: dataclasses.replace(original(p, **kw), **fields)
+
+
 def timed(call) -> tuple[torch.Tensor, float, dict[str, float]]:
     """The call's first output, its CUDA-graph time in microseconds and its per-kernel split."""
     o = call()[0]
@@ -167,8 +174,7 @@ def main() -> int:
                 setattr(gluon_chunk, a, over[a])
             if tier == "gluon":                    # lower-case keys: the launch plan (default_config) too
                 over = {a: x for a, x in (over or {}).items() if not a.isupper()} or None
-            chunk_delta.default_config = lambda p, o=over, **kw: (
-                original(p, **kw) if o is None else dataclasses.replace(original(p, **kw), **o))
+            chunk_delta.default_config = config_with(original, over)
             variant = chunk_delta.default_config
             # a variant's inverse_heads is what runs (not capped by the occupancy rule)
             chunk_prepare.INVERSE_PROGRAMS_PER_SM = 0 if "inverse_heads" in (over or {}) else programs_per_sm

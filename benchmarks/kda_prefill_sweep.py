@@ -12,14 +12,13 @@ softplus gate in the op without lower_bound; ``given`` a precomputed bf16 log de
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 
 import torch
 from triton.testing import do_bench_cudagraph
 
 import fastla  # noqa: F401  (registers the tiers)
-from benchmarks.gdn_prefill_sweep import kernel_split, rel, save_rows, split_text
+from benchmarks.gdn_prefill_sweep import config_with, kernel_split, rel, save_rows, split_text
 from fastla.backends.gluon import chunk_delta as gluon_chunk
 from fastla.backends.gluon import chunk_prepare_kda_sm90 as sm90_prologue
 from fastla.backends.triton import chunk_delta, chunk_prepare_kda
@@ -126,7 +125,7 @@ def main() -> int:
             gluon_chunk.SCAN_DUAL = over.pop("scan_dual", default_dual)
             gluon_chunk.SCAN_BLOCK_V = over.pop("scan_bv", None)
             gluon_chunk.LONGEST_FIRST = over.pop("longest_first", True)
-            chunk_delta.default_config = lambda p, o=over, **kw: dataclasses.replace(original(p, **kw), **o)
+            chunk_delta.default_config = config_with(original, over)
             try:
                 with use_tier(args.tier, strict=True), torch.no_grad():
                     call = lambda: chunk_kda(**kw)  # noqa: E731

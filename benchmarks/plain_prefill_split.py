@@ -11,13 +11,12 @@ otherwise).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 
 import torch
 
 import fastla  # noqa: F401  (registers the tiers)
-from benchmarks.gdn_prefill_sweep import rel, save_rows, split_text, timed
+from benchmarks.gdn_prefill_sweep import config_with, rel, save_rows, split_text, timed
 from fastla.bench.inputs import call_kwargs, make_inputs
 from fastla.bench.registry import get_config
 from fastla.backends.triton import chunk_delta as triton_chunk
@@ -29,13 +28,6 @@ SHAPES = "gla/h32/1x8192,simple_gla/h64/1x8192,lightning/h64/1x8192,simple_gla/h
 HBM_BYTES_PER_S = 4.8e12
 call_plan.ENABLED = False       # the segment variants change the plan between calls of one signature
 PLANNED = triton_chunk.default_config
-
-
-def segments_of(chunks: int | None):
-    """A default_config that splits every sequence into segments of ``chunks`` (None: the plan's)."""
-    if chunks is None:
-        return PLANNED
-    return lambda p, **kw: dataclasses.replace(PLANNED(p, **kw), segment_chunks=chunks)
 
 
 def floor_us(cfg) -> float:
@@ -64,7 +56,8 @@ def main() -> int:
                 want = ours(**kw)[0]
             for tier, chunks in variants:
                 case = tier if chunks is None else f"{tier} seg{chunks}"
-                triton_chunk.default_config = segments_of(chunks)
+                split = None if chunks is None else dict(segment_chunks=chunks)
+                triton_chunk.default_config = config_with(PLANNED, split)
                 try:
                     with use_tier(tier, strict=True):
                         o, us, split_us = timed(lambda: ours(**kw))
