@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # GPU checks and measurements in device calls of under ten minutes each:
 #   bash benchmarks/gpu_checks.sh tests        # every chunked-forward GPU test, in groups side by side
-#                                              # (~5 min; each group stopped after LIMIT s)
+#                                              # (~7 min; each group stopped after LIMIT s; ONLY picks
+#                                              # some: gluon-gdn gluon-kda plain fuzz triton plans)
 #   bash benchmarks/gpu_checks.sh decode-tests # the decode kernels' GPU tests (~1 min)
 #   bash benchmarks/gpu_checks.sh plain-split  # the plain rule's kernel split vs FLA (docs/notes/plain-prefill.md)
 #   bash benchmarks/gpu_checks.sh cold         # cold starts of the Gluon paths (first call, empty cache)
+#   bash benchmarks/gpu_checks.sh setup        # only the installs (before runs side by side)
 #   bash benchmarks/gpu_checks.sh cold-gates   # KDA's first call with its unbounded and given gates (the registry
 #                                              # cold-starts only the bounded one)
 # LIMIT: seconds for each test group (420). Run from the repository
@@ -12,33 +14,39 @@
 # tool's output folder).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/dev/null
-mkdir -p /tmp/tc && tar xzf .whl/fla-0.6.0-autotune-h200.tgz -C /tmp/tc
+# (once per machine: a second run beside the first must not rewrite what the first imports)
+[ -d /tmp/site/fla ] || python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/dev/null
+[ -d /tmp/tc ] || { mkdir -p /tmp/tc && tar xzf .whl/fla-0.6.0-autotune-h200.tgz -C /tmp/tc; }
 export PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR=/tmp/tc TRITON_CACHE_AUTOTUNING=1 PYTHONUNBUFFERED=1
 out=${OUT:-.}
+mkdir -p "$out"
+# (each group's whole log is kept as $out/gpu_log.N; N, the group's number, is fixed when bg forks)
 t() {
   echo "== ${*:2}"
-  timeout "$1" python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=line "${@:2}" > "/tmp/gpu_log.$BASHPID" 2>&1
+  local log="$out/gpu_log.$n"
+  timeout "$1" python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=line "${@:2}" > "$log" 2>&1
   local rc=$?
-  grep -E "^FAILED|^E " "/tmp/gpu_log.$BASHPID" | head -10
-  tail -1 "/tmp/gpu_log.$BASHPID"
+  grep -E "^FAILED|^E " "$log" | head -10
+  tail -1 "$log"
   if [ "$rc" = 124 ]; then echo "(timed out after $1 s)"; elif [ "$rc" != 0 ]; then echo "(exit $rc)"; fi
 }
 # the test groups run side by side (correctness only; their compiles spread over the host's cores),
 # each one's lines printed together once all are done
 n=0
-bg() { ( t "$@" > "/tmp/gpu_checks.$n" 2>&1 ) & n=$((n + 1)); }
-show() { wait; for i in $(seq 0 $((n - 1))); do cat "/tmp/gpu_checks.$i"; done; }
+bg() { ( t "$@" > "$out/gpu_summary.$n" 2>&1 ) & n=$((n + 1)); }
+show() { wait; for i in $(seq 0 $((n - 1))); do cat "$out/gpu_summary.$i"; done; }
 case "${1:-tests}" in
   tests)
-    bg "${LIMIT:-420}" tests/ops/test_gluon_chunk_gdn.py
-    bg "${LIMIT:-420}" tests/ops/test_gluon_chunk_kda.py
-    bg "${LIMIT:-420}" tests/ops/test_triton_chunk_plain.py tests/ops/test_chunk_vs_reference.py
-    bg "${LIMIT:-420}" tests/ops/test_option_fuzz.py
+    # ONLY: which of the groups to run (all by default)
+    has() { [[ " ${ONLY:-gluon-gdn gluon-kda plain fuzz triton plans} " == *" $1 "* ]]; }
+    has gluon-gdn && bg "${LIMIT:-420}" tests/ops/test_gluon_chunk_gdn.py
+    has gluon-kda && bg "${LIMIT:-420}" tests/ops/test_gluon_chunk_kda.py
+    has plain && bg "${LIMIT:-420}" tests/ops/test_triton_chunk_plain.py tests/ops/test_chunk_vs_reference.py
+    has fuzz && bg "${LIMIT:-420}" tests/ops/test_option_fuzz.py
     # (tests that pick the device inline carry no gpu mark: -m "" keeps them, "not cpu" drops the
     # CPU cases of the device-parametrized ones)
-    bg "${LIMIT:-420}" tests/ops/test_triton_chunk_gdn.py tests/ops/test_triton_chunk_kda.py -m "" -k "not cpu"
-    bg "${LIMIT:-420}" tests/core/test_call_plan.py tests/ops/test_compile.py tests/ops/test_recurrent.py
+    has triton && bg "${LIMIT:-420}" tests/ops/test_triton_chunk_gdn.py tests/ops/test_triton_chunk_kda.py -m "" -k "not cpu"
+    has plans && bg "${LIMIT:-420}" tests/core/test_call_plan.py tests/ops/test_compile.py tests/ops/test_recurrent.py
     show ;;
   decode-tests) bg 300 tests/ops/test_gluon_recurrent.py; show ;;
   plain-split) timeout 300 python3 benchmarks/plain_prefill_split.py --segments 16,32 --out "$out" 2>&1 | tail -30 ;;
@@ -62,4 +70,5 @@ with torch.no_grad():
 torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate: first call', round(time.perf_counter() - start, 2), 's')
 " 2>&1 | tail -1
     done ;;
+  setup) ;;
 esac

@@ -108,6 +108,11 @@ def make_inputs(spec: OpSpec, B=2, T=65, H=2, HV=None, K=32, V=32, dtype=torch.f
     return out
 
 
+def on_device(t: dict, device) -> dict:
+    """``t``'s tensors moved to ``device`` (other values as they are)."""
+    return {n: x.to(device) if isinstance(x, torch.Tensor) else x for n, x in t.items()}
+
+
 def strided_inputs(t: dict) -> dict:
     """Every tensor of ``t`` as a strided view (``strided``), the values unchanged."""
     out = {n: strided(x) if isinstance(x, torch.Tensor) else x for n, x in t.items()}

@@ -6,7 +6,9 @@ import torch
 from fastla.backends.triton import interpreting
 from fastla.core.dispatch import use_tier
 from fastla.ops.gated_delta_rule import chunk_gated_delta_rule, naive_recurrent_gated_delta_rule
-from tests.helpers import DEVICES, OPS, assert_close, call_chunk, call_reference, make_inputs, strided_inputs
+from tests.helpers import (
+    DEVICES, OPS, assert_close, call_chunk, call_reference, make_inputs, on_device, strided_inputs,
+)
 
 SPEC = OPS["gdn"]
 
@@ -49,9 +51,10 @@ def test_one_token_bf16_wide_heads(B):
 
 
 @pytest.mark.parametrize("lengths", [[1, 63, 64, 65, 130, 7], [200]])
-def test_varlen(lengths):
-    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
-    check(make_inputs(SPEC, B=1, T=sum(lengths), H=2, HV=6, K=32, V=16, N=len(lengths)), cu_seqlens=cu)
+@pytest.mark.parametrize("device", DEVICES)
+def test_varlen(lengths, device):
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device=device)
+    check(make_inputs(SPEC, B=1, T=sum(lengths), H=2, HV=6, K=32, V=16, N=len(lengths), device=device), cu_seqlens=cu)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -72,28 +75,33 @@ def test_strided_inputs(device):
 
 
 @pytest.mark.parametrize("K,V", [(32, 48), (64, 64), (128, 128)])
-def test_head_dims(K, V):
-    check(make_inputs(SPEC, B=1, T=70, H=1, HV=3, K=K, V=V))
+@pytest.mark.parametrize("device", DEVICES)
+def test_head_dims(K, V, device):
+    check(make_inputs(SPEC, B=1, T=70, H=1, HV=3, K=K, V=V, device=device))
 
 
 @pytest.mark.parametrize("strength", [1e-3, 30.0])
-def test_decay_strength(strength):
-    check(make_inputs(SPEC, B=1, T=130, H=1, HV=2, K=32, V=32, strength=strength))
+@pytest.mark.parametrize("device", DEVICES)
+def test_decay_strength(strength, device):
+    check(make_inputs(SPEC, B=1, T=130, H=1, HV=2, K=32, V=32, strength=strength, device=device))
 
 
-def test_state_v_first_and_no_state():
-    t = make_inputs(SPEC, B=2, T=70, H=1, HV=2, K=32, V=16, v_first=True)
+@pytest.mark.parametrize("device", DEVICES)
+def test_state_v_first_and_no_state(device):
+    t = make_inputs(SPEC, B=2, T=70, H=1, HV=2, K=32, V=16, v_first=True, device=device)
     check(t, state_v_first=True)
-    check(make_inputs(SPEC, B=2, T=70, H=1, HV=2, K=32, V=16, h0=False))
+    check(make_inputs(SPEC, B=2, T=70, H=1, HV=2, K=32, V=16, h0=False, device=device))
 
 
-def test_everything_in_op():
+@pytest.mark.parametrize("device", DEVICES)
+def test_everything_in_op(device):
     B, T, H, HV, K, V = 1, 90, 2, 4, 32, 32
-    t = dict(q=torch.randn(B, T, H, K), k=torch.randn(B, T, H, K), v=torch.randn(B, T, HV, V),
-             g=torch.randn(B, T, HV), beta=torch.randn(B, T, HV), initial_state=torch.randn(B, HV, K, V))
-    opts = dict(use_gate_in_kernel=True, A_log=torch.randn(HV) * 0.5, dt_bias=torch.randn(HV),
-                use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True,
-                output_final_state=True)
+    t = on_device(dict(q=torch.randn(B, T, H, K), k=torch.randn(B, T, H, K), v=torch.randn(B, T, HV, V),
+                       g=torch.randn(B, T, HV), beta=torch.randn(B, T, HV), initial_state=torch.randn(B, HV, K, V)),
+                  device)
+    opts = dict(use_gate_in_kernel=True, A_log=torch.randn(HV, device=device) * 0.5,
+                dt_bias=torch.randn(HV, device=device), use_qk_l2norm_in_kernel=True,
+                use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True, output_final_state=True)
     o, ht = on_triton(chunk_gated_delta_rule, **t, **opts)
     q, k, v = t.pop("q"), t.pop("k"), t.pop("v")
     ro, rht = naive_recurrent_gated_delta_rule(q, k, v, **t, **opts)
@@ -102,11 +110,12 @@ def test_everything_in_op():
 
 
 @pytest.mark.parametrize("varlen", [False, True])
-def test_intermediate_states_match_torch_tier(varlen):
-    t = make_inputs(SPEC, B=1 if varlen else 2, T=150, H=1, HV=2, K=32, V=16, N=3 if varlen else None)
+@pytest.mark.parametrize("device", DEVICES)
+def test_intermediate_states_match_torch_tier(varlen, device):
+    t = make_inputs(SPEC, B=1 if varlen else 2, T=150, H=1, HV=2, K=32, V=16, N=3 if varlen else None, device=device)
     opts = dict(output_final_state=True, return_intermediate_states=True)
     if varlen:
-        opts["cu_seqlens"] = torch.tensor([0, 70, 71, 150])
+        opts["cu_seqlens"] = torch.tensor([0, 70, 71, 150], device=device)
     with torch.inference_mode():
         o, ht, h = on_triton(call_chunk, SPEC, t, **opts)
         with use_tier("torch", strict=True):
@@ -128,20 +137,23 @@ def test_training_goes_to_the_torch_tier():
     assert "grad" in reasons["triton"] or "Triton kernels need CUDA" in reasons["triton"]
 
 
-def test_correlated_keys_stay_exact():
-    """Strongly correlated keys make I + A ill-conditioned: the inverse must still be exact."""
+@pytest.mark.parametrize("device", DEVICES)
+def test_correlated_keys_stay_exact(device):
+    """Strongly correlated keys make I + A ill-conditioned: the inverse must still be exact (to the
+    products' precision: fp32 in the interpreter, bf16 on a GPU)."""
     torch.manual_seed(0)
     B, T, H, K, V = 1, 128, 1, 16, 16
     shared = torch.randn(K)
     k = torch.nn.functional.normalize(shared + 0.3 * torch.randn(B, T, H, K), dim=-1)
     t = dict(q=torch.randn(B, T, H, K), k=k, v=torch.randn(B, T, H, V), g=torch.full((B, T, H), -0.01),
              beta=torch.full((B, T, H), 0.9), initial_state=torch.randn(B, H, K, V))
-    check(t, tol=1e-4)
+    check(on_device(t, device), tol=1e-4 if interpreting() else TOL)
 
 
-def test_beta_none_with_sigmoid_means_one_in_the_recurrent_sense():
+@pytest.mark.parametrize("device", DEVICES)
+def test_beta_none_with_sigmoid_means_one_in_the_recurrent_sense(device):
     """The torch tier's convention: beta omitted is 1, whatever the beta-sigmoid flag says."""
-    t = make_inputs(SPEC, B=1, T=70, H=1, K=16, V=16)
+    t = make_inputs(SPEC, B=1, T=70, H=1, K=16, V=16, device=device)
     t["beta"] = None
     with use_tier("torch", strict=True):
         ro, rht = chunk_gated_delta_rule(**t, output_final_state=True, use_beta_sigmoid_in_kernel=True)
@@ -150,8 +162,9 @@ def test_beta_none_with_sigmoid_means_one_in_the_recurrent_sense():
     assert_close("ht", ht, rht, TOL)
 
 
-def test_small_head_dim():
-    check(make_inputs(SPEC, B=1, T=40, H=1, K=8, V=8))
+@pytest.mark.parametrize("device", DEVICES)
+def test_small_head_dim(device):
+    check(make_inputs(SPEC, B=1, T=40, H=1, K=8, V=8, device=device))
 
 
 @pytest.mark.parametrize("variant", ["three_stages", "wide_tiles", "segments_of_one_chunk", "segments_of_two_chunks",
@@ -256,15 +269,16 @@ def test_inverse_heads_per_program():
 
 
 @pytest.mark.parametrize("segments", [0, 1])
-def test_empty_sequence_keeps_its_initial_state(segments, monkeypatch):
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_sequence_keeps_its_initial_state(segments, device, monkeypatch):
     """An empty sequence in a varlen batch: zero output rows, final state = its initial state,
     with and without the segment split (an empty sequence gets one empty segment)."""
     from fastla.backends.triton import chunk_delta
     monkeypatch.setattr(chunk_delta, "default_config", lambda p, **kw: chunk_delta.ChunkConfig(segment_chunks=segments))
     lengths = [130, 0, 65]
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
-    t = make_inputs(SPEC, B=1, T=sum(lengths), H=1, HV=2, K=16, V=16, N=len(lengths))
-    check(t, cu_seqlens=cu, cu_seqlens_cpu=cu)
+    t = make_inputs(SPEC, B=1, T=sum(lengths), H=1, HV=2, K=16, V=16, N=len(lengths), device=device)
+    check(t, cu_seqlens=cu.to(device), cu_seqlens_cpu=cu)
 
 
 def test_tables_used_in_a_graph_capture_are_never_evicted():
