@@ -22,7 +22,7 @@ out=${OUT:-.}
 mkdir -p "$out"
 # (each group's whole log is kept as $out/gpu_log.N; N, the group's number, is fixed when bg forks)
 t() {
-  echo "== ${*:2}"
+  echo "== ${*:2}" | cut -c1-150
   local log="$out/gpu_log.$n"
   timeout "$1" python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=line "${@:2}" > "$log" 2>&1
   local rc=$?
@@ -42,7 +42,10 @@ case "${1:-tests}" in
     has gluon-gdn && bg "${LIMIT:-420}" tests/ops/test_gluon_chunk_gdn.py
     has gluon-kda && bg "${LIMIT:-420}" tests/ops/test_gluon_chunk_kda.py
     has plain && bg "${LIMIT:-420}" tests/ops/test_triton_chunk_plain.py tests/ops/test_chunk_vs_reference.py
-    has fuzz && bg "${LIMIT:-420}" tests/ops/test_option_fuzz.py
+    # (the fuzz compiles anew for most seeds, ~17 s a case: three groups of twelve)
+    fuzz() { for s in $(seq "$2" "$3"); do echo "tests/ops/test_option_fuzz.py::test_gluon_tier_against_fp64[$1-$s]"; done; }
+    has fuzz && bg "${LIMIT:-420}" $(fuzz delta 0 11) && bg "${LIMIT:-420}" $(fuzz delta 12 23) &&
+      bg "${LIMIT:-420}" $(fuzz plain 0 11)
     # (tests that pick the device inline carry no gpu mark: -m "" keeps them, "not cpu" drops the
     # CPU cases of the device-parametrized ones)
     has triton && bg "${LIMIT:-420}" tests/ops/test_triton_chunk_gdn.py tests/ops/test_triton_chunk_kda.py -m "" -k "not cpu"
