@@ -64,8 +64,8 @@ VARIANTS = {
     "bv16": dict(scan_block_v=16, scan_stages=2, scan_warps=4),
     "no-segments": dict(segment_chunks=0),
     "seg16": dict(segment_chunks=16),
-    "given-order": dict(longest_first=False),
-    "sm90-per-item": dict(sm90_programs_per_sm=None),   # the sm_90 prologue one program per item (not persistent)     # whole varlen sequences scanned in the given order
+    "given-order": dict(longest_first=False),          # whole varlen sequences scanned in the given order
+    "sm90-per-item": dict(sm90_programs_per_sm=None),   # the sm_90 prologue one program per item (not persistent)
 }
 SHAPES = "kda/h64/1x8192,kda/h64/2x16384,kda/h96/varlen8x15193"
 
