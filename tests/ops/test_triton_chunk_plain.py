@@ -35,38 +35,45 @@ def test_lengths(spec, T, device):
 
 
 @pytest.mark.parametrize("gates", ["g", "g_gamma", "both", "none"])
-def test_simple_gla_gates(gates):
+@pytest.mark.parametrize("device", DEVICES)
+def test_simple_gla_gates(gates, device):
     """g per token, the constant g_gamma, their sum, or no decay at all."""
-    t = make_inputs(SIMPLE, B=1, T=100, H=2, K=32, V=16)
+    t = make_inputs(SIMPLE, B=1, T=100, H=2, K=32, V=16, device=device)
     if gates in ("g_gamma", "none"):
         t.pop("g")
     if gates in ("g_gamma", "both"):
-        t["g_gamma"] = -torch.rand(2) * 0.2
+        t["g_gamma"] = -torch.rand(2, device=device) * 0.2
     check(SIMPLE, t)
 
 
 @pytest.mark.parametrize("lengths", [[1, 63, 64, 65, 130, 7], [200]])
 @pytest.mark.parametrize(**SPECS)
-def test_varlen(spec, lengths):
+@pytest.mark.parametrize("device", DEVICES)
+def test_varlen(spec, lengths, device):
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
-    t = make_inputs(spec, B=1, T=sum(lengths), H=2, K=32, V=16, N=len(lengths))
-    check(spec, t, cu_seqlens=cu, cu_seqlens_cpu=cu)
+    t = make_inputs(spec, B=1, T=sum(lengths), H=2, K=32, V=16, N=len(lengths), device=device)
+    check(spec, t, cu_seqlens=cu.to(device), cu_seqlens_cpu=cu)
 
 
 @pytest.mark.parametrize("v_first", [False, True])
-def test_state_layouts_and_no_initial_state(v_first):
-    check(SIMPLE, make_inputs(SIMPLE, B=2, T=70, H=2, K=32, V=48, v_first=v_first), state_v_first=v_first)
-    check(GLA, make_inputs(GLA, B=2, T=70, H=2, K=32, V=48, v_first=v_first), state_v_first=v_first)
-    check(LIGHTNING, make_inputs(LIGHTNING, B=2, T=70, H=2, K=32, V=48, h0=False))
+@pytest.mark.parametrize("device", DEVICES)
+def test_state_layouts_and_no_initial_state(v_first, device):
+    def inputs(spec, **kw):
+        return make_inputs(spec, B=2, T=70, H=2, K=32, V=48, device=device, **kw)
+    check(SIMPLE, inputs(SIMPLE, v_first=v_first), state_v_first=v_first)
+    check(GLA, inputs(GLA, v_first=v_first), state_v_first=v_first)
+    check(LIGHTNING, inputs(LIGHTNING, h0=False))
 
 
 @pytest.mark.parametrize("K,V", [(64, 64), (128, 128)])
-def test_head_dims(K, V):
-    check(SIMPLE, make_inputs(SIMPLE, B=1, T=70, H=1, K=K, V=V))
-    check(GLA, make_inputs(GLA, B=1, T=70, H=1, K=K, V=V))
+@pytest.mark.parametrize("device", DEVICES)
+def test_head_dims(K, V, device):
+    check(SIMPLE, make_inputs(SIMPLE, B=1, T=70, H=1, K=K, V=V, device=device))
+    check(GLA, make_inputs(GLA, B=1, T=70, H=1, K=K, V=V, device=device))
 
 
-def test_segments(monkeypatch):
+@pytest.mark.parametrize("device", DEVICES)
+def test_segments(device, monkeypatch):
     """Sequence parallelism (segment summaries, the combine, the replays) with the plain rule:
     the summary's identity columns carry its transition e^(G_last) I."""
     monkeypatch.setattr(chunk_delta, "default_config",
@@ -74,20 +81,21 @@ def test_segments(monkeypatch):
     lengths = [200, 64, 3]
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
     for spec in (GLA, SIMPLE, LIGHTNING):
-        t = make_inputs(spec, B=1, T=sum(lengths), H=2, K=32, V=32, N=len(lengths))
-        check(spec, t, cu_seqlens=cu, cu_seqlens_cpu=cu)
-        check(spec, make_inputs(spec, B=2, T=150, H=2, K=32, V=32))
+        t = make_inputs(spec, B=1, T=sum(lengths), H=2, K=32, V=32, N=len(lengths), device=device)
+        check(spec, t, cu_seqlens=cu.to(device), cu_seqlens_cpu=cu)
+        check(spec, make_inputs(spec, B=2, T=150, H=2, K=32, V=32, device=device))
 
 
 @pytest.mark.parametrize(**SPECS)
-def test_strided_inputs(spec):
+@pytest.mark.parametrize("device", DEVICES)
+def test_strided_inputs(spec, device):
     """Strided views (q, k, v, the gates, g_gamma, the state) give the contiguous inputs' results."""
     lengths = [70, 1, 59]
-    t = make_inputs(spec, B=1, T=sum(lengths), H=2, K=32, V=32, N=len(lengths))
+    t = make_inputs(spec, B=1, T=sum(lengths), H=2, K=32, V=32, N=len(lengths), device=device)
     if spec is SIMPLE:
-        t["g_gamma"] = -torch.rand(2) * 0.1
+        t["g_gamma"] = -torch.rand(2, device=device) * 0.1
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
-    opts = dict(output_final_state=True, cu_seqlens=cu, cu_seqlens_cpu=cu)
+    opts = dict(output_final_state=True, cu_seqlens=cu.to(device), cu_seqlens_cpu=cu)
     with use_tier("triton", strict=True), torch.no_grad():
         want = call_chunk(spec, t, **opts)
         got = call_chunk(spec, strided_inputs(t), **opts)
@@ -95,25 +103,28 @@ def test_strided_inputs(spec):
         assert torch.equal(a, b), f"{name} differs with strided inputs"
 
 
-def test_strong_decay():
+@pytest.mark.parametrize("device", DEVICES)
+def test_strong_decay(device):
     """Decay to ~e^-2000 within a chunk: no inf or NaN (GLA's diagonal blocks past the span limit
     take the exact pairwise sums)."""
-    check(SIMPLE, make_inputs(SIMPLE, B=1, T=130, H=2, K=32, V=32, strength=30.0))
-    check(GLA, make_inputs(GLA, B=1, T=130, H=2, K=32, V=32, strength=30.0))
+    check(SIMPLE, make_inputs(SIMPLE, B=1, T=130, H=2, K=32, V=32, strength=30.0, device=device))
+    check(GLA, make_inputs(GLA, B=1, T=130, H=2, K=32, V=32, strength=30.0, device=device))
 
 
-def test_a_decay_that_requires_grad_goes_to_the_torch_tier():
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_decay_that_requires_grad_goes_to_the_torch_tier(device):
     """g_gamma requiring grad: the kernel tiers have no backward, so they pass the call on."""
-    t = make_inputs(SIMPLE, B=1, T=8, H=2, K=16, V=16)
-    p = build_problem("chunk_simple_gla", q=t["q"], k=t["k"], v=t["v"], g_gamma=-torch.rand(2).requires_grad_(),
-                      delta=False, gva=False)
+    t = make_inputs(SIMPLE, B=1, T=8, H=2, K=16, V=16, device=device)
+    g_gamma = (-torch.rand(2, device=device)).requires_grad_()
+    p = build_problem("chunk_simple_gla", q=t["q"], k=t["k"], v=t["v"], g_gamma=g_gamma, delta=False, gva=False)
     assert "require grad" in chunk_delta.supports(p)
 
 
-def test_gates_per_value_channel_go_to_the_next_tier():
+@pytest.mark.parametrize("device", DEVICES)
+def test_gates_per_value_channel_go_to_the_next_tier(device):
     """A per-value-channel gate is not on this tier: it says so (the torch tier serves it)."""
-    t = make_inputs(GLA, B=1, T=8, H=1, K=16, V=16)
-    p = build_problem("chunk_gla", q=t["q"], k=t["k"], v=t["v"], gk=t["g"], gv=-torch.rand(1, 8, 1, 16),
+    t = make_inputs(GLA, B=1, T=8, H=1, K=16, V=16, device=device)
+    p = build_problem("chunk_gla", q=t["q"], k=t["k"], v=t["v"], gk=t["g"], gv=-torch.rand(1, 8, 1, 16, device=device),
                       delta=False, gva=False)
     assert chunk_delta.supports(p) == "per-value-channel gates (gv)"
     p = build_problem("chunk_gla", q=t["q"], k=t["k"], v=t["v"], gk=t["g"], delta=False, gva=False)
