@@ -2,7 +2,8 @@
 # GPU checks and measurements in device calls of under ten minutes each:
 #   bash benchmarks/gpu_checks.sh tests        # every chunked-forward GPU test, in groups side by side
 #                                              # (~7 min; each group stopped after LIMIT s; ONLY picks
-#                                              # some: gluon-gdn gluon-kda plain fuzz triton plans)
+#                                              # some: gluon-gdn gluon-kda plain fuzz triton plans;
+#                                              # exit 1 if a group failed)
 #   bash benchmarks/gpu_checks.sh decode-tests # the decode kernels' GPU tests (~1 min)
 #   bash benchmarks/gpu_checks.sh plain-split  # the plain rule's kernel split vs FLA (docs/notes/plain-prefill.md)
 #   bash benchmarks/gpu_checks.sh cold         # cold starts of the Gluon paths (first call, empty cache)
@@ -20,25 +21,39 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR=/tmp/tc TRITON_CACHE_AUTOTUNING=1 PYTHONUNBUFFERED=1
 out=${OUT:-.}
 mkdir -p "$out"
-# (each group's whole log is kept as $out/gpu_log.N; N, the group's number, is fixed when bg forks)
+# (a group's log: $out/gpu_log.PID.N, N its number, fixed when bg forks, PID this run's, so runs
+# side by side keep theirs; its summary lines and exit status in /tmp)
 t() {
   echo "== ${*:2}" | cut -c1-150
-  local log="$out/gpu_log.$n"
+  local log="$out/gpu_log.$$.$n"
   timeout "$1" python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=line "${@:2}" > "$log" 2>&1
   local rc=$?
   grep -E "^FAILED|^E " "$log" | head -10
   tail -1 "$log"
   if [ "$rc" = 124 ]; then echo "(timed out after $1 s)"; elif [ "$rc" != 0 ]; then echo "(exit $rc)"; fi
+  echo "$rc" > "/tmp/gpu_rc.$$.$n"
 }
 # the test groups run side by side (correctness only; their compiles spread over the host's cores),
-# each one's lines printed together once all are done
+# each one's lines printed together once all are done; the script exits 1 if any group failed
 n=0
-bg() { ( t "$@" > "$out/gpu_summary.$n" 2>&1 ) & n=$((n + 1)); }
-show() { wait; for i in $(seq 0 $((n - 1))); do cat "$out/gpu_summary.$i"; done; }
+bg() { ( t "$@" > "/tmp/gpu_summary.$$.$n" 2>&1 ) & n=$((n + 1)); }
+show() {
+  wait
+  local worst=0
+  for i in $(seq 0 $((n - 1))); do
+    cat "/tmp/gpu_summary.$$.$i"
+    [ "$(cat "/tmp/gpu_rc.$$.$i" 2>/dev/null)" = 0 ] || worst=1
+  done
+  return $worst
+}
 case "${1:-tests}" in
   tests)
     # ONLY: which of the groups to run (all by default)
-    has() { [[ " ${ONLY:-gluon-gdn gluon-kda plain fuzz triton plans} " == *" $1 "* ]]; }
+    groups="gluon-gdn gluon-kda plain fuzz triton plans"
+    for g in ${ONLY:-}; do
+      [[ " $groups " == *" $g "* ]] || { echo "ONLY: no group $g (groups: $groups)"; exit 2; }
+    done
+    has() { [[ " ${ONLY:-$groups} " == *" $1 "* ]]; }
     has gluon-gdn && bg "${LIMIT:-420}" tests/ops/test_gluon_chunk_gdn.py
     has gluon-kda && bg "${LIMIT:-420}" tests/ops/test_gluon_chunk_kda.py
     has plain && bg "${LIMIT:-420}" tests/ops/test_triton_chunk_plain.py tests/ops/test_chunk_vs_reference.py

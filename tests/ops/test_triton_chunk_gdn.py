@@ -125,16 +125,17 @@ def test_intermediate_states_match_torch_tier(varlen, device):
     assert_close("o", o, ro, TOL)
 
 
-def test_training_goes_to_the_torch_tier():
+@pytest.mark.parametrize("device", DEVICES)
+def test_training_goes_to_the_torch_tier(device):
     """No Triton backward yet: a forward whose inputs require grad is served by the torch tier."""
     from fastla.core import dispatch
     from fastla.core.validation import build_problem
-    t = make_inputs(SPEC, B=1, T=8, H=1)
+    t = make_inputs(SPEC, B=1, T=8, H=1, device=device)
     q = t["q"].requires_grad_()
     problem = build_problem("chunk_gated_delta_rule", q=q, k=t["k"], v=t["v"], g=t["g"], beta=t["beta"],
                             delta=True, gva=True)
     reasons = dict(dispatch.explain("chunk_gated_delta_rule", problem))
-    assert "grad" in reasons["triton"] or "Triton kernels need CUDA" in reasons["triton"]
+    assert "grad" in reasons["triton"]
 
 
 @pytest.mark.parametrize("device", DEVICES)
