@@ -12,7 +12,7 @@ from fastla.core.dispatch import use_tier
 from fastla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule, naive_recurrent_gated_delta_rule
 from fastla.ops.gla import fused_recurrent_gla, naive_recurrent_gla
 from tests.helpers import (
-    DEVICES, OPS, as_leaves, assert_close, call_chunk, call_recurrent, call_reference, make_inputs,
+    DEVICES, OPS, as_leaves, assert_close, call_chunk, call_recurrent, call_reference, make_inputs, on_device,
 )
 
 
@@ -42,12 +42,14 @@ def test_recurrent_matches_reference(op, v_first, device, tier):
 
 
 @pytest.mark.parametrize("op", list(OPS))
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("tier", TIERS)
-def test_decode_token_by_token_equals_chunk(op, tier):
+def test_decode_token_by_token_equals_chunk(op, device, tier):
     spec = OPS[op]
     T = 70 if tier == "torch" else 20      # the Triton interpreter is slow on the CPU
-    t = make_inputs(spec, B=2, T=T, H=2, HV=4 if spec.gva else None, K=32, V=32)
-    o_chunk, ht_chunk = call_chunk(spec, t, output_final_state=True)
+    t = make_inputs(spec, B=2, T=T, H=2, HV=4 if spec.gva else None, K=32, V=32, device=device)
+    with use_tier("torch", strict=True):   # fp32 products (the kernel tiers' chunks use bf16 on a GPU)
+        o_chunk, ht_chunk = call_chunk(spec, t, output_final_state=True)
     state = t["initial_state"]
     outs = []
     for i in range(T):
@@ -97,13 +99,15 @@ def test_gla_value_gate_and_gradients():
 
 # (tier, with gv): the per-value gate is served by the torch tier only
 @pytest.mark.parametrize("tier,with_gv", [("torch", True), ("torch", False), ("triton", False)])
-def test_gdn_recurrent_with_scalar_key_and_value_gates(tier, with_gv):
+@pytest.mark.parametrize("device", DEVICES)
+def test_gdn_recurrent_with_scalar_key_and_value_gates(tier, with_gv, device):
     B, T, H, HV, K, V = 1, 25, 1, 2, 16, 8
     t = {"q": torch.randn(B, T, H, K), "k": F.normalize(torch.randn(B, T, H, K), dim=-1), "v": torch.randn(B, T, HV, V),
          "g": F.logsigmoid(torch.randn(B, T, HV)), "gk": F.logsigmoid(torch.randn(B, T, HV, K)),
          "beta": torch.rand(B, T, HV), "initial_state": torch.randn(B, HV, K, V)}
     if with_gv:
         t["gv"] = F.logsigmoid(torch.randn(B, T, HV, V))
+    t = on_device(t, device)
     with on_tier(tier):
         o, ht = fused_recurrent_gated_delta_rule(**t, output_final_state=True)
     q, k, v = t.pop("q"), t.pop("k"), t.pop("v")
@@ -112,10 +116,11 @@ def test_gdn_recurrent_with_scalar_key_and_value_gates(tier, with_gv):
     assert_close("ht", ht, rht, 2e-5)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("tier", TIERS)
-def test_gdn_recurrent_beta_defaults_to_one(tier):
+def test_gdn_recurrent_beta_defaults_to_one(device, tier):
     spec = OPS["gdn"]
-    t = make_inputs(spec, B=1, T=10, H=1)
+    t = make_inputs(spec, B=1, T=10, H=1, device=device)
     t_none = {n: x for n, x in t.items() if n != "beta"}
     with on_tier(tier):
         o1, _ = call_recurrent(spec, t_none)
@@ -125,8 +130,9 @@ def test_gdn_recurrent_beta_defaults_to_one(tier):
 
 
 @pytest.mark.parametrize("op", ["gdn", "kda"])
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("tier", TIERS)
-def test_recurrent_gates_in_op(op, tier):
+def test_recurrent_gates_in_op(op, device, tier):
     """Gate (A_log, dt_bias, lower_bound), beta sigmoid and l2norm fused, GVA 3, varlen."""
     from fastla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as gdn_rec
     from fastla.ops.kda import fused_recurrent_kda, naive_recurrent_kda
@@ -137,8 +143,9 @@ def test_recurrent_gates_in_op(op, tier):
          "g": torch.randn(1, 9, HV, K) if channel else torch.randn(1, 9, HV), "beta": torch.randn(1, 9, HV),
          "initial_state": torch.randn(3, HV, K, V), "A_log": torch.randn(HV) * 0.5,
          "dt_bias": torch.randn(HV * K if channel else HV)}
+    t = on_device(t, device)
     opts = dict(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-                allow_neg_eigval=True, output_final_state=True, cu_seqlens=cu)
+                allow_neg_eigval=True, output_final_state=True, cu_seqlens=cu.to(device))
     cases = [dict()] if not channel else [dict(), dict(lower_bound=-5.0), dict(lower_bound=-2.0, A_log=None)]
     for extra in cases:
         args = {**t, **extra}
@@ -152,22 +159,23 @@ def test_recurrent_gates_in_op(op, tier):
 
 # ----------------------------------------------------------------------------- state pool
 
-def _pool_case(spec, N=4, slots=7, T=1, state_dtype=torch.float32, v_first=False):
+def _pool_case(spec, N=4, slots=7, T=1, state_dtype=torch.float32, v_first=False, device="cpu"):
     HV = 4 if spec.gva else 2
-    t = make_inputs(spec, B=1, T=N * T, H=2, HV=HV, K=16, V=8, h0=False)
+    t = make_inputs(spec, B=1, T=N * T, H=2, HV=HV, K=16, V=8, h0=False, device=device)
     pool = torch.randn(slots, HV, 8, 16) if v_first else torch.randn(slots, HV, 16, 8)
     cu = torch.arange(0, N * T + 1, T)
-    return t, pool.to(state_dtype), cu
+    return t, pool.to(device, state_dtype), cu.to(device)
 
 
 @pytest.mark.parametrize("op", list(OPS))
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("v_first", [False, True])
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("tier", TIERS)
-def test_pool_in_place_with_negative_indices(op, state_dtype, v_first, tier):
+def test_pool_in_place_with_negative_indices(op, state_dtype, v_first, device, tier):
     spec = OPS[op]
-    t, pool, cu = _pool_case(spec, T=3, state_dtype=state_dtype, v_first=v_first)
-    idx = torch.tensor([5, -1, 0, 2], dtype=torch.int32)
+    t, pool, cu = _pool_case(spec, T=3, state_dtype=state_dtype, v_first=v_first, device=device)
+    idx = torch.tensor([5, -1, 0, 2], dtype=torch.int32, device=device)
     before = pool.clone()
     with on_tier(tier):
         o, returned = call_recurrent(spec, {**t, "initial_state": pool}, cu_seqlens=cu, ssm_state_indices=idx,
@@ -186,14 +194,15 @@ def test_pool_in_place_with_negative_indices(op, state_dtype, v_first, tier):
 
 @pytest.mark.parametrize("op", ["gdn", "kda"])
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("tier", TIERS)
-def test_pool_per_token_checkpoints_and_accepted_tokens(op, index_dtype, tier):
+def test_pool_per_token_checkpoints_and_accepted_tokens(op, index_dtype, device, tier):
     spec = OPS[op]
     N, T = 3, 4
-    t, pool, cu = _pool_case(spec, N=N, slots=16, T=T)
-    idx = torch.arange(N * T, dtype=index_dtype).reshape(N, T)
+    t, pool, cu = _pool_case(spec, N=N, slots=16, T=T, device=device)
+    idx = torch.arange(N * T, dtype=index_dtype, device=device).reshape(N, T)
     idx[1, 3] = -1                                   # this token's checkpoint is not kept
-    accepted = torch.tensor([1, 3, 2], dtype=index_dtype)
+    accepted = torch.tensor([1, 3, 2], dtype=index_dtype, device=device)
     before = pool.clone()
     with on_tier(tier):
         o, _ = call_recurrent(spec, {**t, "initial_state": pool}, cu_seqlens=cu, ssm_state_indices=idx,
@@ -211,12 +220,13 @@ def test_pool_per_token_checkpoints_and_accepted_tokens(op, index_dtype, tier):
 
 
 @pytest.mark.parametrize("op", ["gdn", "simple_gla"])
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("tier", TIERS)
-def test_pool_disable_state_update(op, tier):
+def test_pool_disable_state_update(op, device, tier):
     spec = OPS[op]
-    t, pool, cu = _pool_case(spec, T=2)
+    t, pool, cu = _pool_case(spec, T=2, device=device)
     before = pool.clone()
-    idx = torch.tensor([0, 1, 2, 3])
+    idx = torch.tensor([0, 1, 2, 3], device=device)
     with on_tier(tier):
         o, _ = call_recurrent(spec, {**t, "initial_state": pool}, cu_seqlens=cu, ssm_state_indices=idx,
                               disable_state_update=True)
@@ -232,12 +242,9 @@ def test_pool_decode_is_graph_capturable(op):
     """Validation reads no device values during capture; replay equals eager calls."""
     spec = OPS[op]
     N, T = 8, 2
-    t, pool, cu = _pool_case(spec, N=N, slots=20, T=T)
-    t = {n: x.cuda() for n, x in t.items()}
-    cu = cu.cuda()
+    t, pool, cu = _pool_case(spec, N=N, slots=20, T=T, device="cuda")
     idx = torch.arange(0, 2 * N, 2, device="cuda", dtype=torch.int32)
     idx[3] = -1
-    pool = pool.cuda()
     eager_pool = pool.clone()
     with torch.no_grad():
         o_eager, _ = call_recurrent(spec, {**t, "initial_state": eager_pool}, cu_seqlens=cu, ssm_state_indices=idx)
@@ -279,11 +286,12 @@ def test_lightning_decay_first_built_under_capture():
     assert_close("o (eager after the capture)", o_eager.cpu(), ro, 1e-4)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("tier", TIERS)
-def test_permuted_value_tensor(tier):
+def test_permuted_value_tensor(device, tier):
     """A dense but permuted v (e.g. from a transpose) is read through its strides; o is contiguous."""
     spec = OPS["gdn"]
-    t = make_inputs(spec, B=2, T=6, H=2, HV=4, K=16, V=8)
+    t = make_inputs(spec, B=2, T=6, H=2, HV=4, K=16, V=8, device=device)
     t["v"] = t["v"].transpose(1, 2).contiguous().transpose(1, 2)      # [B, T, HV, V] view, HV-major memory
     assert not t["v"].is_contiguous()
     with on_tier(tier):
@@ -294,13 +302,14 @@ def test_permuted_value_tensor(tier):
     assert_close("ht", ht, rht, 2e-5)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("tier", TIERS)
-def test_pool_strided_indices_and_skipped_start(tier):
+def test_pool_strided_indices_and_skipped_start(device, tier):
     """2-D indices given as a transposed view; a row whose start slot is negative writes nothing."""
     spec = OPS["gdn"]
     N, T = 3, 2
-    t, pool, cu = _pool_case(spec, N=N, slots=12, T=T)
-    idx = torch.tensor([[0, 4, 8], [1, 5, 9]]).T                      # [N, T] with column stride 3... as a view
+    t, pool, cu = _pool_case(spec, N=N, slots=12, T=T, device=device)
+    idx = torch.tensor([[0, 4, 8], [1, 5, 9]], device=device).T                      # [N, T] with column stride 3... as a view
     idx = idx.clone()
     idx[1, 0] = -1                                                    # sequence 1: skipped from its start
     idx = idx.T.contiguous().T                                        # non-unit inner stride
