@@ -21,7 +21,7 @@ import fastla  # noqa: F401  (registers the tiers)
 from benchmarks.gdn_prefill_sweep import config_with, kernel_split, rel, save_rows, split_text
 from fastla.backends.gluon import chunk_delta as gluon_chunk
 from fastla.backends.gluon import chunk_prepare_kda_sm90 as sm90_prologue
-from fastla.backends.triton import chunk_delta, chunk_prepare_kda
+from fastla.backends.triton import chunk_delta
 from fastla.backends.triton import chunk_prepare_kda_wide as wide
 from fastla.bench.inputs import call_kwargs, make_inputs
 from fastla.bench.registry import get_config
@@ -54,7 +54,6 @@ VARIANTS = {
     "wide-s2": dict(wide=(16, 4, 2)),
     "inv-w2": dict(inverse_warps=2),               # the inverse kernel's warps
     "inv-w4": dict(inverse_warps=4),
-    "inv-stacked": dict(inverse_stacked=True),     # the diagonal blocks stacked (chunk_prepare_kda.INVERSE_STACKED)
     "prep-w4-bk16-r128": dict(kda_prepare_warps=4, kda_prepare_block_k=16, kda_prepare_maxnreg=128),
     "prep-w2-bk16-r168": dict(kda_prepare_warps=2, kda_prepare_block_k=16, kda_prepare_maxnreg=168),
     "bv32s3": dict(scan_block_v=32, scan_stages=3, scan_warps=4),
@@ -101,7 +100,6 @@ def main() -> int:
     original = chunk_delta.default_config
     default_maxnreg, default_unbounded = sm90_prologue.MAXNREG, sm90_prologue.UNBOUNDED
     default_programs = sm90_prologue.PROGRAMS_PER_SM
-    default_stacked = chunk_prepare_kda.INVERSE_STACKED
     default_wide = wide.BLOCK_K, wide.WARPS, wide.STAGES
     default_dual = gluon_chunk.SCAN_DUAL
     for shape in args.shapes.split(","):
@@ -118,7 +116,6 @@ def main() -> int:
             gluon_chunk.KDA_PROLOGUE_SM90 = over.pop("sm90_prologue", True)
             sm90_prologue.MAXNREG = over.pop("sm90_maxnreg", default_maxnreg)
             sm90_prologue.INVERSE_WARPS = over.pop("inverse_warps", 1)
-            chunk_prepare_kda.INVERSE_STACKED = over.pop("inverse_stacked", default_stacked)
             sm90_prologue.UNBOUNDED = over.pop("sm90_unbounded", default_unbounded)
             sm90_prologue.PROGRAMS_PER_SM = over.pop("sm90_programs_per_sm", default_programs)
             wide.BLOCK_K, wide.WARPS, wide.STAGES = over.pop("wide", default_wide)
@@ -141,7 +138,6 @@ def main() -> int:
                 chunk_delta.default_config = original
                 gluon_chunk.KDA_PROLOGUE_SM90 = True
                 sm90_prologue.MAXNREG, sm90_prologue.INVERSE_WARPS = default_maxnreg, 1
-                chunk_prepare_kda.INVERSE_STACKED = default_stacked
                 sm90_prologue.UNBOUNDED = default_unbounded
                 sm90_prologue.PROGRAMS_PER_SM = default_programs
                 wide.BLOCK_K, wide.WARPS, wide.STAGES = default_wide

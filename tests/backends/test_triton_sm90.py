@@ -137,12 +137,7 @@ GDN_KERNELS = {
                         dict(BK=16, GATE=2, HAS_A=True, HAS_BIAS=True, BETA=2), 4, 1),
     # P from the sm_90 prologue's A (the diagonal blocks' rows loaded as the substitution needs them)
     "kda-inverse": ("chunk_prepare_kda._kda_inverse_kernel",
-                    {"a": "*fp32", "p_out": "*bf16", "cu_seqlens": "*i64", "chunk_index": "*i32"}, dict(STACKED=False),
-                    1, 1),
-    # ... its diagonal blocks in one stacked substitution (chunk_prepare_kda.INVERSE_STACKED)
-    "kda-inverse-stacked": ("chunk_prepare_kda._kda_inverse_kernel",
-                            {"a": "*fp32", "p_out": "*bf16", "cu_seqlens": "*i64", "chunk_index": "*i32"},
-                            dict(STACKED=True), 1, 1),
+                    {"a": "*fp32", "p_out": "*bf16", "cu_seqlens": "*i64", "chunk_index": "*i32"}, {}, 1, 1),
     # the segment combine, as the portable tier launches it and as the sm_90 tier does
     "combine": ("chunk_delta._segment_combine_kernel", COMBINE_POINTERS, dict(BV=32, SK=128, SV=1, HAS_H0=True), 4, 1),
     "combine-sm90": ("chunk_delta._segment_combine_kernel", COMBINE_POINTERS, dict(BV=16, SK=128, SV=1, HAS_H0=True),
@@ -229,7 +224,7 @@ def test_gdn_chunk_kernels_compile_for_sm90(name, tmp_path):
     res = _run_child(f"_child_gdn({name!r}, {str(tmp_path)!r})", tmp_path)
     # no tensor-core products: fp32 FMA products (ieee), a list, a cumsum, GLA's kd and decay
     if not name.startswith(("kda-wide", "plain-gate", "plain-gla-prepare", "plain-gla-wide")):
-        small = name in ("inverse", "kda-inverse", "kda-inverse-stacked") or name.startswith("kda-prepare")
+        small = name in ("inverse", "kda-inverse") or name.startswith("kda-prepare")
         assert (res["hmma"] if small else res["hgmma"]) > 0, res
     assert res["shared_bytes"] <= 227 * 1024, res
     assert res["LOCAL"] == 0, res

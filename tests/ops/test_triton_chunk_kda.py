@@ -290,13 +290,10 @@ def test_wide_blocks_rewrite_flagged_blocks_exactly(gate, delta, varlen):
                 assert got[~own].isnan().all() and torch.allclose(got[own], ref[own], rtol=rtol, atol=1e-6)
 
 
-@pytest.mark.parametrize("stacked", [False, True], ids=["rows", "stacked"])
 @pytest.mark.parametrize("varlen", [False, True])
-def test_inverse_kernel_matches_fp64(varlen, stacked, monkeypatch):
+def test_inverse_kernel_matches_fp64(varlen):
     """The KDA inverse kernel (chunk_prepare_kda.launch_inverse, after the sm_90 prologue): P = (I + A)^-1
-    per chunk and value head from a strictly lower fp32 A (the diagonal blocks one at a time, or
-    stacked: chunk_prepare_kda.INVERSE_STACKED),
-    partial last chunks included, against torch's fp64 inverse of that A; rows past a chunk's end
+    per chunk and value head from a strictly lower fp32 A, partial last chunks included, against torch's fp64 inverse of that A; rows past a chunk's end
     are never read (poisoned) and never written."""
     from types import SimpleNamespace
 
@@ -305,7 +302,6 @@ def test_inverse_kernel_matches_fp64(varlen, stacked, monkeypatch):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not interpreting():
         pytest.skip("the Triton kernels need CUDA or the interpreter")
-    monkeypatch.setattr(chunk_prepare_kda, "INVERSE_STACKED", stacked)
     gen = torch.Generator().manual_seed(3)
     lengths = [70, 1, 129] if varlen else None
     B, T, HV = (1, sum(lengths), 3) if varlen else (2, 130, 3)

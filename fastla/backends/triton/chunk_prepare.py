@@ -149,29 +149,6 @@ def _diag_inverses_rows(a, row0, COL_STEP: tl.constexpr, n_left, stride):
 
 
 @triton.jit
-def _diag_inverses_stacked(a, row0, COL_STEP: tl.constexpr, n_left, stride):
-    """As _diag_inverses_rows, the four blocks' substitutions stacked in one [4, 16, 16] tensor:
-    row step i loads row i of every block at once ([4, 16]), so the unrolled body has 15 steps
-    instead of 60 (a quarter of the code to compile); the blocks come apart at the end."""
-    r = tl.arange(0, 16)
-    b = tl.arange(0, 4)
-    eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)                                         # [16, 16]
-    P = tl.zeros([4, 16, 16], dtype=tl.float32) + eye[None, :, :]                              # [4, 16, 16]
-    for i in tl.static_range(1, 16):
-        t = b * 16 + i                                                                         # [4]
-        a_rows = tl.load(a + row0 + t[:, None] * stride + (b * COL_STEP)[:, None] + r[None, :],
-                         mask=(r[None, :] < i) & (t < n_left)[:, None], other=0.0).to(tl.float32)   # [4, 16]
-        step = tl.sum(a_rows[:, :, None] * P, 1)                                               # [4, 16]
-        P = tl.where((r == i)[None, :, None], P - step[:, None, :], P)
-    # [4, 16, 16] -> [16, 16, 2, 2] (block 2 x + y at [..., x, y]) -> its four [16, 16] blocks
-    P = tl.reshape(tl.permute(P, (1, 2, 0)), (16, 16, 2, 2))
-    even, odd = tl.split(P)                                                                    # y = 0, 1
-    p00, p22 = tl.split(even)
-    p11, p33 = tl.split(odd)
-    return p00, p11, p22, p33
-
-
-@triton.jit
 def _store_rows(out, row0, X, blk: tl.constexpr, n_left, stride):
     """Block ``blk``'s rows of X [16, 16] at out + row0 + (16 blk + i) * stride, columns 0-15
     (rows of the chunk only)."""

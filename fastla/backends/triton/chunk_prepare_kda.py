@@ -50,7 +50,7 @@ import triton.language as tl
 from fastla.backends.triton import next_pow2
 from fastla.backends.triton.chunk_index import BT, _chunk
 from fastla.backends.triton.chunk_prepare import (
-    _activate_beta, _diag_inverses_rows, _diag_inverses_stacked, _key_block, _lower_inverse, _lower_merge, _store_lower,
+    _activate_beta, _diag_inverses_rows, _key_block, _lower_inverse, _lower_merge, _store_lower,
 )
 from fastla.backends.triton.launch import launcher
 from fastla.backends.triton.recurrent import GATE_KDA, GATE_KDA_BOUNDED, GATE_NONE
@@ -60,12 +60,6 @@ LOG2E = tl.constexpr(1.4426950408889634)
 # largest in-block decay span of the tensor-core diagonal form, 80 nats in log2 units: its
 # factors stay within e^(+-40), far inside the bf16 / fp32 range for any key magnitude below 1e20
 SPAN_LIMIT = tl.constexpr(80.0 * 1.4426950408889634)
-# The inverse kernel's diagonal blocks by _diag_inverses_stacked (one [4, 16, 16] substitution of
-# 15 unrolled steps) instead of four of 15 (_diag_inverses_rows): its sm_90 compile 3.9-5.2 s ->
-# 2.1-2.2 s on a 2-core CPU (a first call's largest compile), 2064 -> 1808 SASS instructions, 268
-# -> 34 LDG, 134 -> 139 registers, no spill. Off: checked in the interpreter only, not yet timed
-# or run on a GPU (tests/ops/test_triton_chunk_kda.py runs both; kda_prefill_sweep.py times both)
-INVERSE_STACKED = False
 
 
 @triton.jit
@@ -286,12 +280,11 @@ def _load_block(a, row0, bi: tl.constexpr, bj: tl.constexpr, n_left, stride):
 
 @triton.jit(do_not_specialize=["T", "NT"])     # as chunk_delta._scan_kernel
 def _kda_inverse_kernel(a, p_out, cu_seqlens, chunk_index, T, NT, HV: tl.constexpr, BT: tl.constexpr,
-                        VARLEN: tl.constexpr, STACKED: tl.constexpr):
+                        VARLEN: tl.constexpr):
     """P = (I + A)^-1 per chunk and value head from A (strictly lower, beta applied, fp32
     ``[B, T, HV, 64]``) as the sm_90 prologue writes it (backends/gluon/chunk_prepare_kda_sm90.py);
     grid (chunks, HV), one warp; the diagonal blocks' substitution loads A's rows as it needs them
-    (1x8k H64: 67 us, against 120 with the rows extracted from registers), four blocks' rows at a
-    time with STACKED (INVERSE_STACKED)."""
+    (1x8k H64: 67 us, against 120 with the rows extracted from registers)."""
     i_c = tl.program_id(0).to(tl.int64)
     i_hv = tl.program_id(1)
     i_n, c, bos, eos = _chunk(chunk_index, cu_seqlens, i_c, T, NT, VARLEN)
@@ -299,10 +292,7 @@ def _kda_inverse_kernel(a, p_out, cu_seqlens, chunk_index, T, NT, HV: tl.constex
     n_left = eos - t0
     row0 = (t0 * HV + i_hv) * BT
     stride = HV * BT
-    if STACKED:
-        p00, p11, p22, p33 = _diag_inverses_stacked(a, row0, 16, n_left, stride)           # [16, 16] each
-    else:
-        p00, p11, p22, p33 = _diag_inverses_rows(a, row0, 16, n_left, stride)              # [16, 16] each
+    p00, p11, p22, p33 = _diag_inverses_rows(a, row0, 16, n_left, stride)                  # [16, 16] each
     p10, p20, p21, p30, p31, p32 = _lower_merge(
         p00, p11, p22, p33, _load_block(a, row0, 1, 0, n_left, stride), _load_block(a, row0, 2, 0, n_left, stride),
         _load_block(a, row0, 2, 1, n_left, stride), _load_block(a, row0, 3, 0, n_left, stride),
@@ -317,7 +307,7 @@ def launch_inverse(p, total: int, tables, a, inverse, warps: int = 1) -> None:
     NT = -(-p.T // BT)
     launcher(_kda_inverse_kernel, p.T, NT)[(total, p.HV)](
         a, inverse, cu if varlen else a, chunk_index if varlen else a, p.T, NT, HV=p.HV, BT=BT, VARLEN=varlen,
-        STACKED=INVERSE_STACKED, num_warps=warps, num_stages=1)
+        num_warps=warps, num_stages=1)
 
 
 @triton.jit
