@@ -160,9 +160,7 @@ def main() -> int:
         kw = call_kwargs(inputs)
         fla_o = fla_us = None
         if fla_op is not None:
-            fla_o = fla_op(**kw)[0]
-            fla_us = 1e3 * do_bench_cudagraph(lambda: fla_op(**kw), rep=100)
-            fla_split = kernel_split(lambda: fla_op(**kw))
+            fla_o, fla_us, fla_split = timed(lambda: fla_op(**kw))
             print(f"{shape:28s} FLA {fla_us:9.1f} us: " + split_text(fla_split),
                   flush=True)
         first = None
@@ -180,13 +178,10 @@ def main() -> int:
             chunk_prepare.INVERSE_PROGRAMS_PER_SM = 0 if "inverse_heads" in (over or {}) else programs_per_sm
             try:
                 with use_tier(tier, strict=True), torch.no_grad():
-                    call = lambda: chunk_gated_delta_rule(**kw)  # noqa: E731
-                    o = call()[0]
+                    o, us, split = timed(lambda: chunk_gated_delta_rule(**kw))
                     err_first = rel(o, first) if first is not None else 0.0
                     first = o if first is None else first
                     err_fla = rel(o, fla_o) if fla_o is not None else None
-                    us = 1e3 * do_bench_cudagraph(call, rep=100)
-                    split = kernel_split(call)
                     plan = gluon_chunk.plan if tier == "gluon" else variant            # (the sm_90 tier's split gain)
                     config = dataclasses.asdict(plan(problem_of(kw)))
             except Exception as exc:  # a variant that does not compile or launch is reported, not fatal

@@ -15,10 +15,9 @@ import argparse
 import os
 
 import torch
-from triton.testing import do_bench_cudagraph
 
 import fastla  # noqa: F401  (registers the tiers)
-from benchmarks.gdn_prefill_sweep import config_with, kernel_split, rel, save_rows, split_text
+from benchmarks.gdn_prefill_sweep import config_with, rel, save_rows, split_text, timed
 from fastla.backends.gluon import chunk_delta as gluon_chunk
 from fastla.backends.gluon import chunk_prepare_kda_sm90 as sm90_prologue
 from fastla.backends.triton import chunk_delta
@@ -106,9 +105,7 @@ def main() -> int:
         kw = with_gate(call_kwargs(make_inputs(get_config(shape), "cuda")), args.gate)
         fla_o = fla_us = None
         if fla_op is not None:
-            fla_o = fla_op(**kw)[0]
-            fla_us = 1e3 * do_bench_cudagraph(lambda: fla_op(**kw), rep=100)
-            fla_split = kernel_split(lambda: fla_op(**kw))
+            fla_o, fla_us, fla_split = timed(lambda: fla_op(**kw))
             print(f"{shape:24s} FLA {fla_us:9.1f} us: " + split_text(fla_split),
                   flush=True)
         for name in names:
@@ -125,11 +122,8 @@ def main() -> int:
             chunk_delta.default_config = config_with(original, over)
             try:
                 with use_tier(args.tier, strict=True), torch.no_grad():
-                    call = lambda: chunk_kda(**kw)  # noqa: E731
-                    o = call()[0]
+                    o, us, split = timed(lambda: chunk_kda(**kw))
                     err_fla = rel(o, fla_o) if fla_o is not None else None
-                    us = 1e3 * do_bench_cudagraph(call, rep=100)
-                    split = kernel_split(call)
             except Exception as exc:  # a variant that does not compile or launch is reported, not fatal
                 print(f"{shape:24s} {name:12s} FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
                 rows.append(dict(shape=shape, variant=name, error=str(exc)[:400]))
