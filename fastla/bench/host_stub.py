@@ -396,6 +396,62 @@ def _check_replayed_validation() -> list[str]:
         return [f"gdn-verify-pool: a replay with an out-of-range slot did not raise (plan: {plan})"]
 
 
+def check_compile_ahead() -> list[str]:
+    """fastla/core/compile_ahead.py, for each chunked case: the first call of a class submits every
+    kernel the call compiles (``JITFunction.run`` with ``warmup``, Triton's ``AsyncCompileMode`` in
+    force) before the real pass compiles or launches anything, the same kernels as a call without
+    it; a second call of the class submits nothing. Returns the failures."""
+    from triton.runtime import _async_compile
+
+    from fastla.backends.triton import launch
+    from fastla.core import call_plan, compile_ahead
+    from fastla.core.dispatch import use_tier
+
+    events = []                         # (kernel, warmup, an AsyncCompileMode in force)
+
+    def run(self, *args, grid, warmup, **kwargs):
+        events.append((self.fn.__name__, warmup, _async_compile.active_mode.get() is not None))
+        return stub(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    def call(op, x, ahead: bool) -> list:
+        compile_ahead.ENABLED = ahead
+        events.clear()
+        op(**x)
+        return list(events)
+
+    stub, enabled, plans = JITFunction.run, compile_ahead.ENABLED, call_plan.ENABLED
+    JITFunction.run, call_plan.ENABLED = run, False         # (a recording, the second call, runs no dry pass)
+    failures = []
+    try:
+        for name, op, make, tier, _ in cases():
+            if not op.__name__.startswith("chunk_"):
+                continue
+            x = make(0)
+            with use_tier(tier, strict=True), torch.no_grad():
+                launch._LAUNCHERS.clear()
+                serial = call(op, x, ahead=False)
+                launch._LAUNCHERS.clear()
+                compile_ahead.clear()
+                first = call(op, x, ahead=True)
+                launch._LAUNCHERS.clear()
+                again = call(op, x, ahead=True)
+            submitted = [e for e in first if e[1]]
+            compiled = sorted(n for n, *_ in serial)
+            if not submitted or any(not e[2] for e in submitted) or first[:len(submitted)] != submitted:
+                failures.append(f"{name}: compile ahead: the first call's submissions {first}")
+            elif sorted(n for n, *_ in submitted) != compiled or first[len(submitted):] != serial:
+                failures.append(f"{name}: compile ahead: submitted {submitted}, then {first[len(submitted):]}; "
+                                f"without it {serial}")
+            elif again != serial:
+                failures.append(f"{name}: compile ahead: a second call of the class ran {again}")
+            else:
+                print(f"{name}: compile ahead: {len(submitted)} kernels submitted before the first launch")
+    finally:
+        JITFunction.run, compile_ahead.ENABLED, call_plan.ENABLED = stub, enabled, plans
+        compile_ahead.clear()
+    return failures
+
+
 if __name__ == "__main__":
     import os
     import sys
@@ -403,6 +459,6 @@ if __name__ == "__main__":
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("host_stub needs compiled-kernel launches: unset TRITON_INTERPRET")
     install()
-    problems = check_plans()
+    problems = check_compile_ahead() + check_plans()
     print("\n".join(problems) or "all replays match")
     sys.exit(1 if problems else 0)

@@ -5,7 +5,8 @@ kernels), ``torch`` (the chunked PyTorch tier, any device). Each tier registers,
 public op, a ``supports(problem) -> str | None`` check (``None`` means it can serve; a
 string says why not) and an implementation. ``FASTLA_BACKEND=torch|triton|gluon`` (or
 :func:`use_tier`) makes a tier the first one tried; a tier that cannot serve a call
-logs its reason once and the next tier serves it. ``torch`` serves every call.
+logs its reason once and the next tier serves it. ``torch`` serves every call. Before a GPU
+tier serves the first chunked call of a class, ``compile_ahead`` compiles its kernels side by side.
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import logging
 import os
 from dataclasses import dataclass
 from typing import Callable
+
+from fastla.core import compile_ahead
 
 logger = logging.getLogger("fastla")
 
@@ -111,4 +114,5 @@ def select(op: str, problem) -> tuple[str, TierImpl]:
 
 def run(op: str, problem):
     tier, impl = select(op, problem)
+    compile_ahead.before(op, tier, impl.run, problem)
     return impl.run(problem)

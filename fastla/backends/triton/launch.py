@@ -16,7 +16,9 @@ A key not seen yet launches through Triton (compiling as needed) and keeps the c
 it returns; later launches with the key call that kernel's launcher directly (each launch is
 reported to a call plan's recording, fastla/core/call_plan.py). Under the
 interpreter, with Triton's launch hooks set (profilers), its debug or instrumentation knobs on, a
-callable grid, or a runtime argument passed by keyword, every launch goes through Triton.
+callable grid, or a runtime argument passed by keyword, every launch goes through Triton. In a dry
+pass (fastla/core/compile_ahead.py: a first call's kernels compiled side by side) a launch whose key
+is not cached submits its compile and launches nothing.
 ``tests/backends/test_launch.py`` checks the key against Triton's own specialization.
 """
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 from triton import knobs
 from triton.runtime.jit import JITFunction
 
+from fastla.core import compile_ahead
 from fastla.core.call_plan import recording
 
 _I32 = (-(2 ** 31), 2 ** 31)
@@ -129,6 +132,10 @@ class Launcher:
         return tuple(k)
 
     def launch(self, grid, args, kwargs):
+        if compile_ahead.dry():
+            if not self._names or self.key(args, kwargs) not in self._cache:
+                compile_ahead.submit(self.fn, grid, args, kwargs)
+            return None
         rec = recording()
         if (not CACHED or not self._names or callable(grid) or hooks_active()
                 or not self._runtime.isdisjoint(kwargs)):
