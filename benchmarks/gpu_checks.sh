@@ -8,8 +8,9 @@
 #   bash benchmarks/gpu_checks.sh plain-split  # the plain rule's kernel split vs FLA (docs/notes/plain-prefill.md)
 #   bash benchmarks/gpu_checks.sh cold         # cold starts of the Gluon paths (first call, empty cache)
 #   bash benchmarks/gpu_checks.sh setup        # only the installs (before runs side by side)
-#   bash benchmarks/gpu_checks.sh cold-gates   # KDA's first call with its unbounded and given gates (the registry
-#                                              # cold-starts only the bounded one)
+#   bash benchmarks/gpu_checks.sh cold-gates   # KDA's first call with each gate (the registry cold-starts only
+#                                              # the bounded one), its compiles serial and side by side
+#                                              # (FASTLA_COMPILE_AHEAD=0 / 1, fastla/core/compile_ahead.py)
 # LIMIT: seconds for each test group (420). Run from the repository
 # root with .whl/ carried (../shared/device/peer-wheels.sh); results go to $OUT when set (the device
 # tool's output folder).
@@ -64,7 +65,8 @@ case "${1:-tests}" in
     # (tests that pick the device inline carry no gpu mark: -m "" keeps them, "not cpu" drops the
     # CPU cases of the device-parametrized ones)
     has triton && bg "${LIMIT:-420}" tests/ops/test_triton_chunk_gdn.py tests/ops/test_triton_chunk_kda.py -m "" -k "not cpu"
-    has plans && bg "${LIMIT:-420}" tests/core/test_call_plan.py tests/ops/test_compile.py tests/ops/test_recurrent.py
+    has plans && bg "${LIMIT:-420}" tests/core/test_call_plan.py tests/core/test_compile_ahead.py tests/ops/test_compile.py \
+      tests/ops/test_recurrent.py
     show ;;
   decode-tests) bg 300 tests/ops/test_gluon_recurrent.py; show ;;
   plain-split) timeout 300 python3 benchmarks/plain_prefill_split.py --segments 16,32 --out "$out" 2>&1 | tail -30 ;;
@@ -73,8 +75,10 @@ case "${1:-tests}" in
       --modes fwd --quick --cold-all --out "$out" 2>&1 | tail -12
     ;;
   cold-gates)
-    for gate in unbounded given; do
-      TRITON_CACHE_DIR=$(mktemp -d) timeout 120 python3 -c "
+    for run in "op 0" "op 1" "unbounded 0" "unbounded 1" "given 0" "given 1"; do
+      set -- $run
+      gate=$1
+      FASTLA_COMPILE_AHEAD=$2 TRITON_CACHE_DIR=$(mktemp -d) timeout 120 python3 -c "
 import sys, time, torch
 sys.path.insert(0, 'benchmarks')
 from kda_prefill_sweep import with_gate
@@ -85,7 +89,7 @@ kw = with_gate(call_kwargs(make_inputs(get_config('kda/h64/1x8192'), 'cuda')), '
 torch.cuda.synchronize(); start = time.perf_counter()
 with torch.no_grad():
     chunk_kda(**kw)
-torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate: first call', round(time.perf_counter() - start, 2), 's')
+torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: first call', round(time.perf_counter() - start, 2), 's')
 " 2>&1 | tail -1
     done ;;
   setup) ;;

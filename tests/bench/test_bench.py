@@ -260,7 +260,8 @@ def test_tier_flag_sets_the_backend(monkeypatch):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU's cold start is timed by the bench itself")
 def test_compile_times_script_compiles_a_calls_kernels_for_sm90(tmp_path):
     """benchmarks/compile_times.py: one config's first call compiles the kernels it launches (the
-    GDN prologue's two sm_90 kernels and the scan), each for sm_90 with a positive time."""
+    GDN prologue's two sm_90 kernels and the scan), each for sm_90 with a positive time, one after
+    another (``--ahead off``) and the same kernels side by side (``on``, fastla/core/compile_ahead.py)."""
     pytest.importorskip("triton.experimental.gluon")
     sys.path.insert(0, str(runner.REPO_ROOT / "benchmarks"))
     try:
@@ -268,8 +269,9 @@ def test_compile_times_script_compiles_a_calls_kernels_for_sm90(tmp_path):
     finally:
         sys.path.pop(0)
     out = tmp_path / "compile.json"
-    assert compile_times.main(["--filter", "gdn/h2-hv8/1x8192", "--json", str(out)]) == 0
-    (res,) = json.loads(out.read_text())["results"]
-    names = [n for n, _ in res["kernels"]]
+    assert compile_times.main(["--filter", "gdn/h2-hv8/1x8192", "--ahead", "off,on", "--json", str(out)]) == 0
+    serial, ahead = json.loads(out.read_text())["results"]
+    names = [n for n, _ in serial["kernels"]]
     assert {"_gdn_inverse_sm90_kernel", "_gdn_scores_sm90_kernel", "_scan_dual_sm90_kernel"} <= set(names)
-    assert all(s > 0 for _, s in res["kernels"]) and res["call_s"] >= res["compile_s"] > 0
+    assert all(s > 0 for _, s in serial["kernels"]) and serial["call_s"] >= serial["compile_s"] > 0
+    assert not serial["ahead"] and ahead["ahead"] and sorted(n for n, _ in ahead["kernels"]) == sorted(names)
