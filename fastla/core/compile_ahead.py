@@ -18,10 +18,12 @@ copies of strided inputs, casts) on buffers that no kernel filled; the chunked p
 output on the host and index nothing with one (a device-side assert would need that). An error in the
 dry pass is left to the real pass, which raises it (or compiles what the dry pass could not).
 
-A class: the op, the tier, the head counts and dimensions, the options, the dtypes and whether each
-tensor is given; B, T and N by their bit length, whether they are 1 and whether 16 divides them. Any
-call of a class seen before takes the real pass alone; a later call whose class is new but whose
-kernels are compiled pays one more run of the host code (~0.2 ms). Skipped: the torch tier, CPU
+A class: the op, the tier, the device, the head counts and dimensions, the options, the dtypes and
+whether each tensor is given; B, T and N by their bit length, whether they are 1 and whether 16
+divides them. It approximates what decides the kernels, no more: a call of a class seen before
+takes the real pass alone, and compiles what it needs that the class's first call did not (a split
+into segments, say) at its launches, one after another, as without compile ahead; a call whose
+class is new but whose kernels are compiled pays one more run of the host code (~0.2 ms). Skipped: the torch tier, CPU
 tensors, the interpreter, CUDA-graph capture, ``torch.compile`` tracing, call-plan recordings,
 Triton's launch hooks, and another ``AsyncCompileMode`` in force. ``FASTLA_COMPILE_AHEAD=0`` (or
 ``ENABLED = False``) turns it off.
@@ -62,12 +64,14 @@ def before(op: str, tier: str, run, problem) -> None:
     key = _class_of(op, tier, problem)
     if key in _SEEN or not _eligible(problem):
         return
-    _SEEN.add(key)
     from triton.runtime import _async_compile
 
-    if _async_compile.active_mode.get() is not None:
+    if _async_compile.active_mode.get() is not None:      # the caller's own: its compiles, its rules
         return
-    with _async_compile.AsyncCompileMode(_executor(), ignore_errors=True):
+    _SEEN.add(key)
+    mode = _async_compile.AsyncCompileMode(_executor(), ignore_errors=True)
+    mode.__enter__()
+    try:
         _local.dry = True
         try:
             run(problem)
@@ -75,6 +79,9 @@ def before(op: str, tier: str, run, problem) -> None:
             logger.debug("fastla: the dry pass of a first %s call stopped (%s: %s)", op, type(exc).__name__, exc)
         finally:
             _local.dry = False
+        mode.__exit__(None, None, None)         # waits for the compiles; the kernels enter Triton's caches
+    finally:                            # (Triton's __exit__ does not reset the mode if the wait is interrupted)
+        _async_compile.active_mode.set(None)
 
 
 def clear() -> None:
@@ -96,12 +103,16 @@ def _eligible(problem) -> bool:
 def _class_of(op: str, tier: str, p) -> tuple:
     """The class of a call (above). Every field of ``Problem`` enters it but ``scale`` (a runtime
     value of every kernel), the host offsets (through N) and the pool (chunked calls have none);
-    tests/core/test_compile_ahead.py checks that."""
-    return (op, tier, p.q.dtype, p.k.dtype, p.v.dtype, p.o_dtype, _dtype(p.g), _dtype(p.gk), _dtype(p.gv),
-            _dtype(p.g_gamma), _dtype(p.beta), _dtype(p.A_log), _dtype(p.dt_bias), _dtype(p.initial_state),
-            _dtype(p.cu_seqlens), p.delta, p.gate_in_op, p.lower_bound is None, p.use_qk_l2norm, p.beta_sigmoid,
+    tests/core/test_compile_ahead.py checks that. Also: whether T spans more than one chunk (the
+    kernels' length-specialized twins, launch.py), whether ``lower_bound`` is within safe_gate's
+    range (KDA's bounded spans) and the device."""
+    return (op, tier, p.q.get_device(), p.q.dtype, p.k.dtype, p.v.dtype, p.o_dtype, _dtype(p.g), _dtype(p.gk),
+            _dtype(p.gv), _dtype(p.g_gamma), _dtype(p.beta), _dtype(p.A_log), _dtype(p.dt_bias),
+            _dtype(p.initial_state), _dtype(p.cu_seqlens), p.delta, p.gate_in_op,
+            None if p.lower_bound is None else p.lower_bound >= -5, p.use_qk_l2norm, p.beta_sigmoid,
             p.allow_neg_eigval, p.output_final_state, p.state_v_first, p.reverse, p.chunk_size,
-            p.return_intermediate_states, p.H, p.HV, p.K, p.V, _size(p.B), _size(p.T), _size(p.N))
+            p.return_intermediate_states, p.H, p.HV, p.K, p.V, _size(p.B), _size(p.T), p.T > p.chunk_size,
+            _size(p.N))
 
 
 def _dtype(x):

@@ -71,6 +71,15 @@ def test_lengths_enter_by_bit_length_divisibility_and_one(T, other, same):
     assert (a == b) == same
 
 
+@pytest.mark.parametrize("field, a, b", [("T", 64, 80), ("lower_bound", -5.0, -6.0)])
+def test_what_else_changes_the_kernels_enters_the_class(field, a, b):
+    """One chunk or more (the length-specialized twins), a lower bound inside safe_gate's range or
+    not (KDA's bounded spans)."""
+    p = _problem()
+    assert (compile_ahead._class_of("chunk_kda", "gluon", dataclasses.replace(p, **{field: a}))
+            != compile_ahead._class_of("chunk_kda", "gluon", dataclasses.replace(p, **{field: b})))
+
+
 class _Kernel:
     """A kernel's stand-in: records ``run`` calls (Launcher submits through them in a dry pass)."""
 
@@ -123,6 +132,34 @@ def test_an_error_in_the_dry_pass_is_left_to_the_real_pass(eligible):
 
     compile_ahead.before("chunk_kda", "triton", run, _problem())       # no raise: the real pass will
     assert not compile_ahead.dry()
+
+
+def test_an_interrupted_wait_leaves_no_compile_mode_behind(eligible):
+    """Ctrl-C while the dry pass waits for its compiles: it propagates, and neither Triton's async
+    compile mode nor the dry flag stays set on the thread."""
+    from triton.runtime import _async_compile
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    def run(problem):
+        _async_compile.active_mode.get().submit("key", interrupted, lambda kernel: None)
+
+    with pytest.raises(KeyboardInterrupt):
+        compile_ahead.before("chunk_kda", "gluon", run, _problem())
+    assert _async_compile.active_mode.get() is None and not compile_ahead.dry()
+
+
+def test_no_dry_pass_under_the_callers_own_async_compile_mode(eligible):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from triton.runtime import _async_compile
+
+    with ThreadPoolExecutor(1) as pool, _async_compile.AsyncCompileMode(pool):
+        compile_ahead.before("chunk_kda", "gluon", lambda problem: pytest.fail("a dry pass ran"), _problem())
+    passes = []
+    compile_ahead.before("chunk_kda", "gluon", passes.append, _problem())      # the class is not marked seen
+    assert len(passes) == 1
 
 
 @pytest.mark.parametrize("op, tier, enabled", [("chunk_kda", "torch", True),
