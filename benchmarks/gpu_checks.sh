@@ -2,7 +2,8 @@
 # GPU checks and measurements in device calls of under ten minutes each:
 #   bash benchmarks/gpu_checks.sh tests        # every chunked-forward GPU test, in groups side by side
 #                                              # (~7 min; each group stopped after LIMIT s; ONLY picks
-#                                              # some: gluon-gdn gluon-kda plain fuzz triton plans;
+#                                              # some: gluon-gdn gluon-kda plain fuzz triton plans
+#                                              # large (batches past 2^31 elements: ~60 GB);
 #                                              # exit 1 if a group failed)
 #   bash benchmarks/gpu_checks.sh decode-tests # the decode kernels' GPU tests (~1 min)
 #   bash benchmarks/gpu_checks.sh plain-split  # the plain rule's kernel split vs FLA (docs/notes/plain-prefill.md)
@@ -50,7 +51,7 @@ show() {
 case "${1:-tests}" in
   tests)
     # ONLY: which of the groups to run (all by default)
-    groups="gluon-gdn gluon-kda plain fuzz triton plans"
+    groups="gluon-gdn gluon-kda plain fuzz triton plans large"
     for g in ${ONLY:-}; do
       [[ " $groups " == *" $g "* ]] || { echo "ONLY: no group $g (groups: $groups)"; exit 2; }
     done
@@ -65,6 +66,7 @@ case "${1:-tests}" in
     # (tests that pick the device inline carry no gpu mark: -m "" keeps them, "not cpu" drops the
     # CPU cases of the device-parametrized ones)
     has triton && bg "${LIMIT:-420}" tests/ops/test_triton_chunk_gdn.py tests/ops/test_triton_chunk_kda.py -m "" -k "not cpu"
+    has large && bg "${LIMIT:-420}" tests/ops/test_large_offsets.py
     has plans && bg "${LIMIT:-420}" tests/core/test_call_plan.py tests/core/test_compile_ahead.py tests/ops/test_compile.py \
       tests/ops/test_recurrent.py
     show ;;

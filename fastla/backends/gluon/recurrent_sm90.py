@@ -104,21 +104,22 @@ def _token_inputs(q, k, v, g, gk, beta, A_log, dt_bias, g_gamma, i_n, i_hv, i_v,
     the raw scalar gate, exp(A_log), the scalar dt bias, g_gamma and the raw beta. Loaded a tile
     ahead of their use (nothing here waits on them)."""
     i_n64 = i_n.to(gl.int64)
-    i_h = i_hv // (HV // H)
+    i_hv64 = i_hv.to(gl.int64)              # (a head-major view's head stride is N x K: int64 products)
+    i_h = i_hv64 // (HV // H)
     m_k = (o_k >= 0) & exists
     b_q = gl.load(q + i_n64 * sq_n + i_h * sq_h + o_k, mask=m_k, other=0.0).to(gl.float32)
     b_k = gl.load(k + i_n64 * sk_n + i_h * sk_h + o_k, mask=m_k, other=0.0).to(gl.float32)
-    b_v = gl.load(v + i_n64 * sv_n + i_hv * sv_h + i_v * BV + o_c, mask=(o_c >= 0) & exists,
+    b_v = gl.load(v + i_n64 * sv_n + i_hv64 * sv_h + i_v * BV + o_c, mask=(o_c >= 0) & exists,
                   other=0.0).to(gl.float32)
     b_beta = 1.0
     if DELTA and BETA != 0:
-        b_beta = gl.load(beta + i_n64 * sb_n + i_hv * sb_h, mask=exists, other=0.0).to(gl.float32)
+        b_beta = gl.load(beta + i_n64 * sb_n + i_hv64 * sb_h, mask=exists, other=0.0).to(gl.float32)
     b_g = 0.0
     if HAS_G:
-        b_g = gl.load(g + i_n64 * sg_n + i_hv * sg_h, mask=exists, other=0.0).to(gl.float32)
+        b_g = gl.load(g + i_n64 * sg_n + i_hv64 * sg_h, mask=exists, other=0.0).to(gl.float32)
     b_gk = b_q
     if HAS_GK:
-        b_gk = gl.load(gk + i_n64 * sgk_n + i_hv * sgk_h + o_k, mask=m_k, other=0.0).to(gl.float32)
+        b_gk = gl.load(gk + i_n64 * sgk_n + i_hv64 * sgk_h + o_k, mask=m_k, other=0.0).to(gl.float32)
     b_A = 1.0
     if HAS_A:
         b_A = gl.exp(gl.load(A_log + i_hv, mask=exists, other=0.0).to(gl.float32))
