@@ -124,6 +124,10 @@ def _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B: int, T: int, device) -> tup
             raise ValueError(f"{name} must have shape [N+1] with N >= 1, got {list(x.shape)}")
     if cu_seqlens is not None and cu_seqlens.device != device:
         raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but q is on {device}")
+    if cu_seqlens_cpu is not None and cu_seqlens_cpu.device.type != "cpu":
+        # (FLA takes it; each call then waits on the device to read it)
+        warnings.warn(f"cu_seqlens_cpu is on {cu_seqlens_cpu.device}: reading its offsets synchronizes with the "
+                      "device at every call; pass a CPU tensor", RuntimeWarning, stacklevel=5)
     if cu_seqlens is not None and cu_seqlens_cpu is not None and cu_seqlens.numel() != cu_seqlens_cpu.numel():
         raise ValueError(
             f"cu_seqlens_cpu must match cu_seqlens: {cu_seqlens_cpu.numel()} vs {cu_seqlens.numel()} entries"

@@ -162,3 +162,11 @@ def test_device_mismatch_named():
         fused_recurrent_kda(**kda(), initial_state=torch.randn(40, HV, K, V),
                             ssm_state_indices=torch.arange(2 * T).reshape(2, T),
                             num_accepted_tokens=torch.ones(2, dtype=torch.int64, device="meta"))
+
+
+def test_cu_seqlens_cpu_on_a_device_warns():
+    """FLA takes ``cu_seqlens_cpu`` on a GPU (every call then syncs to read it): fastla does too, and
+    says so (here a meta tensor stands in for a device one; its values cannot be read)."""
+    with pytest.warns(RuntimeWarning, match="cu_seqlens_cpu is on meta.*pass a CPU tensor"):
+        with pytest.raises(Exception):
+            chunk_gated_delta_rule(**gdn_b1(), cu_seqlens_cpu=torch.tensor([0, 32], device="meta"))
