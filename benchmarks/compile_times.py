@@ -25,10 +25,14 @@ It also runs the host code on the GPU machine's CPUs, whose speed differs from t
     python benchmarks/compile_times.py                         # one config per shape class
     python benchmarks/compile_times.py --filter kda/h64/1x8192 --json out.json
     python benchmarks/compile_times.py --ahead off,on                # the first call, serial and ahead
+    python benchmarks/compile_times.py --filter kda/h64/1x8192 \
+        --knob fastla.backends.gluon.chunk_prepare_kda_sm90:INVERSE_SM90=True   # a module switch set first
 """
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib
 import json
 import os
 import subprocess
@@ -44,7 +48,7 @@ DEFAULT = ("gdn/h16-hv64/1x8192", "gdn/h2-hv8/1x32768", "gdn/h2-hv8/varlen9x1638
            "kda/h64/1x8192/unbounded")
 
 
-def _child(name: str, ahead: bool) -> dict:
+def _child(name: str, ahead: bool, knobs: list[str]) -> dict:
     start = time.perf_counter()
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile as triton_compile, make_backend
@@ -93,6 +97,10 @@ def _child(name: str, ahead: bool) -> dict:
 
     host_stub.install()
     compile_ahead.ENABLED = ahead
+    for knob in knobs:                                  # module:ATTR=value (a Python literal)
+        target_name, value = knob.split("=", 1)
+        module, attr = target_name.split(":")
+        setattr(importlib.import_module(module), attr, ast.literal_eval(value))
     stub = JITFunction.run
     JITFunction.run = compile_then_stub
     cfg = _config(name, get_config)
@@ -117,12 +125,13 @@ def _config(name: str, get_config):
     return replace(cfg, options=options)
 
 
-def _run(name: str, ahead: bool, timeout: float) -> dict:
+def _run(name: str, ahead: bool, timeout: float, knobs: list[str]) -> dict:
     with tempfile.TemporaryDirectory(prefix="fastla-compile-") as cache:
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         env.update(TRITON_CACHE_DIR=cache, PYTHONPATH=os.pathsep.join(
             p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
-        out = subprocess.run([sys.executable, __file__, "--child", name, "--ahead", "on" if ahead else "off"], capture_output=True, text=True,
+        out = subprocess.run([sys.executable, __file__, "--child", name, "--ahead", "on" if ahead else "off",
+                              *(f"--knob={k}" for k in knobs)], capture_output=True, text=True,
                              timeout=timeout, env=env)
     lines = out.stdout.strip().splitlines()
     if out.returncode != 0 or not lines:
@@ -138,19 +147,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per config")
     ap.add_argument("--ahead", default="on", help="off, on or off,on: the first call's compiles one after "
                     "another, or side by side (fastla/core/compile_ahead.py)")
+    ap.add_argument("--knob", action="append", default=[], help="module:ATTR=value, set in each child before "
+                    "the call (a kernel switch, say); repeatable")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     modes = args.ahead.split(",")
     if not modes or not set(modes) <= {"on", "off"}:
         ap.error(f"--ahead takes off, on or off,on, not {args.ahead!r}")
     if args.child:
-        print(json.dumps(_child(args.child, modes[0] == "on")))
+        print(json.dumps(_child(args.child, modes[0] == "on", args.knob)))
         return 0
     results = []
     print(f"{'config':32} {'ahead':>5} {'import s':>8} {'call s':>7} {'compile s':>9}  kernels (compile s)", flush=True)
     for name in args.filter.split(","):
         for mode in modes:
-            res = _run(name, mode == "on", args.timeout)
+            res = _run(name, mode == "on", args.timeout, args.knob)
             results.append(res)
             if "error" in res:
                 print(f"{name:32} {mode:>5} {res['error']}", flush=True)

@@ -47,6 +47,8 @@ VARIANTS = {
     "sm90-uncapped": dict(sm90_maxnreg=None),
     "sm90-r128": dict(sm90_maxnreg=128),
     "sm90-bounded-only": dict(sm90_unbounded=False),   # unbounded / given gates on the Triton prologue
+    "inv-sm90": dict(inverse_sm90=True),           # P by the Gluon inverse kernel (chunk_inverse_sm90.py)
+    "inv-triton": dict(inverse_sm90=False),        # P by the Triton inverse kernel
     "wide-bk32": dict(wide=(32, 4, 1)),             # the wide-block kernel's (channels, warps, stages)
     "wide-w8": dict(wide=(16, 8, 1)),
     "wide-bk32-w8": dict(wide=(32, 8, 1)),
@@ -99,6 +101,7 @@ def main() -> int:
     original = chunk_delta.default_config
     default_maxnreg, default_unbounded = sm90_prologue.MAXNREG, sm90_prologue.UNBOUNDED
     default_programs = sm90_prologue.PROGRAMS_PER_SM
+    default_inverse = sm90_prologue.INVERSE_SM90
     default_wide = wide.BLOCK_K, wide.WARPS, wide.STAGES
     default_dual = gluon_chunk.SCAN_DUAL
     for shape in args.shapes.split(","):
@@ -113,6 +116,7 @@ def main() -> int:
             gluon_chunk.KDA_PROLOGUE_SM90 = over.pop("sm90_prologue", True)
             sm90_prologue.MAXNREG = over.pop("sm90_maxnreg", default_maxnreg)
             sm90_prologue.INVERSE_WARPS = over.pop("inverse_warps", 1)
+            sm90_prologue.INVERSE_SM90 = over.pop("inverse_sm90", default_inverse)
             sm90_prologue.UNBOUNDED = over.pop("sm90_unbounded", default_unbounded)
             sm90_prologue.PROGRAMS_PER_SM = over.pop("sm90_programs_per_sm", default_programs)
             wide.BLOCK_K, wide.WARPS, wide.STAGES = over.pop("wide", default_wide)

@@ -257,17 +257,22 @@ def test_tier_flag_sets_the_backend(monkeypatch):
     assert os.environ["FASTLA_BACKEND"] == "triton"
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU's cold start is timed by the bench itself")
-def test_compile_times_script_compiles_a_calls_kernels_for_sm90(tmp_path):
-    """benchmarks/compile_times.py: one config's first call compiles the kernels it launches (the
-    GDN prologue's two sm_90 kernels and the scan), each for sm_90 with a positive time, one after
-    another (``--ahead off``) and the same kernels side by side (``on``, fastla/core/compile_ahead.py)."""
+def _compile_times_module():
     pytest.importorskip("triton.experimental.gluon")
     sys.path.insert(0, str(runner.REPO_ROOT / "benchmarks"))
     try:
         import compile_times
     finally:
         sys.path.pop(0)
+    return compile_times
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU's cold start is timed by the bench itself")
+def test_compile_times_script_compiles_a_calls_kernels_for_sm90(tmp_path):
+    """benchmarks/compile_times.py: one config's first call compiles the kernels it launches (the
+    GDN prologue's two sm_90 kernels and the scan), each for sm_90 with a positive time, one after
+    another (``--ahead off``) and the same kernels side by side (``on``, fastla/core/compile_ahead.py)."""
+    compile_times = _compile_times_module()
     out = tmp_path / "compile.json"
     assert compile_times.main(["--filter", "gdn/h2-hv8/1x8192", "--ahead", "off,on", "--json", str(out)]) == 0
     serial, ahead = json.loads(out.read_text())["results"]
@@ -275,3 +280,17 @@ def test_compile_times_script_compiles_a_calls_kernels_for_sm90(tmp_path):
     assert {"_gdn_inverse_sm90_kernel", "_gdn_scores_sm90_kernel", "_scan_dual_sm90_kernel"} <= set(names)
     assert all(s > 0 for _, s in serial["kernels"]) and serial["call_s"] >= serial["compile_s"] > 0
     assert not serial["ahead"] and ahead["ahead"] and sorted(n for n, _ in ahead["kernels"]) == sorted(names)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU's cold start is timed by the bench itself")
+def test_compile_times_script_sets_knobs(tmp_path):
+    """``--knob module:ATTR=value`` sets a switch in the child before the call: KDA's first call with
+    the Gluon inverse kernel (chunk_prepare_kda_sm90.INVERSE_SM90) compiles it, with the call's own
+    arguments, in place of the Triton one."""
+    compile_times = _compile_times_module()
+    out = tmp_path / "compile.json"
+    knob = "fastla.backends.gluon.chunk_prepare_kda_sm90:INVERSE_SM90=True"
+    assert compile_times.main(["--filter", "kda/h64/1x8192", "--ahead", "off", "--knob", knob, "--json", str(out)]) == 0
+    (res,) = json.loads(out.read_text())["results"]
+    names = {n for n, _ in res["kernels"]}
+    assert "_kda_inverse_sm90_kernel" in names and "_kda_inverse_kernel" not in names, names

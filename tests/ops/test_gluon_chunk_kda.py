@@ -138,6 +138,28 @@ def test_sm90_prologue_persistent(case, monkeypatch):
     _prologue_parity(case, monkeypatch)
 
 
+@pytest.mark.parametrize("case", ["bounded-gate", "bounded-varlen", "bounded-k64", "unbounded-gate", "strong-decay"])
+def test_sm90_inverse_matches_triton(case, monkeypatch):
+    """The Gluon inverse kernel (chunk_prepare_kda_sm90.INVERSE_SM90): the op against fp64, and its P
+    against the Triton inverse kernel's from the same prologue (unbounded gates: A rewritten by the
+    wide-block kernel first)."""
+    from fastla.backends.gluon import chunk_prepare_kda_sm90 as sm90
+    seen = {}
+
+    def recorded(*args, launch=sm90.launch, **kwargs):
+        launch(*args, **kwargs)
+        seen[sm90.INVERSE_SM90] = args[5].clone()                       # P
+    monkeypatch.setattr(sm90, "launch", recorded)
+    t, opts = bf16_case(case)
+    for gluon_inverse in (True, False):
+        monkeypatch.setattr(sm90, "INVERSE_SM90", gluon_inverse)
+        check_fp64(t, opts, tier="gluon")
+    assert set(seen) == {True, False} and torch.isfinite(seen[True]).all()
+    assert_close("P", seen[True].float(), seen[False].float(), 1e-2)
+    err = (seen[True].float() - seen[False].float()).abs().max()       # no error confined to a few rows
+    assert err <= 2e-2 * seen[False].float().abs().max(), f"P: max error {err:.3e}"
+
+
 def _prologue_parity(case, monkeypatch):
     from fastla.backends.gluon import chunk_delta as gluon_chunk
     from fastla.backends.gluon import chunk_prepare_kda_sm90 as sm90

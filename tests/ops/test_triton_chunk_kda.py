@@ -290,11 +290,13 @@ def test_wide_blocks_rewrite_flagged_blocks_exactly(gate, delta, varlen):
                 assert got[~own].isnan().all() and torch.allclose(got[own], ref[own], rtol=rtol, atol=1e-6)
 
 
+@pytest.mark.parametrize("kernel", ["triton", "sm90"])
 @pytest.mark.parametrize("varlen", [False, True])
-def test_inverse_kernel_matches_fp64(varlen):
-    """The KDA inverse kernel (chunk_prepare_kda.launch_inverse, after the sm_90 prologue): P = (I + A)^-1
-    per chunk and value head from a strictly lower fp32 A, partial last chunks included, against torch's fp64 inverse of that A; rows past a chunk's end
-    are never read (poisoned) and never written."""
+def test_inverse_kernel_matches_fp64(varlen, kernel):
+    """The KDA inverse kernel (chunk_prepare_kda.launch_inverse after the sm_90 prologue; ``sm90``:
+    its Gluon port, chunk_inverse_sm90.launch_kda, on an sm_90 GPU only): P = (I + A)^-1 per chunk and
+    value head from a strictly lower fp32 A, partial last chunks included, against torch's fp64
+    inverse of that A; rows past a chunk's end are never read (poisoned) and never written."""
     from types import SimpleNamespace
 
     from fastla.backends.triton import chunk_prepare_kda
@@ -302,6 +304,10 @@ def test_inverse_kernel_matches_fp64(varlen):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not interpreting():
         pytest.skip("the Triton kernels need CUDA or the interpreter")
+    if kernel == "sm90":
+        from fastla.backends.gluon import available, chunk_inverse_sm90
+        if device == "cpu" or available(torch.device(device)) is not None:
+            pytest.skip("the Gluon kernel needs an sm_90 GPU")
     gen = torch.Generator().manual_seed(3)
     lengths = [70, 1, 129] if varlen else None
     B, T, HV = (1, sum(lengths), 3) if varlen else (2, 130, 3)
@@ -319,7 +325,8 @@ def test_inverse_kernel_matches_fp64(varlen):
         index = [(i, c) for i, n in enumerate(lengths) for c in range(-(-n // 64))]
         tables = (cu.to(device), torch.tensor(index, dtype=torch.int32, device=device))
     out = torch.full((B, T, HV, 64), nan, device=device)
-    chunk_prepare_kda.launch_inverse(SimpleNamespace(T=T, HV=HV), len(chunks), tables, a.to(device), out)
+    launch = chunk_inverse_sm90.launch_kda if kernel == "sm90" else chunk_prepare_kda.launch_inverse
+    launch(SimpleNamespace(T=T, HV=HV), len(chunks), tables, a.to(device), out)
     for b, t0, n in chunks:
         for hv in range(HV):
             blk = a[b, t0:t0 + n, hv, :n].double()

@@ -25,6 +25,12 @@ blocks' scratch on the keys' second slice once the Gram is done): eight one-warp
 four heads (registers), twelve at one. Measured (H200, docs/notes/gdn-prefill.md v18): 8-12% faster
 than the Triton kernel before the scratch moved (1x32k HV64 397 -> 363 us, 4x8k HV32 243 -> 214),
 still latency-bound.
+
+KDA's inverse (``_kda_inverse_sm90_kernel``, off until it runs on a GPU: chunk_prepare_kda_sm90.
+INVERSE_SM90): the same from A's blocks on, A read from the fp32 ``[B, T, HV, 64]`` the KDA sm_90
+prologue writes (beta applied) instead of formed from keys. Grid (chunks, HV), one warp; sm_90
+compile: 152-168 registers, no spill, 16 KB of shared memory (bf16 P), ~1 s to compile against
+the Triton kernel's 3.6-4.3 s (its Coalesce pass alone takes 2 s on the 60 unrolled row loads).
 """
 from __future__ import annotations
 
@@ -115,6 +121,19 @@ def _diagonal_inverses(dg_s, dp_s, CS: gl.constexpr):
         x_j = gl.sum(gl.where(ii == j, X, 0.0), 2)                          # [4, 16]: x_j of each column
         X = X - a_j * gl.expand_dims(x_j, 2)
     dp_s.store(X)
+
+
+@gluon.jit
+def _merge_lower(p00, p11, p22, p33, a10, a20, a21, a30, a31, a32):
+    """P's six blocks below the diagonal from the diagonal blocks' inverses p_bb and A's lower blocks
+    a_bc, by block forward substitution P_bc = -P_bb sum_(c <= d < b) A_bd P_dc (tf32 mma.sync)."""
+    p10 = -_mm(p11, _mm(a10, p00))
+    p21 = -_mm(p22, _mm(a21, p11))
+    p32 = -_mm(p33, _mm(a32, p22))
+    p20 = -_mm(p22, _mm(a20, p00) + _mm(a21, p10))
+    p31 = -_mm(p33, _mm(a31, p11) + _mm(a32, p21))
+    p30 = -_mm(p33, _mm(a30, p00) + _mm(a31, p10) + _mm(a32, p20))
+    return p10, p20, p21, p30, p31, p32
 
 
 @gluon.jit(do_not_specialize=["T", "NT"])
@@ -240,12 +259,7 @@ def _gdn_inverse_sm90_kernel(
         p11 = _load_block_t(dp_s, 1)
         p22 = _load_block_t(dp_s, 2)
         p33 = _load_block_t(dp_s, 3)
-        p10 = -_mm(p11, _mm(a10, p00))
-        p21 = -_mm(p22, _mm(a21, p11))
-        p32 = -_mm(p33, _mm(a32, p22))
-        p20 = -_mm(p22, _mm(a20, p00) + _mm(a21, p10))
-        p31 = -_mm(p33, _mm(a31, p11) + _mm(a32, p21))
-        p30 = -_mm(p33, _mm(a30, p00) + _mm(a31, p10) + _mm(a32, p20))
+        p10, p20, p21, p30, p31, p32 = _merge_lower(p00, p11, p22, p33, a10, a20, a21, a30, a31, a32)
         p_s.slice(0, 16, dim=0).slice(0, 16, dim=1).store(p00.to(gl.bfloat16))
         p_s.slice(16, 16, dim=0).slice(0, 16, dim=1).store(p10.to(gl.bfloat16))
         p_s.slice(16, 16, dim=0).slice(16, 16, dim=1).store(p11.to(gl.bfloat16))
@@ -258,6 +272,83 @@ def _gdn_inverse_sm90_kernel(
         p_s.slice(48, 16, dim=0).slice(48, 16, dim=1).store(p33.to(gl.bfloat16))
         gl.thread_barrier()
         gl.store(p_out + (base + r_o * HV) * 64 + c_o, p_s.load(out_l), mask=r_o < n_left)
+
+
+@gluon.jit
+def _lower_block(a, base, bi: gl.constexpr, bj: gl.constexpr, n_left, HV: gl.constexpr):
+    """Block (bi, bj) [16, 16] of a chunk's A ``[rows, HV, 64]`` (its row 0 at a + base 64) in the
+    mma layout, fp32, zero past the chunk's rows."""
+    r = gl.arange(0, 16, layout=ROWS)[:, None] + 16 * bi
+    c = gl.arange(0, 16, layout=COLS)[None, :] + 16 * bj
+    return gl.load(a + (base + r * HV) * 64 + c, mask=r < n_left, other=0.0).to(gl.float32)
+
+
+@gluon.jit(do_not_specialize=["T", "NT"])
+def _kda_inverse_sm90_kernel(a, p_out, cu_seqlens, chunk_index, T, NT, HV: gl.constexpr, VARLEN: gl.constexpr):
+    """KDA's P = (I + A)^-1 per chunk and value head from the strictly lower A (beta applied, fp32
+    ``[B, T, HV, 64]``) that the sm_90 prologue writes: the contract of the Triton kernel
+    (chunk_prepare_kda._kda_inverse_kernel, whole rows of P with zeros above the block diagonal, the
+    chunk's rows only), the algorithm of _gdn_inverse_sm90_kernel from A's blocks on: the diagonal
+    blocks by column substitution in shared memory, the six below by tf32 mma.sync. Grid
+    (chunks, HV), one warp; 8 KB of shared memory for the blocks' scratch, 8 KB for P (bf16)."""
+    ld3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 8, 4], [1, 1, 1], [2, 1, 0])    # [4, 16, 16] rows of A
+    CS: gl.constexpr = gl.BlockedLayout([1, 1, 16], [2, 16, 1], [1, 1, 1], [2, 1, 0])   # [4, 16, 16] by columns
+    out_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])  # P's rows in 16-byte runs
+    plain2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+    plain3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
+
+    i_c = gl.program_id(0).to(gl.int64)
+    i_hv = gl.program_id(1)
+    i_n, c_seq, bos, eos = _chunk(chunk_index, cu_seqlens, i_c, T, NT, VARLEN)
+    t0 = bos + c_seq * 64                                                   # first token (int64)
+    n_left = eos - t0                                                       # tokens of the chunk from t0, >= 1
+    base = t0 * HV + i_hv                                                   # the chunk's row 0 in A and P
+
+    dg_s = gl.allocate_shared_memory(gl.float32, [4, 16, 16], plain3)
+    dp_s = gl.allocate_shared_memory(gl.float32, [4, 16, 16], plain3)
+    p_s = gl.allocate_shared_memory(p_out.dtype.element_ty, [64, 64], plain2)
+    p_s.store(gl.zeros([64, 64], p_out.dtype.element_ty, out_l))
+    # the diagonal blocks A_b [b, i, j] (strictly lower: A_b[i, j] = 0 for i <= j), as A_b^T [b, j, i]
+    bb = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, ld3)))[:, None, None]
+    ii = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, ld3)))[None, :, None]
+    jj = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, ld3)))[None, None, :]
+    rows = 16 * bb + ii                                                     # [4, 16, 1]
+    x = gl.load(a + (base + rows * HV) * 64 + 16 * bb + jj, mask=(rows < n_left) & (jj < ii), other=0.0)
+    dg_s.store(gl.permute(x.to(gl.float32), (0, 2, 1)))
+    gl.thread_barrier()
+    _diagonal_inverses(dg_s, dp_s, CS)
+    a10 = _lower_block(a, base, 1, 0, n_left, HV)
+    a20 = _lower_block(a, base, 2, 0, n_left, HV)
+    a21 = _lower_block(a, base, 2, 1, n_left, HV)
+    a30 = _lower_block(a, base, 3, 0, n_left, HV)
+    a31 = _lower_block(a, base, 3, 1, n_left, HV)
+    a32 = _lower_block(a, base, 3, 2, n_left, HV)
+    gl.thread_barrier()
+    p00 = _load_block_t(dp_s, 0)                                            # D_b [16, 16]
+    p11 = _load_block_t(dp_s, 1)
+    p22 = _load_block_t(dp_s, 2)
+    p33 = _load_block_t(dp_s, 3)
+    p10, p20, p21, p30, p31, p32 = _merge_lower(p00, p11, p22, p33, a10, a20, a21, a30, a31, a32)
+    blocks = (p00, p10, p11, p20, p21, p22, p30, p31, p32, p33)             # row b's blocks from b (b + 1) / 2
+    for b in gl.static_range(4):
+        for c in gl.static_range(b + 1):
+            p_s.slice(16 * b, 16, dim=0).slice(16 * c, 16, dim=1).store(blocks[b * (b + 1) // 2 + c].to(p_s.dtype))
+    gl.thread_barrier()
+    r_o = gl.arange(0, 64, layout=gl.SliceLayout(1, out_l))[:, None]
+    c_o = gl.arange(0, 64, layout=gl.SliceLayout(0, out_l))[None, :]
+    gl.store(p_out + (base + r_o * HV) * 64 + c_o, p_s.load(out_l), mask=r_o < n_left)
+
+
+def launch_kda(p, total: int, tables, a, inverse) -> None:
+    """chunk_prepare_kda.launch_inverse's contract: P = (I + A)^-1 into ``inverse`` ``[B, T, HV, 64]``
+    from the fp32 A of the sm_90 prologue."""
+    from fastla.backends.triton.launch import launcher
+
+    cu, chunk_index = tables
+    varlen = cu is not None
+    NT = -(-p.T // 64)
+    launcher(_kda_inverse_sm90_kernel, p.T, NT)[(total, p.HV)](
+        a, inverse, cu if varlen else a, chunk_index if varlen else a, p.T, NT, HV=p.HV, VARLEN=varlen, num_warps=1)
 
 
 def launch(p, g, beta, beta_mode: int, total: int, tables, gcum, inverse, dot, config) -> None:

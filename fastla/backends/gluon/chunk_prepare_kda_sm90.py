@@ -364,6 +364,10 @@ UNBOUNDED = True
 # +80 us, four: +180 us at 1x8k H64, benchmarks/results/kda_prefill_sweep-v4-knobs.json).
 MAXNREG = None
 INVERSE_WARPS = 1
+# P = (I + A)^-1 by the Gluon kernel (chunk_inverse_sm90._kda_inverse_sm90_kernel: compiles in ~1 s
+# against the Triton kernel's 3.6-4.3 s, the first call's longest compile; not yet run on a GPU,
+# docs/notes/kda-prefill.md v15); False: the Triton inverse kernel
+INVERSE_SM90 = False
 # Persistent programs per SM (shared memory at K = 128, sm_90 compile: 108.5 KB with a bf16 gate, q
 # and k of two items; 84.5 KB with an fp32 gate, q and k of one); None: one program per item (A/B sweeps)
 PROGRAMS_PER_SM = 2
@@ -388,6 +392,7 @@ def launch(p, beta, beta_mode: int, total: int, tables, inverse, scores, kg, kd,
     ``kg``, ``kd``, ``qg`` ``[B, T, HV, K]``, e^(G_last) into ``decay`` ``[total, HV, K]``. For GLA
     (``p.delta`` False: no beta, A, kg nor inverse) Aqk, kd, qg and decay."""
     from fastla.backends.gluon.chunk_delta import _tile_layout, tma_descriptor
+    from fastla.backends.gluon import chunk_inverse_sm90
     from fastla.backends.triton import chunk_prepare_kda, chunk_prepare_kda_wide
     from fastla.backends.triton import sm_count
     from fastla.backends.triton.launch import launcher
@@ -413,5 +418,7 @@ def launch(p, beta, beta_mode: int, total: int, tables, inverse, scores, kg, kd,
     )
     if flag:                                                # the flagged blocks again, exactly
         chunk_prepare_kda_wide.launch(p, beta, beta_mode, total, tables, a_kk, scores, kg, kd, qg, flags)
-    if p.delta:                     # (GLA, the plain rule, reads Aqk, qg, kd and decay only)
+    if p.delta and INVERSE_SM90:    # (GLA, the plain rule, reads Aqk, qg, kd and decay only)
+        chunk_inverse_sm90.launch_kda(p, total, tables, a_kk, inverse)
+    elif p.delta:
         chunk_prepare_kda.launch_inverse(p, total, tables, a_kk, inverse, INVERSE_WARPS)
