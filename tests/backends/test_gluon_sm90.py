@@ -12,21 +12,24 @@ pytest.importorskip("triton.experimental.gluon")
 from tests.backends.test_triton_sm90 import _resources, _run_child  # noqa: E402
 
 
-def _compile_sm90(kern, sig: dict, consts: dict, folder: str, options: dict) -> dict:
+def _compile_sm90(kern, sig: dict, consts: dict, folder: str, options: dict, aligned: tuple = ()) -> dict:
     """Compile a Gluon kernel for sm_90: the cubin's resources and its SASS counts of wgmma, TMA
-    loads and stores, the shared memory and the PTX's register splits."""
+    loads and stores (and 16-byte global stores), the shared memory and the PTX's register splits.
+    ``aligned``: pointer arguments known 16-byte aligned, as Triton specializes them at a launch."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     names = kern.arg_names
-    src = GluonASTSource(kern, sig, {(names.index(n),): v for n, v in consts.items()})
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    src = GluonASTSource(kern, sig, {(names.index(n),): v for n, v in consts.items()}, attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     res = _resources(kernel.asm["cubin"], folder)
     tool = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     sass = subprocess.run([str(tool), "-sass", str(pathlib.Path(folder) / "k.cubin")], capture_output=True,
                           text=True, check=True).stdout
-    res.update(hgmma=sass.count("HGMMA"), hmma=sass.count("HMMA"), utmaldg=sass.count("UTMALDG"),
+    res.update(hgmma=sass.count("HGMMA"), hmma=sass.count("HMMA"), stg128=sass.count("STG.E.128"),
+               utmaldg=sass.count("UTMALDG"),
                utmastg=sass.count("UTMASTG"), shared_bytes=kernel.metadata.shared,
                setmaxnreg=kernel.asm["ptx"].count("setmaxnreg"))
     return res
@@ -532,17 +535,18 @@ def _child_kda_inverse(name: str, folder: str) -> None:
     consts = {"HV": 64, "VARLEN": False, **KDA_INVERSE_VARIANTS[name]}
     pointers = {"a": "*fp32", "p_out": "*bf16", "cu_seqlens": "*i64", "chunk_index": "*i32"}
     sig = {n: pointers.get(n) or ("constexpr" if n in consts else "i32") for n in kern.arg_names}
-    res = _compile_sm90(kern, sig, consts, folder, {"num_warps": 1})
+    res = _compile_sm90(kern, sig, consts, folder, {"num_warps": 1}, aligned=tuple(pointers))
     print(json.dumps(res))
 
 
 @pytest.mark.parametrize("name", list(KDA_INVERSE_VARIANTS))
 def test_kda_inverse_compiles_for_sm90(name, tmp_path):
     """KDA's inverse kernel in Gluon: tf32 mma.sync merges, no spill, a one-warp program's 16 KB of
-    shared memory (twelve programs an SM at least, as the Triton kernel)."""
+    shared memory (twelve programs an SM at least, as the Triton kernel), P stored in 16-byte runs
+    (64 rows x 128 bytes over 32 lanes: 16 stores a lane)."""
     res = _run_child(f"_child_kda_inverse({name!r}, {str(tmp_path)!r})", tmp_path,
                      module="tests.backends.test_gluon_sm90")
-    assert res["hmma"] > 0, res
+    assert res["hmma"] > 0 and res["stg128"] == 16, res
     assert res["LOCAL"] == 0 and res["STACK"] == 0, f"spills: {res}"
     assert res["shared_bytes"] <= 227 * 1024 // 12, res
 

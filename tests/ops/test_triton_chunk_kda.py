@@ -296,7 +296,8 @@ def test_inverse_kernel_matches_fp64(varlen, kernel):
     """The KDA inverse kernel (chunk_prepare_kda.launch_inverse after the sm_90 prologue; ``sm90``:
     its Gluon port, chunk_inverse_sm90.launch_kda, on an sm_90 GPU only): P = (I + A)^-1 per chunk and
     value head from a strictly lower fp32 A, partial last chunks included, against torch's fp64
-    inverse of that A; rows past a chunk's end are never read (poisoned) and never written."""
+    inverse of that A; rows past a chunk's end and entries on and above the diagonal are never read
+    (poisoned) and rows past the end never written."""
     from types import SimpleNamespace
 
     from fastla.backends.triton import chunk_prepare_kda
@@ -316,9 +317,9 @@ def test_inverse_kernel_matches_fp64(varlen, kernel):
     chunks = [(b, s + c, min(n - c, 64)) for b, n, s in seqs for c in range(0, n, 64)]
     nan = float("nan")
     a = torch.full((B, T, HV, 64), nan)
-    for b, t0, n in chunks:                         # beta (k_i . k_j) decay-like entries, up to ~1
+    for b, t0, n in chunks:         # beta (k_i . k_j) decay-like entries, up to ~1; NaN on and above the diagonal
         x = torch.randn(HV, n, 64, generator=gen) * 0.4
-        a[b, t0:t0 + n] = torch.where(torch.ones(n, 64, dtype=torch.bool).tril(-1), x, 0.0).transpose(0, 1)
+        a[b, t0:t0 + n] = torch.where(torch.ones(n, 64, dtype=torch.bool).tril(-1), x, nan).transpose(0, 1)
     tables = (None, None)
     if varlen:
         cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
@@ -329,7 +330,7 @@ def test_inverse_kernel_matches_fp64(varlen, kernel):
     launch(SimpleNamespace(T=T, HV=HV), len(chunks), tables, a.to(device), out)
     for b, t0, n in chunks:
         for hv in range(HV):
-            blk = a[b, t0:t0 + n, hv, :n].double()
+            blk = a[b, t0:t0 + n, hv, :n].double().nan_to_num()
             ref = torch.linalg.inv(torch.eye(n, dtype=torch.float64) + blk)
             got = out[b, t0:t0 + n, hv].double().cpu()
             # on a GPU the block merges take tf32 operands (FLA's merge precision, u = 2^-11); the

@@ -366,7 +366,8 @@ MAXNREG = None
 INVERSE_WARPS = 1
 # P = (I + A)^-1 by the Gluon kernel (chunk_inverse_sm90._kda_inverse_sm90_kernel: compiles in ~1 s
 # against the Triton kernel's 3.6-4.3 s, the first call's longest compile; not yet run on a GPU,
-# docs/notes/kda-prefill.md v15); False: the Triton inverse kernel
+# docs/notes/kda-prefill.md v15; one warp a program, INVERSE_WARPS does not apply); False: the
+# Triton inverse kernel
 INVERSE_SM90 = False
 # Persistent programs per SM (shared memory at K = 128, sm_90 compile: 108.5 KB with a bf16 gate, q
 # and k of two items; 84.5 KB with an fp32 gate, q and k of one); None: one program per item (A/B sweeps)
