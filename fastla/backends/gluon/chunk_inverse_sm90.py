@@ -19,8 +19,8 @@ with 16 FMAs (15 steps); the six blocks below by block forward substitution on t
 P_bc = -D_b sum_(c <= d < b) A_bd P_dc (the Triton kernel's products); P assembled in shared
 memory and stored in 16-byte runs.
 
-Budget (K = 128, sm_90): 255 registers with 56-104 bytes of stack at four heads a program (by the
-pointers' alignment; one head: 168 registers, no spill), 17.5 KB of shared memory (the diagonal
+Budget (K = 128, sm_90, aligned pointers as launched): 255 registers with 104 bytes of stack at
+four heads a program (one head: 168 registers, 8 bytes), 17.5 KB of shared memory (the diagonal
 blocks' scratch on the keys' second slice once the Gram is done): eight one-warp programs an SM at
 four heads (registers), twelve at one. Measured (H200, docs/notes/gdn-prefill.md v18): 8-12% faster
 than the Triton kernel before the scratch moved (1x32k HV64 397 -> 363 us, 4x8k HV32 243 -> 214),
