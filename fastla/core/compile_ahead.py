@@ -130,6 +130,16 @@ def _executor() -> ThreadPoolExecutor:
     return _pool
 
 
+def _forget_pool() -> None:
+    """In a forked child: the parent's pool threads do not exist there (a new pool starts on use)."""
+    global _pool
+    _pool = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
+
+
 class _CompileThenLauncher(ThreadPoolExecutor):
     """Runs each submitted compile, then builds the compiled kernel's C launcher (Triton compiles it
     with gcc at a kernel's first launch, unless its disk cache has it: ~0.2 s each on the CPU

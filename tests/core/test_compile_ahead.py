@@ -210,3 +210,16 @@ def test_first_call_equals_later_calls_on_gpu(tmp_path):
                          timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "first calls equal later calls" in run.stdout
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_starts_its_own_pool():
+    """A child forked after the pool started does not inherit its (absent) threads."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    ThreadPoolExecutor.submit(compile_ahead._executor(), lambda: None).result()     # (its threads started)
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if compile_ahead._pool is None else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
