@@ -8,7 +8,7 @@ what the sequences give alone: the output, the final states and the chunk states
 would read or write another sequence's rows, or fault. The kernels' offsets were audited as int64
 on the CPU (sm_90 IR of every variant, docs/notes/gdn-prefill.md v25); this runs them.
 
-About 40 GB of GPU memory a case; `gpu_checks.sh tests` runs this file as its own group, in its
+About 40-50 GB of GPU memory a case; `gpu_checks.sh tests` runs this file as its own group, in its
 own process (an address fault ends the process)."""
 import pytest
 import torch
