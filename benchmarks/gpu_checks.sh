@@ -3,7 +3,7 @@
 #   bash benchmarks/gpu_checks.sh tests        # every chunked-forward GPU test, in groups side by side
 #                                              # (~7 min; each group stopped after LIMIT s; ONLY picks
 #                                              # some: gluon-gdn gluon-kda plain fuzz triton plans
-#                                              # large (batches past 2^31 elements: ~60 GB);
+#                                              # large (batches past 2^31 elements: <= 50 GB);
 #                                              # exit 1 if a group failed)
 #   bash benchmarks/gpu_checks.sh decode-tests # the decode kernels' GPU tests (~1 min)
 #   bash benchmarks/gpu_checks.sh plain-split  # the plain rule's kernel split vs FLA (docs/notes/plain-prefill.md)
