@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fastla.backends.triton import interpreting
 from fastla.bench.host_stub import strided  # noqa: F401  (the tests' strided views: one definition)
 from fastla.ops.gated_delta_rule import (
     chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, naive_recurrent_gated_delta_rule,
@@ -23,6 +24,18 @@ from fastla.ops.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla, 
 HAS_CUDA = torch.cuda.is_available()
 _needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, _needs_cuda])]
+# tests that force a kernel tier (triton, gluon): their CPU case runs under Triton's interpreter,
+# which conftest sets where there is no GPU; on a GPU host without it the case is skipped
+_needs_interpreter = pytest.mark.skipif(not interpreting(), reason="CPU inputs reach the kernel tiers only "
+                                        "under TRITON_INTERPRET=1")
+KERNEL_DEVICES = [pytest.param("cpu", marks=_needs_interpreter), DEVICES[1]]
+
+
+def skip_unservable(device: str, tier: str) -> None:
+    """In a test parametrized by device and tier: skip CPU inputs on a kernel tier without the
+    interpreter (as KERNEL_DEVICES does for tests of one kernel tier)."""
+    if device == "cpu" and tier != "torch" and not interpreting():
+        pytest.skip("CPU inputs reach the kernel tiers only under TRITON_INTERPRET=1")
 
 
 def poison():

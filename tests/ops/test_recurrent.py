@@ -13,10 +13,19 @@ from fastla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule, naive_
 from fastla.ops.gla import fused_recurrent_gla, naive_recurrent_gla
 from tests.helpers import (
     DEVICES, OPS, as_leaves, assert_close, call_chunk, call_recurrent, call_reference, make_inputs, on_device,
+    skip_unservable,
 )
 
 
 TIERS = ["torch", "triton"]
+
+
+@pytest.fixture(autouse=True)
+def _servable(request):
+    """CPU inputs on the triton tier need the interpreter (helpers.skip_unservable)."""
+    params = getattr(request.node, "callspec", None)
+    if params is not None and "device" in params.params and "tier" in params.params:
+        skip_unservable(params.params["device"], params.params["tier"])
 
 
 def on_tier(tier):

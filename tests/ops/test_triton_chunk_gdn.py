@@ -7,7 +7,7 @@ from fastla.backends.triton import interpreting
 from fastla.core.dispatch import use_tier
 from fastla.ops.gated_delta_rule import chunk_gated_delta_rule, naive_recurrent_gated_delta_rule
 from tests.helpers import (
-    DEVICES, OPS, assert_close, call_chunk, call_reference, make_inputs, on_device, strided_inputs,
+    KERNEL_DEVICES, OPS, assert_close, call_chunk, call_reference, make_inputs, on_device, strided_inputs,
 )
 
 SPEC = OPS["gdn"]
@@ -32,7 +32,7 @@ def check(t, tol=TOL, **opts):
 
 
 @pytest.mark.parametrize("T", [1, 63, 64, 65, 128, 130])    # 128: the length-specialized twins (launch.py)
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_lengths(T, device):
     check(make_inputs(SPEC, B=2, T=T, H=2, HV=4, K=32, V=32, device=device))
 
@@ -51,13 +51,13 @@ def test_one_token_bf16_wide_heads(B):
 
 
 @pytest.mark.parametrize("lengths", [[1, 63, 64, 65, 130, 7], [200]])
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_varlen(lengths, device):
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device=device)
     check(make_inputs(SPEC, B=1, T=sum(lengths), H=2, HV=6, K=32, V=16, N=len(lengths), device=device), cu_seqlens=cu)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_strided_inputs(device):
     """Strided views (q, k, v split from one projection, sliced gates, beta, state, offsets and the
     gate's parameters) run on this tier, through dense copies, with the contiguous inputs' results."""
@@ -75,25 +75,25 @@ def test_strided_inputs(device):
 
 
 @pytest.mark.parametrize("K,V", [(32, 48), (64, 64), (128, 128)])
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_head_dims(K, V, device):
     check(make_inputs(SPEC, B=1, T=70, H=1, HV=3, K=K, V=V, device=device))
 
 
 @pytest.mark.parametrize("strength", [1e-3, 30.0])
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_decay_strength(strength, device):
     check(make_inputs(SPEC, B=1, T=130, H=1, HV=2, K=32, V=32, strength=strength, device=device))
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_state_v_first_and_no_state(device):
     t = make_inputs(SPEC, B=2, T=70, H=1, HV=2, K=32, V=16, v_first=True, device=device)
     check(t, state_v_first=True)
     check(make_inputs(SPEC, B=2, T=70, H=1, HV=2, K=32, V=16, h0=False, device=device))
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_everything_in_op(device):
     B, T, H, HV, K, V = 1, 90, 2, 4, 32, 32
     t = on_device(dict(q=torch.randn(B, T, H, K), k=torch.randn(B, T, H, K), v=torch.randn(B, T, HV, V),
@@ -110,7 +110,7 @@ def test_everything_in_op(device):
 
 
 @pytest.mark.parametrize("varlen", [False, True])
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_intermediate_states_match_torch_tier(varlen, device):
     t = make_inputs(SPEC, B=1 if varlen else 2, T=150, H=1, HV=2, K=32, V=16, N=3 if varlen else None, device=device)
     opts = dict(output_final_state=True, return_intermediate_states=True)
@@ -125,7 +125,7 @@ def test_intermediate_states_match_torch_tier(varlen, device):
     assert_close("o", o, ro, TOL)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_training_goes_to_the_torch_tier(device):
     """No Triton backward yet: a forward whose inputs require grad is served by the torch tier."""
     from fastla.core import dispatch
@@ -138,7 +138,7 @@ def test_training_goes_to_the_torch_tier(device):
     assert "grad" in reasons["triton"]
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_correlated_keys_stay_exact(device):
     """Strongly correlated keys make I + A ill-conditioned: the inverse must still be exact (to the
     products' precision: fp32 in the interpreter, bf16 on a GPU)."""
@@ -151,7 +151,7 @@ def test_correlated_keys_stay_exact(device):
     check(on_device(t, device), tol=1e-4 if interpreting() else TOL)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_beta_none_with_sigmoid_means_one_in_the_recurrent_sense(device):
     """The torch tier's convention: beta omitted is 1, whatever the beta-sigmoid flag says."""
     t = make_inputs(SPEC, B=1, T=70, H=1, K=16, V=16, device=device)
@@ -163,14 +163,14 @@ def test_beta_none_with_sigmoid_means_one_in_the_recurrent_sense(device):
     assert_close("ht", ht, rht, TOL)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_small_head_dim(device):
     check(make_inputs(SPEC, B=1, T=40, H=1, K=8, V=8, device=device))
 
 
 @pytest.mark.parametrize("variant", ["three_stages", "wide_tiles", "segments_of_one_chunk", "segments_of_two_chunks",
                                      "segments_narrow_combine", "inverse_per_value_head", "inverse_shared_heads"])
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_launch_variants(variant, device, monkeypatch):
     """The non-default launch variants the GPU sweep times compute the same function (shared
     heads: both value heads in one inverse program, which this small grid would not choose)."""
@@ -193,7 +193,7 @@ def test_launch_variants(variant, device, monkeypatch):
 
 @pytest.mark.parametrize("v_first", [False, True])
 @pytest.mark.parametrize("h0", [False, True])
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_sequence_parallel_segments(v_first, h0, device, monkeypatch):
     """Segments of a long sequence run in parallel from their exact start states (summary pass:
     end state from zero and transition; combine; replay): output, final and chunk states match."""
@@ -244,7 +244,7 @@ def test_varlen_sequence_orders():
 
 
 @pytest.mark.parametrize("op", ["gdn", "kda"])
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_offsets_on_the_host_only(op, device):
     """Offsets given only as cu_seqlens_cpu (no device cu_seqlens) are a varlen batch on this tier,
     as on the torch tier (it ran them as one dense sequence and wrote past its buffers)."""
@@ -270,7 +270,7 @@ def test_inverse_heads_per_program():
 
 
 @pytest.mark.parametrize("segments", [0, 1])
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_empty_sequence_keeps_its_initial_state(segments, device, monkeypatch):
     """An empty sequence in a varlen batch: zero output rows, final state = its initial state,
     with and without the segment split (an empty sequence gets one empty segment)."""

@@ -9,7 +9,7 @@ from fastla.backends.triton import interpreting
 from fastla.core.dispatch import use_tier
 from fastla.ops.kda import chunk_kda, naive_recurrent_kda
 from tests.helpers import (
-    DEVICES, OPS, assert_close, call_chunk, call_reference, gpu, make_inputs, on_device, strided_inputs,
+    KERNEL_DEVICES, OPS, assert_close, call_chunk, call_reference, gpu, make_inputs, on_device, strided_inputs,
 )
 
 SPEC = OPS["kda"]
@@ -30,19 +30,19 @@ def check(t, tol=TOL, **opts):
 
 
 @pytest.mark.parametrize("T", [1, 130])
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_lengths_and_gva(T, device):
     check(make_inputs(SPEC, B=2, T=T, H=1, HV=2, K=32, V=16, device=device))
 
 
 @pytest.mark.parametrize("strength", [1e-3, 100.0])
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_decay_strength(strength, device):
     """100: in-block decay spans far beyond SPAN_LIMIT (the exact pairwise diagonal), no inf / NaN."""
     check(make_inputs(SPEC, B=1, T=80, H=1, K=32, V=16, strength=strength, device=device))
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_varlen_and_state_v_first(device):
     lengths = [1, 63, 64, 65, 7]
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
@@ -51,7 +51,7 @@ def test_varlen_and_state_v_first(device):
 
 
 @pytest.mark.parametrize("lower_bound", [None, -5.0])
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_everything_in_op(lower_bound, device):
     """KDA gate (softplus or bounded sigmoid), l2norm, beta sigmoid and negative eigenvalues in the op."""
     B, T, H, HV, K, V = 1, 70, 1, 2, 32, 16
@@ -71,7 +71,7 @@ def test_everything_in_op(lower_bound, device):
     assert_close("final_state", ht, rht, TOL)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_strided_inputs(device):
     """Strided views of every input (q, k, v, the raw gate, beta, the state, the offsets, A_log and
     dt_bias) run on this tier, through dense copies, with the contiguous inputs' results."""
@@ -88,7 +88,7 @@ def test_strided_inputs(device):
         assert torch.equal(a, b), f"{name} differs with strided inputs"
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_segments_and_intermediate_states(device, monkeypatch):
     """Sequence parallelism (summary with the exact per-channel transition, combine, replay) and
     the chunk-start states, against the torch tier."""
@@ -106,7 +106,7 @@ def test_segments_and_intermediate_states(device, monkeypatch):
 
 
 @pytest.mark.parametrize("warps,block_k", [(4, 32), (2, 16)])
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_prologue_launch_variants(warps, block_k, device, monkeypatch):
     """The prologue's other launch shapes (the sweep times them) compute the same function; K = 64
     runs two or four channel slices."""

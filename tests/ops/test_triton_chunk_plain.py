@@ -8,7 +8,7 @@ from fastla.backends.triton import chunk_delta, interpreting
 from fastla.core.dispatch import use_tier
 from fastla.core.validation import build_problem
 from tests.helpers import (
-    DEVICES, OPS, assert_close, call_chunk, call_reference, make_inputs, poison, strided_inputs,
+    KERNEL_DEVICES, OPS, assert_close, call_chunk, call_reference, make_inputs, poison, strided_inputs,
 )
 
 TOL = 2e-5 if interpreting() else 1e-2
@@ -29,13 +29,13 @@ def check(spec, t, tol=TOL, tier="triton", **opts):
 
 @pytest.mark.parametrize("T", [1, 63, 64, 65, 130])
 @pytest.mark.parametrize(**SPECS)
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_lengths(spec, T, device):
     check(spec, make_inputs(spec, B=2, T=T, H=3, K=32, V=32, device=device))
 
 
 @pytest.mark.parametrize("gates", ["g", "g_gamma", "both", "none"])
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_simple_gla_gates(gates, device):
     """g per token, the constant g_gamma, their sum, or no decay at all."""
     t = make_inputs(SIMPLE, B=1, T=100, H=2, K=32, V=16, device=device)
@@ -48,7 +48,7 @@ def test_simple_gla_gates(gates, device):
 
 @pytest.mark.parametrize("lengths", [[1, 63, 64, 65, 130, 7], [200]])
 @pytest.mark.parametrize(**SPECS)
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_varlen(spec, lengths, device):
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
     t = make_inputs(spec, B=1, T=sum(lengths), H=2, K=32, V=16, N=len(lengths), device=device)
@@ -56,7 +56,7 @@ def test_varlen(spec, lengths, device):
 
 
 @pytest.mark.parametrize("v_first", [False, True])
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_state_layouts_and_no_initial_state(v_first, device):
     def inputs(spec, **kw):
         return make_inputs(spec, B=2, T=70, H=2, K=32, V=48, device=device, **kw)
@@ -66,13 +66,13 @@ def test_state_layouts_and_no_initial_state(v_first, device):
 
 
 @pytest.mark.parametrize("K,V", [(64, 64), (128, 128)])
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_head_dims(K, V, device):
     check(SIMPLE, make_inputs(SIMPLE, B=1, T=70, H=1, K=K, V=V, device=device))
     check(GLA, make_inputs(GLA, B=1, T=70, H=1, K=K, V=V, device=device))
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_segments(device, monkeypatch):
     """Sequence parallelism (segment summaries, the combine, the replays) with the plain rule:
     the summary's identity columns carry its transition e^(G_last) I."""
@@ -87,7 +87,7 @@ def test_segments(device, monkeypatch):
 
 
 @pytest.mark.parametrize(**SPECS)
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_strided_inputs(spec, device):
     """Strided views (q, k, v, the gates, g_gamma, the state) give the contiguous inputs' results."""
     lengths = [70, 1, 59]
@@ -103,7 +103,7 @@ def test_strided_inputs(spec, device):
         assert torch.equal(a, b), f"{name} differs with strided inputs"
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_strong_decay(device):
     """Decay to ~e^-2000 within a chunk: no inf or NaN (GLA's diagonal blocks past the span limit
     take the exact pairwise sums)."""
@@ -111,7 +111,7 @@ def test_strong_decay(device):
     check(GLA, make_inputs(GLA, B=1, T=130, H=2, K=32, V=32, strength=30.0, device=device))
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_a_decay_that_requires_grad_goes_to_the_torch_tier(device):
     """g_gamma requiring grad: the kernel tiers have no backward, so they pass the call on."""
     t = make_inputs(SIMPLE, B=1, T=8, H=2, K=16, V=16, device=device)
@@ -120,7 +120,7 @@ def test_a_decay_that_requires_grad_goes_to_the_torch_tier(device):
     assert "require grad" in chunk_delta.supports(p)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_gates_per_value_channel_go_to_the_next_tier(device):
     """A per-value-channel gate is not on this tier: it says so (the torch tier serves it)."""
     t = make_inputs(GLA, B=1, T=8, H=1, K=16, V=16, device=device)
