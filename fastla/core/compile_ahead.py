@@ -51,11 +51,6 @@ def dry() -> bool:
     return getattr(_local, "dry", False)
 
 
-def submit(fn, grid, args, kwargs) -> None:
-    """A dry pass's launch of kernel ``fn``: its compile submitted, nothing launched."""
-    fn.run(*args, grid=grid, warmup=True, **kwargs)
-
-
 def before(op: str, tier: str, run, problem) -> None:
     """Called by the dispatcher before ``run(problem)`` serves a call: on the first call of its
     class, the dry pass (above)."""

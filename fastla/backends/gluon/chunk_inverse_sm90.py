@@ -45,6 +45,10 @@ from fastla.backends.triton.chunk_prepare import _activate_beta, _gdn_gate
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
 ROWS = gl.constexpr(gl.SliceLayout(1, MMA))
 COLS = gl.constexpr(gl.SliceLayout(0, MMA))
+CS = gl.constexpr(gl.BlockedLayout([1, 1, 16], [2, 16, 1], [1, 1, 1], [2, 1, 0]))   # [4, 16, 16] by columns
+OUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0]))                # P's rows in 16-byte runs
+PLAIN2 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+PLAIN3 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]))
 
 
 @gluon.jit
@@ -124,16 +128,21 @@ def _diagonal_inverses(dg_s, dp_s, CS: gl.constexpr):
 
 
 @gluon.jit
-def _merge_lower(p00, p11, p22, p33, a10, a20, a21, a30, a31, a32):
-    """P's six blocks below the diagonal from the diagonal blocks' inverses p_bb and A's lower blocks
-    a_bc, by block forward substitution P_bc = -P_bb sum_(c <= d < b) A_bd P_dc (tf32 mma.sync)."""
+def _lower_inverse(dp_s, a10, a20, a21, a30, a31, a32):
+    """P's ten lower blocks: the diagonal ones D_b from dp_s (D_b^T, _diagonal_inverses), the six
+    below by block forward substitution P_bc = -P_bb sum_(c <= d < b) A_bd P_dc from A's lower
+    blocks a_bc (tf32 mma.sync)."""
+    p00 = _load_block_t(dp_s, 0)                                            # D_b [16, 16]
+    p11 = _load_block_t(dp_s, 1)
+    p22 = _load_block_t(dp_s, 2)
+    p33 = _load_block_t(dp_s, 3)
     p10 = -_mm(p11, _mm(a10, p00))
     p21 = -_mm(p22, _mm(a21, p11))
     p32 = -_mm(p33, _mm(a32, p22))
     p20 = -_mm(p22, _mm(a20, p00) + _mm(a21, p10))
     p31 = -_mm(p33, _mm(a31, p11) + _mm(a32, p21))
     p30 = -_mm(p33, _mm(a30, p00) + _mm(a31, p10) + _mm(a32, p20))
-    return p10, p20, p21, p30, p31, p32
+    return p00, p10, p11, p20, p21, p22, p30, p31, p32, p33
 
 
 @gluon.jit(do_not_specialize=["T", "NT"])
@@ -145,10 +154,6 @@ def _gdn_inverse_sm90_kernel(
     gl.static_assert(K % 64 == 0, "K in [64, 64] boxes")
     NK: gl.constexpr = K // 64
     vec_l: gl.constexpr = gl.BlockedLayout([2], [32], [1], [0])             # [64] token vectors
-    CS: gl.constexpr = gl.BlockedLayout([1, 1, 16], [2, 16, 1], [1, 1, 1], [2, 1, 0])   # [4, 16, 16] by columns
-    out_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])  # P's rows in 16-byte runs
-    plain2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
-    plain3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
 
     i_c = gl.program_id(0).to(gl.int64)
     hv0 = gl.program_id(1) * VPP                                            # VPP value heads of one q/k head
@@ -159,14 +164,14 @@ def _gdn_inverse_sm90_kernel(
 
     k_s = gl.allocate_shared_memory(gl.bfloat16, [NK, 64, 64], k_desc.layout)
     if NK >= 2:   # A_b^T of the diagonal blocks and D_b^T where the keys' second slice was (after the Gram)
-        scratch = k_s._reinterpret(gl.float32, [8 * NK, 16, 16], plain3)   # [16, 16] fp32 blocks, 1 KB each
+        scratch = k_s._reinterpret(gl.float32, [8 * NK, 16, 16], PLAIN3)   # [16, 16] fp32 blocks, 1 KB each
         dg_s = scratch.slice(8, 4, dim=0)
         dp_s = scratch.slice(12, 4, dim=0)
     else:
-        dg_s = gl.allocate_shared_memory(gl.float32, [4, 16, 16], plain3)
-        dp_s = gl.allocate_shared_memory(gl.float32, [4, 16, 16], plain3)
-    gv_s = gl.allocate_shared_memory(gl.float32, [4, 16], plain2)           # G by blocks
-    bv_s = gl.allocate_shared_memory(gl.float32, [4, 16], plain2)           # beta by blocks
+        dg_s = gl.allocate_shared_memory(gl.float32, [4, 16, 16], PLAIN3)
+        dp_s = gl.allocate_shared_memory(gl.float32, [4, 16, 16], PLAIN3)
+    gv_s = gl.allocate_shared_memory(gl.float32, [4, 16], PLAIN2)           # G by blocks
+    bv_s = gl.allocate_shared_memory(gl.float32, [4, 16], PLAIN2)           # beta by blocks
     bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(bar, count=1)
     fence_async_shared()
@@ -201,8 +206,8 @@ def _gdn_inverse_sm90_kernel(
         r3 = r0
     # P is assembled where the keys were (8 KB; zeros above the block diagonal, written once)
     gl.thread_barrier()
-    p_s = k_s._reinterpret(gl.bfloat16, [64, 64], plain2)
-    p_s.store(gl.zeros([64, 64], gl.bfloat16, out_l))
+    p_s = k_s._reinterpret(gl.bfloat16, [64, 64], PLAIN2)
+    p_s.store(gl.zeros([64, 64], gl.bfloat16, OUT))
     c0 = gl.convert_layout(r0, COLS)                                        # the same as columns' vectors
     c1 = gl.convert_layout(r1, COLS)
     c2 = gl.convert_layout(r2, COLS)
@@ -210,8 +215,8 @@ def _gdn_inverse_sm90_kernel(
 
     o_t = gl.arange(0, 64, layout=vec_l)
     m_t = o_t < n_left
-    r_o = gl.arange(0, 64, layout=gl.SliceLayout(1, out_l))[:, None]
-    c_o = gl.arange(0, 64, layout=gl.SliceLayout(0, out_l))[None, :]
+    r_o = gl.arange(0, 64, layout=gl.SliceLayout(1, OUT))[:, None]
+    c_o = gl.arange(0, 64, layout=gl.SliceLayout(0, OUT))[None, :]
     for jv in range(VPP):
         i_hv = hv0 + jv
         base = t0 * HV + i_hv                                               # chunk row 0 in g, beta, gcum
@@ -255,11 +260,7 @@ def _gdn_inverse_sm90_kernel(
         a31 = _a_block(g31, s3, c1, G3, H1, False)
         a30 = _a_block(g30, s3, c0, G3, H0, False)
         gl.thread_barrier()
-        p00 = _load_block_t(dp_s, 0)                                        # D_b [16, 16]
-        p11 = _load_block_t(dp_s, 1)
-        p22 = _load_block_t(dp_s, 2)
-        p33 = _load_block_t(dp_s, 3)
-        p10, p20, p21, p30, p31, p32 = _merge_lower(p00, p11, p22, p33, a10, a20, a21, a30, a31, a32)
+        p00, p10, p11, p20, p21, p22, p30, p31, p32, p33 = _lower_inverse(dp_s, a10, a20, a21, a30, a31, a32)
         p_s.slice(0, 16, dim=0).slice(0, 16, dim=1).store(p00.to(gl.bfloat16))
         p_s.slice(16, 16, dim=0).slice(0, 16, dim=1).store(p10.to(gl.bfloat16))
         p_s.slice(16, 16, dim=0).slice(16, 16, dim=1).store(p11.to(gl.bfloat16))
@@ -271,7 +272,7 @@ def _gdn_inverse_sm90_kernel(
         p_s.slice(48, 16, dim=0).slice(32, 16, dim=1).store(p32.to(gl.bfloat16))
         p_s.slice(48, 16, dim=0).slice(48, 16, dim=1).store(p33.to(gl.bfloat16))
         gl.thread_barrier()
-        gl.store(p_out + (base + r_o * HV) * 64 + c_o, p_s.load(out_l), mask=r_o < n_left)
+        gl.store(p_out + (base + r_o * HV) * 64 + c_o, p_s.load(OUT), mask=r_o < n_left)
 
 
 @gluon.jit
@@ -292,10 +293,6 @@ def _kda_inverse_sm90_kernel(a, p_out, cu_seqlens, chunk_index, T, NT, HV: gl.co
     blocks by column substitution in shared memory, the six below by tf32 mma.sync. Grid
     (chunks, HV), one warp; 8 KB of shared memory for the blocks' scratch, 8 KB for P (bf16)."""
     ld3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 8, 4], [1, 1, 1], [2, 1, 0])    # [4, 16, 16] rows of A
-    CS: gl.constexpr = gl.BlockedLayout([1, 1, 16], [2, 16, 1], [1, 1, 1], [2, 1, 0])   # [4, 16, 16] by columns
-    out_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])  # P's rows in 16-byte runs
-    plain2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
-    plain3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
 
     i_c = gl.program_id(0).to(gl.int64)
     i_hv = gl.program_id(1)
@@ -304,10 +301,10 @@ def _kda_inverse_sm90_kernel(a, p_out, cu_seqlens, chunk_index, T, NT, HV: gl.co
     n_left = eos - t0                                                       # tokens of the chunk from t0, >= 1
     base = t0 * HV + i_hv                                                   # the chunk's row 0 in A and P
 
-    dg_s = gl.allocate_shared_memory(gl.float32, [4, 16, 16], plain3)
-    dp_s = gl.allocate_shared_memory(gl.float32, [4, 16, 16], plain3)
-    p_s = gl.allocate_shared_memory(p_out.dtype.element_ty, [64, 64], plain2)
-    p_s.store(gl.zeros([64, 64], p_out.dtype.element_ty, out_l))
+    dg_s = gl.allocate_shared_memory(gl.float32, [4, 16, 16], PLAIN3)
+    dp_s = gl.allocate_shared_memory(gl.float32, [4, 16, 16], PLAIN3)
+    p_s = gl.allocate_shared_memory(p_out.dtype.element_ty, [64, 64], PLAIN2)
+    p_s.store(gl.zeros([64, 64], p_out.dtype.element_ty, OUT))
     # the diagonal blocks A_b [b, i, j] (strictly lower: A_b[i, j] = 0 for i <= j), as A_b^T [b, j, i]
     bb = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, ld3)))[:, None, None]
     ii = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, ld3)))[None, :, None]
@@ -324,19 +321,15 @@ def _kda_inverse_sm90_kernel(a, p_out, cu_seqlens, chunk_index, T, NT, HV: gl.co
     a31 = _lower_block(a, base, 3, 1, n_left, HV)
     a32 = _lower_block(a, base, 3, 2, n_left, HV)
     gl.thread_barrier()
-    p00 = _load_block_t(dp_s, 0)                                            # D_b [16, 16]
-    p11 = _load_block_t(dp_s, 1)
-    p22 = _load_block_t(dp_s, 2)
-    p33 = _load_block_t(dp_s, 3)
-    p10, p20, p21, p30, p31, p32 = _merge_lower(p00, p11, p22, p33, a10, a20, a21, a30, a31, a32)
+    p00, p10, p11, p20, p21, p22, p30, p31, p32, p33 = _lower_inverse(dp_s, a10, a20, a21, a30, a31, a32)
     blocks = (p00, p10, p11, p20, p21, p22, p30, p31, p32, p33)             # row b's blocks from b (b + 1) / 2
     for b in gl.static_range(4):
         for c in gl.static_range(b + 1):
             p_s.slice(16 * b, 16, dim=0).slice(16 * c, 16, dim=1).store(blocks[b * (b + 1) // 2 + c].to(p_s.dtype))
     gl.thread_barrier()
-    r_o = gl.arange(0, 64, layout=gl.SliceLayout(1, out_l))[:, None]
-    c_o = gl.arange(0, 64, layout=gl.SliceLayout(0, out_l))[None, :]
-    gl.store(p_out + (base + r_o * HV) * 64 + c_o, p_s.load(out_l), mask=r_o < n_left)
+    r_o = gl.arange(0, 64, layout=gl.SliceLayout(1, OUT))[:, None]
+    c_o = gl.arange(0, 64, layout=gl.SliceLayout(0, OUT))[None, :]
+    gl.store(p_out + (base + r_o * HV) * 64 + c_o, p_s.load(OUT), mask=r_o < n_left)
 
 
 def launch_kda(p, total: int, tables, a, inverse) -> None:

@@ -132,9 +132,9 @@ class Launcher:
         return tuple(k)
 
     def launch(self, grid, args, kwargs):
-        if compile_ahead.dry():
+        if compile_ahead.dry():     # (its compile submitted under Triton's AsyncCompileMode, nothing launched)
             if not self._names or self.key(args, kwargs) not in self._cache:
-                compile_ahead.submit(self.fn, grid, args, kwargs)
+                self.fn.run(*args, grid=grid, warmup=True, **kwargs)
             return None
         rec = recording()
         if (not CACHED or not self._names or callable(grid) or hooks_active()
