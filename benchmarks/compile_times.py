@@ -14,8 +14,9 @@ It reports, per config:
 - ``call_s``: the whole first call (host code plus compiles);
 - ``import_s``: ``import fastla.ops``.
 
-``--ahead on`` (the default, as fastla runs) compiles a first call's kernels side by side on
-threads (``fastla/core/compile_ahead.py``); ``--ahead off`` one after another, at each launch;
+``--ahead on`` (the default here; fastla with ``FASTLA_COMPILE_AHEAD=1``) compiles a first call's
+kernels side by side on threads (``fastla/core/compile_ahead.py``); ``--ahead off`` one after
+another, at each launch;
 ``--ahead off,on`` both, each in its own child with its own empty cache. With ``on``, ``compile_s``
 sums the compiles' own times on their threads, so it exceeds what the call waited.
 

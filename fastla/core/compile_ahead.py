@@ -25,8 +25,8 @@ takes the real pass alone, and compiles what it needs that the class's first cal
 into segments, say) at its launches, one after another, as without compile ahead; a call whose
 class is new but whose kernels are compiled pays one more run of the host code (~0.2 ms). Skipped: the torch tier, CPU
 tensors, the interpreter, CUDA-graph capture, ``torch.compile`` tracing, call-plan recordings,
-Triton's launch hooks, and another ``AsyncCompileMode`` in force. ``FASTLA_COMPILE_AHEAD=0`` (or
-``ENABLED = False``) turns it off.
+Triton's launch hooks, and another ``AsyncCompileMode`` in force. Off by default until it has run
+on a GPU: ``FASTLA_COMPILE_AHEAD=1`` (or ``ENABLED = True``) turns it on.
 """
 from __future__ import annotations
 
@@ -39,7 +39,9 @@ import torch
 
 logger = logging.getLogger("fastla")
 
-ENABLED = os.environ.get("FASTLA_COMPILE_AHEAD", "1") != "0"
+# off until it has run on a GPU (docs/notes/gdn-prefill.md v25: its GPU test and the cold starts
+# with it off and on, benchmarks/gpu_checks.sh tests and cold-gates)
+ENABLED = os.environ.get("FASTLA_COMPILE_AHEAD", "0") == "1"
 THREADS = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
 _SEEN: set = set()
 _local = threading.local()

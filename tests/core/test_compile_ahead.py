@@ -170,7 +170,8 @@ def test_no_dry_pass_on_the_torch_tier_for_decode_or_when_off(eligible, monkeypa
     compile_ahead.before(op, tier, lambda problem: pytest.fail("a dry pass ran"), _problem())
 
 
-def test_no_dry_pass_for_cpu_tensors():
+def test_no_dry_pass_for_cpu_tensors(monkeypatch):
+    monkeypatch.setattr(compile_ahead, "ENABLED", True)
     compile_ahead.clear()
     compile_ahead.before("chunk_kda", "triton", lambda problem: pytest.fail("a dry pass ran"), _problem())
 
