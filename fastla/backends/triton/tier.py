@@ -1,5 +1,5 @@
 """Registers the Triton kernels with the dispatcher."""
-from fastla.backends.triton import chunk_delta, recurrent
+from fastla.backends.triton import chunk_training, recurrent
 from fastla.core import dispatch
 
 RECURRENT_OPS = (
@@ -10,4 +10,4 @@ RECURRENT_OPS = (
 for _op in RECURRENT_OPS:
     dispatch.register(_op, "triton", recurrent.supports)(recurrent.run)
 for _op in ("chunk_gated_delta_rule", "chunk_kda", "chunk_gla", "chunk_simple_gla", "chunk_lightning_attn"):
-    dispatch.register(_op, "triton", chunk_delta.supports)(chunk_delta.run)
+    dispatch.register(_op, "triton", chunk_training.supports)(chunk_training.run)

@@ -1,0 +1,357 @@
+"""Triton chunked backward of the gated delta rule (GDN, scalar gate): gradients of q, k, v, the
+log decay g, beta and the initial state, from dO and dht.
+
+Inputs are the activated ones (``chunk_training.py`` applies the l2norm, the gate and the beta
+sigmoid in PyTorch, whose autograd takes their gradients): q, k ``[B, T, H, K]`` (GVA: value
+head ``j`` reads head ``j // (HV // H)``), v, dO ``[B, T, HV, V]``, g (log decay) and beta
+``[B, T, HV]`` float32, h0 and dht ``[N, HV, K, V]`` float32 (K-first). Varlen batches use the
+forward's chunk tables (chunk_delta._varlen_index).
+
+Per chunk (C = 64 tokens; G the in-chunk cumsum of g, Gamma_ij = e^(G_i - G_j) for i >= j, S the
+state at the chunk's start, S' at its end), the forward (chunk_delta.py) is
+    X = v - diag(e^G) k S,    V_new = P diag(beta) X,    P = (I + A)^-1,
+    A = strict_lower(diag(beta) (Gamma * k k^T)),    A_qk = scale causal(Gamma * q k^T),
+    O = scale diag(e^G) q S + A_qk V_new,    S' = e^G_last S + (diag(e^(G_last - G)) k)^T V_new.
+The backward, with dS' the gradient of S' (four launches after the recompute):
+1. recompute G, P and A_qk (chunk_prepare's kernels) and the chunk-start states S in float32 (the
+   forward scan with STORE_STATES; its output is discarded);
+2. ``_reverse_scan_kernel``, grid ``(N * HV, V / BV)``: the state gradient slab ``dS [K, BV]`` in
+   registers, chunks last to first:
+       dV_new = A_qk^T dO + diag(e^(G_last - G)) k dS',    R = P^T dV_new   (stored, float32),
+       dS = e^G_last dS' + scale (diag(e^G) q)^T dO - (diag(e^G) k)^T diag(beta) R,
+   storing dS' per chunk (float32 ``[chunks, HV, K, V]``) and dh0 at the sequence's start;
+3. ``_value_grads_kernel``, grid ``(chunks, HV)``, over the value columns in tiles of BV:
+       X and V_new again (from S),  dv = diag(beta) R,
+       dbeta = rowsum(R * X) - rowsum(strict(R V_new^T) * Gamma * k k^T),
+       d(q k^T) = scale Gamma * causal(dO V_new^T),  d(k k^T) = -diag(beta) Gamma * strict(R V_new^T),
+   and dG (each term's derivative in G_i; G_last's, on the chunk's last token, from e^G_last S and
+   the decayed keys), then dg as the reverse in-chunk cumsum of dG; V_new and the two score
+   gradients ``[BT, BT]`` per token row go to scratch;
+4. ``_key_grads_kernel``, grid ``(chunks, HV, K / BK)``:
+       dq = scale diag(e^G) dO S^T + d(q k^T) k,
+       dk = diag(e^(G_last - G)) V_new dS'^T - diag(e^G beta) R S^T + d(q k^T)^T q
+            + (d(k k^T) + d(k k^T)^T) k,
+   per value head (float32); GVA sums them per q/k head in PyTorch.
+Precision as the forward: products with bf16 operands for bf16 inputs (fp32 in the interpreter),
+fp32 accumulation, fp32 state gradients. Not run on a GPU yet: ``chunk_training.ENABLED``.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fastla.backends.triton import cdiv, chunk_prepare, interpreting, next_pow2
+from fastla.backends.triton.chunk_delta import (
+    ChunkConfig, _scan_kernel, _varlen_index, dense_inputs,
+)
+from fastla.backends.triton.chunk_index import BT, _chunk, _sequence
+from fastla.backends.triton.launch import launcher
+from fastla.backends.triton.recurrent import BETA_GIVEN
+from fastla.core import call_plan
+from fastla.core.problem import Problem
+
+# Launch shapes at K = V = 128 (sm_90 compiles, tests/backends/test_triton_sm90.py; not timed on a
+# GPU yet): the reverse scan 189 registers at 32 columns on 8 warps (4 warps: 255 and 24 bytes of
+# stack); the value kernel 255 with no spill at 16-column tiles on 8 warps (32 columns: 232 bytes of
+# stack at 8 warps, 504-640 at 4); the key kernel 194 at 64 key columns on 4 warps
+BLOCK_V = 32        # value columns per reverse-scan program and per tile of _key_grads_kernel
+VALUE_BLOCK_V = 16  # value columns per tile of _value_grads_kernel
+KEY_BLOCK_K = 64    # key columns per program of _key_grads_kernel
+SCAN_WARPS = 8
+VALUE_WARPS = 8
+KEY_WARPS = 4
+
+
+@triton.jit(do_not_specialize=["T", "NT"])     # as chunk_delta._scan_kernel
+def _reverse_scan_kernel(
+    q, k, beta, p_in, a_in, gcum, do, dht, dh_chunks, r_out, dh0, cu_seqlens, chunk_start, T, NT, scale,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr,
+    HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, VARLEN: tl.constexpr,
+):
+    """Program (sequence x value head, V tile): dS from dht, chunks last to first; per chunk stores
+    dS' (the gradient of the chunk's end state) and R = P^T dV_new; dh0 at the end."""
+    i_p = tl.program_id(0).to(tl.int64)
+    i_v = tl.program_id(1)
+    i_n, i_hv = i_p // HV, i_p % HV
+    i_h = i_hv // (HV // H)
+    bos, eos, first_chunk = _sequence(cu_seqlens, chunk_start, i_n, T, NT, VARLEN)
+    n_chunks = tl.cdiv(eos - bos, BT)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_h = m_k[:, None] & m_v[None, :]
+    p_state = o_k[:, None] * V + o_v[None, :]                               # [BK, BV] in one head's state
+    head_state = i_hv * K * V
+    b_dS = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_DHT:
+        b_dS = tl.load(dht + i_n * HV * K * V + head_state + p_state, mask=m_h, other=0.0)
+    r = tl.arange(0, BT)
+    lower = r[:, None] >= r[None, :]
+    off_kr = r[:, None] * (H * K) + o_k[None, :]                            # [BT, BK] in q, k
+    off_p = r[:, None] * (HV * BT) + r[None, :]                             # [BT, BT] in P, A_qk
+    off_v = r[:, None] * (HV * V) + o_v[None, :]                            # [BT, BV] in dO, R
+    for i in range(0, n_chunks):
+        c = n_chunks - 1 - i
+        tl.store(dh_chunks + (first_chunk + c) * HV * K * V + head_state + p_state, b_dS, mask=m_h)
+        t0 = bos + c * BT
+        base = t0 * HV + i_hv                                               # int64 chunk base
+        m_t = r < eos - t0
+        m_tk = m_t[:, None] & m_k[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        last = tl.minimum(eos - t0, BT) - 1
+        b_G = tl.load(gcum + base + r * HV, mask=m_t, other=0.0)                                  # [BT]
+        b_Gl = tl.load(gcum + base + last * HV)
+        b_beta = tl.load(beta + base + r * HV, mask=m_t, other=0.0)
+        qk_row0 = (t0 * H + i_h) * K
+        b_k = tl.load(k + qk_row0 + off_kr, mask=m_tk, other=0.0).to(DOT)                         # [BT, BK]
+        b_q = tl.load(q + qk_row0 + off_kr, mask=m_tk, other=0.0).to(DOT)
+        b_do = tl.load(do + base * V + off_v, mask=m_tv, other=0.0).to(tl.float32)               # [BT, BV]
+        b_A = tl.load(a_in + base * BT + off_p, mask=m_t[:, None] & lower, other=0.0).to(DOT)     # [BT, BT]
+        b_P = tl.load(p_in + base * BT + off_p, mask=m_t[:, None] & lower, other=0.0).to(DOT)
+        b_eG = tl.where(m_t, tl.exp(b_G), 0.0)
+        # the rows' gate factors scale the [BT, BV] operands and products, not the [BT, BK] keys
+        b_dvn = (tl.dot(tl.trans(b_A), b_do.to(DOT))
+                 + tl.where(m_t, tl.exp(b_Gl - b_G), 0.0)[:, None] * tl.dot(b_k, b_dS.to(DOT)))  # [BT, BV]
+        b_r = tl.dot(tl.trans(b_P), b_dvn.to(DOT))                                               # R
+        tl.store(r_out + base * V + off_v, b_r, mask=m_tv)
+        b_dS = (b_dS * tl.exp(b_Gl) + tl.dot(tl.trans(b_q), ((scale * b_eG)[:, None] * b_do).to(DOT))
+                - tl.dot(tl.trans(b_k), ((b_eG * b_beta)[:, None] * b_r).to(DOT)))
+    if STORE_DH0:
+        tl.store(dh0 + i_n * HV * K * V + head_state + p_state, b_dS, mask=m_h)
+
+
+@triton.jit(do_not_specialize=["T", "NT"])     # as chunk_delta._scan_kernel
+def _value_grads_kernel(
+    q, k, v, beta, p_in, gcum, h, dh_chunks, do, r_in, vn_out, dqk_out, dkk_out, dv, dg, dbeta,
+    cu_seqlens, chunk_index, T, NT, scale,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr, VARLEN: tl.constexpr,
+):
+    """Program (chunk, value head), the value columns in tiles of BV: from S, dS', dO and R, stores
+    dv = diag(beta) R, V_new, dg, dbeta and the gradients of q k^T and k k^T through A_qk and A
+    (``[BT, BT]`` per token row, for ``_key_grads_kernel``)."""
+    i_c = tl.program_id(0).to(tl.int64)
+    i_hv = tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    i_n, c, bos, eos = _chunk(chunk_index, cu_seqlens, i_c, T, NT, VARLEN)
+    t0 = bos + c * BT
+    base = t0 * HV + i_hv
+    r = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    m_t = r < eos - t0
+    m_k = o_k < K
+    last = tl.minimum(eos - t0, BT) - 1
+    lower = r[:, None] >= r[None, :]
+    strict = r[:, None] > r[None, :]
+    off_p = r[:, None] * (HV * BT) + r[None, :]                             # [BT, BT] in P and the scratch
+    b_G = tl.load(gcum + base + r * HV, mask=m_t, other=0.0)                                      # [BT]
+    b_Gl = tl.load(gcum + base + last * HV)
+    b_beta = tl.load(beta + base + r * HV, mask=m_t, other=0.0)
+    b_eG = tl.where(m_t, tl.exp(b_G), 0.0)
+    b_eD = tl.where(m_t, tl.exp(b_Gl - b_G), 0.0)
+    qk_row0 = (t0 * H + i_h) * K
+    off_kr = r[:, None] * (H * K) + o_k[None, :]
+    m_tk = m_t[:, None] & m_k[None, :]
+    b_q = tl.load(q + qk_row0 + off_kr, mask=m_tk, other=0.0).to(DOT)                             # [BT, BK]
+    b_k = tl.load(k + qk_row0 + off_kr, mask=m_tk, other=0.0).to(DOT)
+    b_P = tl.load(p_in + base * BT + off_p, mask=m_t[:, None] & lower, other=0.0).to(DOT)         # [BT, BT]
+    chunk_state = (i_c * HV + i_hv) * K * V
+
+    b_dAqk = tl.zeros([BT, BT], dtype=tl.float32)       # dO V_new^T
+    b_RV = tl.zeros([BT, BT], dtype=tl.float32)         # R V_new^T (dA = -strict of it)
+    b_db = tl.zeros([BT], dtype=tl.float32)             # rowsum(R * X)
+    b_tqs = tl.zeros([BT], dtype=tl.float32)            # e^G rowsum(dO * q S)
+    b_tkg = tl.zeros([BT], dtype=tl.float32)            # e^G rowsum(diag(beta) R * k S)
+    b_tkd = tl.zeros([BT], dtype=tl.float32)            # e^(G_last - G) rowsum(V_new * k dS')
+    b_sdS = tl.zeros([BK], dtype=tl.float32)            # rowsum(S * dS')
+    for v0 in range(0, V, BV):
+        o_v = v0 + tl.arange(0, BV)
+        m_v = o_v < V
+        m_h = m_k[:, None] & m_v[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        p_state = o_k[:, None] * V + o_v[None, :]
+        off_v = r[:, None] * (HV * V) + o_v[None, :]
+        b_S = tl.load(h + chunk_state + p_state, mask=m_h, other=0.0)                            # [BK, BV]
+        b_dS = tl.load(dh_chunks + chunk_state + p_state, mask=m_h, other=0.0)
+        b_v = tl.load(v + base * V + off_v, mask=m_tv, other=0.0).to(tl.float32)                 # [BT, BV]
+        b_do = tl.load(do + base * V + off_v, mask=m_tv, other=0.0).to(DOT)
+        b_r = tl.load(r_in + base * V + off_v, mask=m_tv, other=0.0)
+        b_ks = tl.dot(b_k, b_S.to(DOT))                                                           # k S
+        b_x = b_v - b_eG[:, None] * b_ks
+        b_vn = tl.dot(b_P, (b_beta[:, None] * b_x).to(DOT))                                       # V_new
+        b_dx = b_beta[:, None] * b_r
+        tl.store(dv + base * V + off_v, b_dx.to(dv.dtype.element_ty), mask=m_tv)
+        tl.store(vn_out + base * V + off_v, b_vn.to(vn_out.dtype.element_ty), mask=m_tv)
+        b_vnd = b_vn.to(DOT)
+        b_tkd += b_eD * tl.sum(b_vn * tl.dot(b_k, b_dS.to(DOT)), 1)
+        b_tkg += b_eG * tl.sum(b_dx * b_ks, 1)
+        b_tqs += b_eG * tl.sum(b_do.to(tl.float32) * tl.dot(b_q, b_S.to(DOT)), 1)
+        b_dAqk += tl.dot(b_do, tl.trans(b_vnd))
+        b_RV += tl.dot(b_r.to(DOT), tl.trans(b_vnd))
+        b_db += tl.sum(b_r * b_x, 1)
+        b_sdS += tl.sum(b_S * b_dS, 1)
+
+    # the scores' gradients, each [BT, BT] tile dead as soon as it is used (registers)
+    b_gam = tl.where(lower, tl.exp(tl.where(lower, b_G[:, None] - b_G[None, :], 0.0)), 0.0)     # Gamma
+    b_dqk = tl.where(lower, scale * b_gam * b_dAqk, 0.0)                    # d(q k^T) through A_qk
+    tl.store(dqk_out + base * BT + off_p, b_dqk.to(dqk_out.dtype.element_ty), mask=m_t[:, None])
+    b_e = b_dqk * tl.dot(b_q, tl.trans(b_k))                                # dA_qk * A_qk
+    b_dG = tl.sum(b_e, 1) - tl.sum(b_e, 0)
+    b_t = tl.where(strict, b_gam * b_RV, 0.0)
+    b_kk = tl.dot(b_k, tl.trans(b_k))
+    b_db -= tl.sum(b_t * b_kk, 1)
+    b_dkk = -b_beta[:, None] * b_t                                          # d(k k^T) through A
+    tl.store(dkk_out + base * BT + off_p, b_dkk.to(dkk_out.dtype.element_ty), mask=m_t[:, None])
+    b_e = b_dkk * b_kk                                                      # dA * A
+    # dG_i: the scores' e^(G_i - G_j) (rows minus columns), diag(e^G) q S, diag(e^G) k S, and
+    # diag(e^(G_last - G)) k; the last token's G (G_last) takes e^G_last S and the same k term
+    b_dG += tl.sum(b_e, 1) - tl.sum(b_e, 0) + scale * b_tqs - b_tkg - b_tkd
+    b_dGl = tl.sum(b_tkd, 0) + tl.exp(b_Gl) * tl.sum(b_sdS, 0)
+    b_dG = tl.where(m_t, b_dG + tl.where(r == last, b_dGl, 0.0), 0.0)
+    b_dg = tl.sum(tl.where(lower, b_dG[:, None], 0.0), 0)                   # dg_t = sum over i >= t of dG_i
+    tl.store(dg + base + r * HV, b_dg, mask=m_t)
+    tl.store(dbeta + base + r * HV, b_db, mask=m_t)
+
+
+@triton.jit(do_not_specialize=["T", "NT"])     # as chunk_delta._scan_kernel
+def _key_grads_kernel(
+    q, k, beta, gcum, h, dh_chunks, do, r_in, vn_in, dqk_in, dkk_in, dq, dk, cu_seqlens, chunk_index,
+    T, NT, scale,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr, VARLEN: tl.constexpr,
+):
+    """Program (chunk, value head, BK key columns): this value head's share of dq and dk there,
+    the state terms over the value columns in tiles of BV, then the scores' terms."""
+    i_c = tl.program_id(0).to(tl.int64)
+    i_hv = tl.program_id(1)
+    i_k = tl.program_id(2)
+    i_h = i_hv // (HV // H)
+    i_n, c, bos, eos = _chunk(chunk_index, cu_seqlens, i_c, T, NT, VARLEN)
+    t0 = bos + c * BT
+    base = t0 * HV + i_hv
+    r = tl.arange(0, BT)
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_t = r < eos - t0
+    m_k = o_k < K
+    m_tk = m_t[:, None] & m_k[None, :]
+    last = tl.minimum(eos - t0, BT) - 1
+    off_p = r[:, None] * (HV * BT) + r[None, :]
+    b_G = tl.load(gcum + base + r * HV, mask=m_t, other=0.0)                                      # [BT]
+    b_Gl = tl.load(gcum + base + last * HV)
+    b_beta = tl.load(beta + base + r * HV, mask=m_t, other=0.0)
+    b_eG = tl.where(m_t, tl.exp(b_G), 0.0)
+    b_eD = tl.where(m_t, tl.exp(b_Gl - b_G), 0.0)
+    chunk_state = (i_c * HV + i_hv) * K * V
+
+    b_dqs = tl.zeros([BT, BK], dtype=tl.float32)        # dO S^T
+    b_dk = tl.zeros([BT, BK], dtype=tl.float32)         # diag(e^(G_last - G)) V_new dS'^T - diag(e^G beta) R S^T
+    for v0 in range(0, V, BV):
+        o_v = v0 + tl.arange(0, BV)
+        m_v = o_v < V
+        m_tv = m_t[:, None] & m_v[None, :]
+        off_v = r[:, None] * (HV * V) + o_v[None, :]
+        p_state_t = o_k[None, :] * V + o_v[:, None]                         # [BV, BK]: S^T
+        m_ht = m_k[None, :] & m_v[:, None]
+        b_St = tl.load(h + chunk_state + p_state_t, mask=m_ht, other=0.0).to(DOT)                  # [BV, BK]
+        b_dSt = tl.load(dh_chunks + chunk_state + p_state_t, mask=m_ht, other=0.0).to(DOT)
+        b_do = tl.load(do + base * V + off_v, mask=m_tv, other=0.0).to(DOT)                       # [BT, BV]
+        b_r = tl.load(r_in + base * V + off_v, mask=m_tv, other=0.0)
+        b_vn = tl.load(vn_in + base * V + off_v, mask=m_tv, other=0.0).to(tl.float32)
+        b_dqs += tl.dot(b_do, b_St)
+        b_dk += tl.dot((b_eD[:, None] * b_vn).to(DOT), b_dSt)
+        b_dk -= tl.dot(((b_eG * b_beta)[:, None] * b_r).to(DOT), b_St)
+    qk_row0 = (t0 * H + i_h) * K
+    off_kr = r[:, None] * (H * K) + o_k[None, :]
+    b_q = tl.load(q + qk_row0 + off_kr, mask=m_tk, other=0.0).to(DOT)                             # [BT, BK]
+    b_k = tl.load(k + qk_row0 + off_kr, mask=m_tk, other=0.0).to(DOT)
+    b_dqk = tl.load(dqk_in + base * BT + off_p, mask=m_t[:, None], other=0.0).to(DOT)             # [BT, BT]
+    b_dkk = tl.load(dkk_in + base * BT + off_p, mask=m_t[:, None], other=0.0).to(DOT)
+    b_dq = scale * b_eG[:, None] * b_dqs + tl.dot(b_dqk, b_k)
+    b_dk += tl.dot(tl.trans(b_dqk), b_q) + tl.dot(b_dkk, b_k) + tl.dot(tl.trans(b_dkk), b_k)
+    off_kv = r[:, None] * (HV * K) + o_k[None, :]                           # [BT, BK] in dq, dk
+    tl.store(dq + base * K + off_kv, b_dq, mask=m_tk)
+    tl.store(dk + base * K + off_kv, b_dk, mask=m_tk)
+
+
+def backward(p: Problem, do: torch.Tensor, dht: torch.Tensor | None):
+    """Gradients ``(dq, dk [B, T, H, K], dv [B, T, HV, V], dg, dbeta [B, T, HV], dh0 [N, HV, K, V] or
+    None)`` (float32; dv in v's dtype) of the chunked forward of ``p``, whose q, k, v, g (float32
+    log decay), beta (float32) and initial state (K-first, float32) are the activated ones: no
+    gate, l2norm nor beta sigmoid in the op, K-first states. ``do`` is dO ``[B, T, HV, V]``, ``dht``
+    the final state's gradient ``[N, HV, K, V]`` or None."""
+    p = dense_inputs(p)
+    B, T, H, HV, K, V, N = p.B, p.T, p.H, p.HV, p.K, p.V, p.N
+    dev = p.device
+    varlen = p.cu_seqlens is not None
+    NT = cdiv(T, BT)
+    if varlen:
+        chunk_index, chunk_start, total, _, _ = _varlen_index(p)
+        cu = p.cu_seqlens
+    else:
+        total = B * NT
+        chunk_index = chunk_start = cu = None
+    tables = (cu, chunk_index) if varlen else (None, None)
+    config = ChunkConfig(segment_chunks=0)
+    bf16 = p.q.dtype == torch.bfloat16 and not interpreting()
+    op_dtype = torch.bfloat16 if bf16 else torch.float32
+    dot = tl.bfloat16 if bf16 else tl.float32
+    BK, BVF = max(16, next_pow2(K)), max(16, next_pow2(V))
+    BV = min(BLOCK_V, BVF)
+    q, k = (p.q, p.k) if p.q.dtype == op_dtype or bf16 else (p.q.to(op_dtype), p.k.to(op_dtype))
+    do = do.contiguous()
+    f32 = torch.float32
+
+    # 1. G, P, A_qk and the chunk-start states, as the forward computes them
+    gcum = call_plan.empty((B, T, HV), f32, dev)
+    inverse = call_plan.empty((B, T, HV, BT), op_dtype, dev)
+    scores = call_plan.empty((B, T, HV, BT), op_dtype, dev)
+    states = call_plan.empty((max(total, 1), HV, K, V), f32, dev)
+    if total:
+        chunk_prepare.launch(p, p.g, p.beta, BETA_GIVEN, total, tables, gcum, inverse, dot, config)
+        chunk_prepare.launch_scores(p, q, k, total, tables, gcum, scores, None, None, dot, config)
+        o_scratch = call_plan.empty((B, T, HV, V), p.o_dtype, dev)
+        h0 = p.initial_state
+        launcher(_scan_kernel, T, NT)[(N * HV, cdiv(V, BV))](
+            q, k, p.v, p.beta, inverse, scores, gcum, gcum, gcum, gcum, gcum, o_scratch,
+            h0 if h0 is not None else o_scratch, o_scratch, states, cu if varlen else gcum,
+            chunk_start if varlen else gcum, gcum, gcum, T, NT, p.scale,
+            H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, SK=V, SV=1, DOT=dot, HAS_H0=h0 is not None,
+            STORE_FINAL=False, L2NORM=False, VARLEN=varlen, SEG=0, BETA=BETA_GIVEN, STORE_STATES=True,
+            GK=False, DELTA=True, num_warps=config.scan_warps, num_stages=config.scan_stages)
+
+    # 2. the reverse scan: dS' per chunk, R, dh0
+    dh_chunks = call_plan.empty((max(total, 1), HV, K, V), f32, dev)
+    r_buf = call_plan.empty((B, T, HV, V), f32, dev)
+    dh0 = call_plan.empty((N, HV, K, V), f32, dev) if p.initial_state is not None else None
+    if dht is not None:
+        dht = dht.to(f32).contiguous()
+    launcher(_reverse_scan_kernel, T, NT)[(N * HV, cdiv(V, BV))](
+        q, k, p.beta, inverse, scores, gcum, do, dht if dht is not None else gcum, dh_chunks, r_buf,
+        dh0 if dh0 is not None else gcum, cu if varlen else gcum, chunk_start if varlen else gcum, T, NT,
+        p.scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, DOT=dot, HAS_DHT=dht is not None,
+        STORE_DH0=dh0 is not None, VARLEN=varlen, num_warps=SCAN_WARPS, num_stages=1)
+
+    # 3. the gradients, chunk by chunk: dv, V_new, dg, dbeta and the scores' gradients, then dq, dk
+    dq, dk = (call_plan.empty((B, T, HV, K), f32, dev) for _ in range(2))
+    dv = call_plan.empty((B, T, HV, V), p.v.dtype, dev)
+    dg, dbeta = (call_plan.empty((B, T, HV), f32, dev) for _ in range(2))
+    if total:
+        v_new = call_plan.empty((B, T, HV, V), op_dtype, dev)
+        dqk, dkk = (call_plan.empty((B, T, HV, BT), op_dtype, dev) for _ in range(2))
+        tables_arg = (cu if varlen else gcum, chunk_index if varlen else gcum)
+        launcher(_value_grads_kernel, T, NT)[(total, HV)](
+            q, k, p.v, p.beta, inverse, gcum, states, dh_chunks, do, r_buf, v_new, dqk, dkk, dv, dg, dbeta,
+            *tables_arg, T, NT, p.scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=min(VALUE_BLOCK_V, BVF), DOT=dot,
+            VARLEN=varlen, num_warps=VALUE_WARPS, num_stages=1)
+        BKS = min(KEY_BLOCK_K, BK)
+        launcher(_key_grads_kernel, T, NT)[(total, HV, cdiv(K, BKS))](
+            q, k, p.beta, gcum, states, dh_chunks, do, r_buf, v_new, dqk, dkk, dq, dk, *tables_arg, T, NT,
+            p.scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=BKS, BV=BV, DOT=dot, VARLEN=varlen,
+            num_warps=KEY_WARPS, num_stages=1)
+    if HV != H:                                                              # GVA: per q/k head
+        dq = dq.view(B, T, H, HV // H, K).sum(3)
+        dk = dk.view(B, T, H, HV // H, K).sum(3)
+    return dq, dk, dv, dg, dbeta, dh0

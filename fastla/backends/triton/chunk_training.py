@@ -1,0 +1,99 @@
+"""GDN training on the kernel tiers: the forward on the fastest tier, the backward in Triton.
+
+A ``chunk_gated_delta_rule`` call that needs gradients is served here (the Triton tier's entry for
+the op, ``tier.py``): the l2norm, the gate computed in the op, the beta sigmoid and the state layout
+are applied in PyTorch (autograd takes their gradients), then ``GatedDeltaChunk`` runs the forward
+through the dispatcher without gradients (the sm_90 kernels on Hopper, the Triton ones elsewhere)
+and its backward in ``chunk_delta_backward.py``. Calls it cannot serve (say why in ``reason``) go
+to the torch tier, which differentiates through PyTorch.
+
+Off by default (``ENABLED``; ``FASTLA_TRITON_BACKWARD=1`` turns it on) until it has run on a GPU:
+the kernels are checked against the float64 reference in the CPU interpreter only.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+from fastla.backends.triton import chunk_delta, chunk_delta_backward
+from fastla.core import dispatch
+from fastla.core.gates import beta_activation, gdn_gate, l2norm
+from fastla.core.problem import Problem
+
+ENABLED = os.environ.get("FASTLA_TRITON_BACKWARD", "0") == "1"
+
+_GRAD_FIELDS = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
+
+
+def needs_grad(p: Problem) -> bool:
+    return torch.is_grad_enabled() and any(
+        getattr(p, n) is not None and getattr(p, n).requires_grad for n in _GRAD_FIELDS)
+
+
+def reason(p: Problem) -> str | None:
+    """None when this path serves ``p`` (a call that needs gradients), else why not."""
+    if p.op != "chunk_gated_delta_rule":
+        return "inputs require grad: no Triton backward for this op yet (the torch tier has autograd)"
+    if not ENABLED:
+        return ("inputs require grad: the Triton GDN backward is off until it has run on a GPU "
+                "(FASTLA_TRITON_BACKWARD=1 turns it on; the torch tier has autograd)")
+    if p.return_intermediate_states:
+        return "inputs require grad with return_intermediate_states (the torch tier differentiates them)"
+    with torch.no_grad():
+        return chunk_delta.supports(p)
+
+
+def supports(p: Problem) -> str | None:
+    """The Triton tier's check for the chunked ops: the training path's when gradients are needed."""
+    return reason(p) if needs_grad(p) else chunk_delta.supports(p)
+
+
+def run(p: Problem):
+    """The Triton tier's entry for the chunked ops."""
+    return run_training(p) if needs_grad(p) else chunk_delta.run(p)
+
+
+class GatedDeltaChunk(torch.autograd.Function):
+    """``(o, final state K-first)`` of the activated inputs; the backward in Triton."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, h0, problem: Problem):
+        pa = dataclasses.replace(problem, q=q, k=k, v=v, g=g, beta=beta, initial_state=h0)
+        o, ht = dispatch.run(problem.op, pa)[:2]
+        ctx.save_for_backward(q, k, v, g, beta, h0)
+        ctx.problem = problem
+        ctx.h0_grad = h0 is not None
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g, beta, h0 = ctx.saved_tensors
+        pa = dataclasses.replace(ctx.problem, q=q, k=k, v=v, g=g, beta=beta, initial_state=h0)
+        dq, dk, dv, dg, dbeta, dh0 = chunk_delta_backward.backward(pa, do, dht)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv, dg, dbeta, dh0 if ctx.h0_grad else None, None)
+
+
+def run_training(p: Problem):
+    """``(o, final state or None)`` of ``p`` with gradients to every input that requires them."""
+    q, k = p.q, p.k
+    if p.use_qk_l2norm:                         # normalised in float32, read by the kernels in q's dtype
+        q, k = l2norm(q).to(p.q.dtype), l2norm(k).to(p.k.dtype)
+    g = gdn_gate(p.g, p.A_log, p.dt_bias) if p.gate_in_op == "gdn" else p.g.float()
+    if p.beta is None:
+        beta = torch.ones(p.B, p.T, p.HV, dtype=torch.float32, device=p.device)
+    elif p.beta_sigmoid:
+        beta = beta_activation(p.beta, p.allow_neg_eigval)
+    else:
+        beta = p.beta.float()
+    h0 = p.initial_state
+    if h0 is not None:
+        h0 = (h0.transpose(-1, -2) if p.state_v_first else h0).float().contiguous()
+    activated = dataclasses.replace(
+        p, use_qk_l2norm=False, gate_in_op=None, A_log=None, dt_bias=None, beta_sigmoid=False,
+        allow_neg_eigval=False, state_v_first=False, output_final_state=True)
+    o, ht = GatedDeltaChunk.apply(q, k, p.v, g.contiguous(), beta.contiguous(), h0, activated)
+    if not p.output_final_state:
+        return o, None
+    return o, ht.transpose(-1, -2) if p.state_v_first else ht

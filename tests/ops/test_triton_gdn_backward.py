@@ -1,0 +1,106 @@
+"""The Triton GDN backward (chunk_training.py, chunk_delta_backward.py) against the fp64
+reference: every gradient through the public autograd API, loss (o*do).sum() + (ht*dht).sum();
+on the CPU it runs in the Triton interpreter."""
+import pytest
+import torch
+
+from fastla.backends.triton import chunk_training, interpreting
+from fastla.core import dispatch
+from fastla.core.dispatch import use_tier
+from fastla.core.validation import build_problem
+from fastla.ops.gated_delta_rule import chunk_gated_delta_rule
+from tests.helpers import (
+    KERNEL_DEVICES, OPS, as_leaves, assert_close, call_reference, forward_backward, make_inputs,
+)
+
+SPEC = OPS["gdn"]
+# fp32 operands in the interpreter; on a GPU tf32 (fp32 inputs) or bf16 products, as the forward's tests
+TOL = 2e-5 if interpreting() else 1e-2
+
+
+@pytest.fixture(autouse=True)
+def backward_on(monkeypatch):
+    monkeypatch.setattr(chunk_training, "ENABLED", True)
+
+
+def check(t, extra=None, dht=True, tol=TOL, **opts):
+    """``t``: the tensors (leaves), ``extra``: leaves the reference takes as keywords too (A_log,
+    dt_bias), ``opts``: the op's options (cu_seqlens_cpu to the op under test only)."""
+    extra = extra or {}
+    leaves = as_leaves({**t, **extra})
+    device = t["q"].device
+    do = torch.randn(t["v"].shape, device=device)
+    host = opts.pop("cu_seqlens_cpu", None)
+
+    def fast(x, **kw):
+        with use_tier("triton", strict=True):
+            return chunk_gated_delta_rule(**x, **kw, **({"cu_seqlens_cpu": host} if host is not None else {}))
+
+    final = opts.get("output_final_state", True)
+    opts["output_final_state"] = final
+    probe = fast(as_leaves({**t, **extra}), **opts)[1]
+    d_final = torch.randn_like(probe) if dht and final else None
+    o, ht, grads = forward_backward(fast, leaves, do, d_final, **opts)
+    ref = lambda x, **kw: call_reference(SPEC, x, **kw)  # noqa: E731
+    ro, rht, rgrads = forward_backward(ref, as_leaves({**t, **extra}, torch.float64), do, d_final, **opts)
+    assert_close("o", o, ro, tol)
+    if final:
+        assert_close("final_state", ht, rht, tol)
+    for name, g in grads.items():
+        assert g is not None, f"no gradient for {name}"
+        assert_close(f"d{name}", g, rgrads[name], tol * 10)
+
+
+@pytest.mark.parametrize("T", [1, 63, 65, 130])
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_lengths(T, device):
+    check(make_inputs(SPEC, B=2, T=T, H=2, HV=4, K=32, V=32, device=device))
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_varlen(device):
+    lengths = [1, 63, 64, 65, 130, 7]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
+    t = make_inputs(SPEC, B=1, T=sum(lengths), H=1, HV=2, K=32, V=32, N=len(lengths), device=device)
+    check(t, cu_seqlens=cu.to(device), cu_seqlens_cpu=cu)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_everything_in_op(device):
+    """The gate from A_log and dt_bias (both learned), the l2norm, beta as logits with negative
+    eigenvalues, a V-first state; their gradients through PyTorch around the kernels."""
+    t = make_inputs(SPEC, B=2, T=70, H=2, HV=4, K=32, V=48, device=device, v_first=True)
+    t["g"] = torch.randn_like(t["g"])
+    t["beta"] = torch.randn_like(t["beta"])
+    extra = dict(A_log=torch.randn(4, device=device) * 0.5, dt_bias=torch.randn(4, device=device))
+    check(t, extra, use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+          allow_neg_eigval=True, state_v_first=True)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_without_states(device):
+    """No initial state, no final state: the output's gradient alone."""
+    check(make_inputs(SPEC, B=1, T=100, H=1, HV=1, K=64, V=64, device=device, h0=False),
+          output_final_state=False)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_strong_decay(device):
+    check(make_inputs(SPEC, B=1, T=130, H=2, HV=2, K=32, V=32, device=device, strength=20.0))
+
+
+def test_served_where_it_can(monkeypatch):
+    """Calls the Triton backward cannot serve say why and go to the torch tier; off, it says so."""
+    t = as_leaves(make_inputs(SPEC, B=1, T=64, H=1, K=32, V=32))
+    p = build_problem("chunk_gated_delta_rule", **t, delta=True, gva=True, return_intermediate_states=True)
+    assert "return_intermediate_states" in dict(dispatch.explain("chunk_gated_delta_rule", p))["triton"]
+    p = build_problem("chunk_gated_delta_rule", **t, delta=True, gva=True)
+    if interpreting():
+        assert dict(dispatch.explain("chunk_gated_delta_rule", p))["triton"] is None
+    monkeypatch.setattr(chunk_training, "ENABLED", False)
+    assert "FASTLA_TRITON_BACKWARD" in dict(dispatch.explain("chunk_gated_delta_rule", p))["triton"]
+    kda = OPS["kda"]
+    tk = as_leaves(make_inputs(kda, B=1, T=64, H=1, K=32, V=32))
+    pk = build_problem("chunk_kda", gk=tk.pop("g"), **tk, delta=True, gva=True)
+    monkeypatch.setattr(chunk_training, "ENABLED", True)
+    assert "no Triton backward" in dict(dispatch.explain("chunk_kda", pk))["triton"]
