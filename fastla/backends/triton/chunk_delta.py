@@ -455,7 +455,7 @@ def supports(p: Problem, config: ChunkConfig | None = None) -> str | None:
             return "a first call with this shape must come before CUDA-graph capture (it builds the segment table)"
     tensors = [p.q, p.k, p.v, p.g, p.gk, p.gv, p.g_gamma, p.beta, p.initial_state, p.A_log, p.dt_bias]
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors):
-        return "inputs require grad: no Triton backward yet (the torch tier has autograd)"
+        return "inputs require grad (the forward kernels keep no autograd graph; chunk_training serves such calls)"
     return None
 
 

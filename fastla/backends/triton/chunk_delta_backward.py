@@ -13,13 +13,13 @@ state at the chunk's start, S' at its end), the forward (chunk_delta.py) is
     A = strict_lower(diag(beta) (Gamma * k k^T)),    A_qk = scale causal(Gamma * q k^T),
     O = scale diag(e^G) q S + A_qk V_new,    S' = e^G_last S + (diag(e^(G_last - G)) k)^T V_new.
 The backward, with dS' the gradient of S' (four launches after the recompute):
-1. recompute G, P and A_qk (chunk_prepare's kernels) and the chunk-start states S in float32 (the
-   forward scan with STORE_STATES; its output is discarded);
+1. recompute G, P and A_qk (chunk_prepare's kernels) and the chunk-start states S (the forward
+   scan with STORE_STATES; its output is discarded);
 2. ``_reverse_scan_kernel``, grid ``(N * HV, V / BV)``: the state gradient slab ``dS [K, BV]`` in
    registers, chunks last to first:
        dV_new = A_qk^T dO + diag(e^(G_last - G)) k dS',    R = P^T dV_new   (stored, float32),
        dS = e^G_last dS' + scale (diag(e^G) q)^T dO - (diag(e^G) k)^T diag(beta) R,
-   storing dS' per chunk (float32 ``[chunks, HV, K, V]``) and dh0 at the sequence's start;
+   storing dS' per chunk (``[chunks, HV, K, V]``) and dh0 (float32) at the sequence's start;
 3. ``_value_grads_kernel``, grid ``(chunks, HV)``, over the value columns in tiles of BV:
        X and V_new again (from S),  dv = diag(beta) R,
        dbeta = rowsum(R * X) - rowsum(strict(R V_new^T) * Gamma * k k^T),
@@ -33,7 +33,10 @@ The backward, with dS' the gradient of S' (four launches after the recompute):
             + (d(k k^T) + d(k k^T)^T) k,
    per value head (float32); GVA sums them per q/k head in PyTorch.
 Precision as the forward: products with bf16 operands for bf16 inputs (fp32 in the interpreter),
-fp32 accumulation, fp32 state gradients. Not run on a GPU yet: ``chunk_training.ENABLED``.
+fp32 accumulation, the state gradient fp32 in the scan. The stored chunk states S and dS' are in the
+products' operand dtype (bf16 for bf16 inputs, as FLA stores its chunk states; ``FP32_STATES``:
+float32, twice their bytes): they are the largest traffic, each written once and read by both
+gradient kernels. Not run on a GPU yet: ``chunk_training.ENABLED``.
 """
 from __future__ import annotations
 
@@ -61,6 +64,7 @@ KEY_BLOCK_K = 64    # key columns per program of _key_grads_kernel
 SCAN_WARPS = 8
 VALUE_WARPS = 8
 KEY_WARPS = 4
+FP32_STATES = False     # the stored chunk states and their gradients in float32 (A/B; see the docstring)
 
 
 @triton.jit(do_not_specialize=["T", "NT"])     # as chunk_delta._scan_kernel
@@ -95,7 +99,8 @@ def _reverse_scan_kernel(
     off_v = r[:, None] * (HV * V) + o_v[None, :]                            # [BT, BV] in dO, R
     for i in range(0, n_chunks):
         c = n_chunks - 1 - i
-        tl.store(dh_chunks + (first_chunk + c) * HV * K * V + head_state + p_state, b_dS, mask=m_h)
+        tl.store(dh_chunks + (first_chunk + c) * HV * K * V + head_state + p_state,
+                 b_dS.to(dh_chunks.dtype.element_ty), mask=m_h)
         t0 = bos + c * BT
         base = t0 * HV + i_hv                                               # int64 chunk base
         m_t = r < eos - t0
@@ -174,8 +179,8 @@ def _value_grads_kernel(
         m_tv = m_t[:, None] & m_v[None, :]
         p_state = o_k[:, None] * V + o_v[None, :]
         off_v = r[:, None] * (HV * V) + o_v[None, :]
-        b_S = tl.load(h + chunk_state + p_state, mask=m_h, other=0.0)                            # [BK, BV]
-        b_dS = tl.load(dh_chunks + chunk_state + p_state, mask=m_h, other=0.0)
+        b_S = tl.load(h + chunk_state + p_state, mask=m_h, other=0.0).to(tl.float32)              # [BK, BV]
+        b_dS = tl.load(dh_chunks + chunk_state + p_state, mask=m_h, other=0.0).to(tl.float32)
         b_v = tl.load(v + base * V + off_v, mask=m_tv, other=0.0).to(tl.float32)                 # [BT, BV]
         b_do = tl.load(do + base * V + off_v, mask=m_tv, other=0.0).to(DOT)
         b_r = tl.load(r_in + base * V + off_v, mask=m_tv, other=0.0)
@@ -308,7 +313,8 @@ def backward(p: Problem, do: torch.Tensor, dht: torch.Tensor | None):
     gcum = call_plan.empty((B, T, HV), f32, dev)
     inverse = call_plan.empty((B, T, HV, BT), op_dtype, dev)
     scores = call_plan.empty((B, T, HV, BT), op_dtype, dev)
-    states = call_plan.empty((max(total, 1), HV, K, V), f32, dev)
+    state_dtype = f32 if FP32_STATES else op_dtype
+    states = call_plan.empty((max(total, 1), HV, K, V), state_dtype, dev)
     if total:
         chunk_prepare.launch(p, p.g, p.beta, BETA_GIVEN, total, tables, gcum, inverse, dot, config)
         chunk_prepare.launch_scores(p, q, k, total, tables, gcum, scores, None, None, dot, config)
@@ -323,7 +329,7 @@ def backward(p: Problem, do: torch.Tensor, dht: torch.Tensor | None):
             GK=False, DELTA=True, num_warps=config.scan_warps, num_stages=config.scan_stages)
 
     # 2. the reverse scan: dS' per chunk, R, dh0
-    dh_chunks = call_plan.empty((max(total, 1), HV, K, V), f32, dev)
+    dh_chunks = call_plan.empty((max(total, 1), HV, K, V), state_dtype, dev)
     r_buf = call_plan.empty((B, T, HV, V), f32, dev)
     dh0 = call_plan.empty((N, HV, K, V), f32, dev) if p.initial_state is not None else None
     if dht is not None:
