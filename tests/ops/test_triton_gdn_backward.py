@@ -58,8 +58,11 @@ def test_lengths(T, device):
     check(make_inputs(SPEC, B=2, T=T, H=2, HV=4, K=32, V=32, device=device))
 
 
+@pytest.mark.parametrize("save_states", [True, False])
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
-def test_varlen(device):
+def test_varlen(save_states, device, monkeypatch):
+    """Mixed lengths; the chunk states kept by the forward or recomputed by the backward."""
+    monkeypatch.setattr(chunk_training, "SAVE_STATES", save_states)
     lengths = [1, 63, 64, 65, 130, 7]
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
     t = make_inputs(SPEC, B=1, T=sum(lengths), H=1, HV=2, K=32, V=32, N=len(lengths), device=device)

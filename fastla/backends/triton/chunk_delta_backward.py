@@ -13,8 +13,9 @@ state at the chunk's start, S' at its end), the forward (chunk_delta.py) is
     A = strict_lower(diag(beta) (Gamma * k k^T)),    A_qk = scale causal(Gamma * q k^T),
     O = scale diag(e^G) q S + A_qk V_new,    S' = e^G_last S + (diag(e^(G_last - G)) k)^T V_new.
 The backward, with dS' the gradient of S' (four launches after the recompute):
-1. recompute G, P and A_qk (chunk_prepare's kernels) and the chunk-start states S (the forward
-   scan with STORE_STATES; its output is discarded);
+1. recompute G, P and A_qk (chunk_prepare's kernels); the chunk-start states S come from the
+   forward (its return_intermediate_states), or are recomputed (the Triton scan with STORE_STATES;
+   its output discarded);
 2. ``_reverse_scan_kernel``, grid ``(N * HV, V / BV)``: the state gradient slab ``dS [K, BV]`` in
    registers, chunks last to first:
        dV_new = A_qk^T dO + diag(e^(G_last - G)) k dS',    R = P^T dV_new   (stored, float32),
@@ -281,12 +282,13 @@ def _key_grads_kernel(
     tl.store(dk + base * K + off_kv, b_dk, mask=m_tk)
 
 
-def backward(p: Problem, do: torch.Tensor, dht: torch.Tensor | None):
+def backward(p: Problem, do: torch.Tensor, dht: torch.Tensor | None, states: torch.Tensor | None = None):
     """Gradients ``(dq, dk [B, T, H, K], dv [B, T, HV, V], dg, dbeta [B, T, HV], dh0 [N, HV, K, V] or
     None)`` (float32; dv in v's dtype) of the chunked forward of ``p``, whose q, k, v, g (float32
     log decay), beta (float32) and initial state (K-first, float32) are the activated ones: no
     gate, l2norm nor beta sigmoid in the op, K-first states. ``do`` is dO ``[B, T, HV, V]``, ``dht``
-    the final state's gradient ``[N, HV, K, V]`` or None."""
+    the final state's gradient ``[N, HV, K, V]`` or None, ``states`` the forward's chunk-start
+    states ``[chunks, HV, K, V]`` in the operand dtype (None: recomputed here)."""
     p = dense_inputs(p)
     B, T, H, HV, K, V, N = p.B, p.T, p.H, p.HV, p.K, p.V, p.N
     dev = p.device
@@ -309,24 +311,26 @@ def backward(p: Problem, do: torch.Tensor, dht: torch.Tensor | None):
     do = do.contiguous()
     f32 = torch.float32
 
-    # 1. G, P, A_qk and the chunk-start states, as the forward computes them
+    # 1. G, P, A_qk and (unless the forward kept them) the chunk-start states, as the forward computes them
     gcum = call_plan.empty((B, T, HV), f32, dev)
     inverse = call_plan.empty((B, T, HV, BT), op_dtype, dev)
     scores = call_plan.empty((B, T, HV, BT), op_dtype, dev)
     state_dtype = f32 if FP32_STATES else op_dtype
-    states = call_plan.empty((max(total, 1), HV, K, V), state_dtype, dev)
     if total:
         chunk_prepare.launch(p, p.g, p.beta, BETA_GIVEN, total, tables, gcum, inverse, dot, config)
         chunk_prepare.launch_scores(p, q, k, total, tables, gcum, scores, None, None, dot, config)
-        o_scratch = call_plan.empty((B, T, HV, V), p.o_dtype, dev)
-        h0 = p.initial_state
-        launcher(_scan_kernel, T, NT)[(N * HV, cdiv(V, BV))](
-            q, k, p.v, p.beta, inverse, scores, gcum, gcum, gcum, gcum, gcum, o_scratch,
-            h0 if h0 is not None else o_scratch, o_scratch, states, cu if varlen else gcum,
-            chunk_start if varlen else gcum, gcum, gcum, T, NT, p.scale,
-            H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, SK=V, SV=1, DOT=dot, HAS_H0=h0 is not None,
-            STORE_FINAL=False, L2NORM=False, VARLEN=varlen, SEG=0, BETA=BETA_GIVEN, STORE_STATES=True,
-            GK=False, DELTA=True, num_warps=config.scan_warps, num_stages=config.scan_stages)
+    if states is None or states.dtype != state_dtype:
+        states = call_plan.empty((max(total, 1), HV, K, V), state_dtype, dev)
+        if total:
+            o_scratch = call_plan.empty((B, T, HV, V), p.o_dtype, dev)
+            h0 = p.initial_state
+            launcher(_scan_kernel, T, NT)[(N * HV, cdiv(V, BV))](
+                q, k, p.v, p.beta, inverse, scores, gcum, gcum, gcum, gcum, gcum, o_scratch,
+                h0 if h0 is not None else o_scratch, o_scratch, states, cu if varlen else gcum,
+                chunk_start if varlen else gcum, gcum, gcum, T, NT, p.scale,
+                H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, SK=V, SV=1, DOT=dot, HAS_H0=h0 is not None,
+                STORE_FINAL=False, L2NORM=False, VARLEN=varlen, SEG=0, BETA=BETA_GIVEN, STORE_STATES=True,
+                GK=False, DELTA=True, num_warps=config.scan_warps, num_stages=config.scan_stages)
 
     # 2. the reverse scan: dS' per chunk, R, dh0
     dh_chunks = call_plan.empty((max(total, 1), HV, K, V), state_dtype, dev)

@@ -23,6 +23,8 @@ from fastla.core.gates import beta_activation, gdn_gate, l2norm
 from fastla.core.problem import Problem
 
 ENABLED = os.environ.get("FASTLA_TRITON_BACKWARD", "0") == "1"
+# The forward keeps its chunk-start states for the backward (False: the backward recomputes them)
+SAVE_STATES = True
 
 _GRAD_FIELDS = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
 
@@ -56,22 +58,29 @@ def run(p: Problem):
 
 
 class GatedDeltaChunk(torch.autograd.Function):
-    """``(o, final state K-first)`` of the activated inputs; the backward in Triton."""
+    """``(o, final state K-first)`` of the activated inputs; the backward in Triton. The forward
+    also returns the chunk-start states (``return_intermediate_states``, in q's dtype), kept for the
+    backward unless ``SAVE_STATES`` is off (the backward then recomputes them: less memory held
+    between the passes, one more scan)."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, h0, problem: Problem):
-        pa = dataclasses.replace(problem, q=q, k=k, v=v, g=g, beta=beta, initial_state=h0)
-        o, ht = dispatch.run(problem.op, pa)[:2]
-        ctx.save_for_backward(q, k, v, g, beta, h0)
+        save = SAVE_STATES and not chunk_delta_backward.FP32_STATES
+        pa = dataclasses.replace(problem, q=q, k=k, v=v, g=g, beta=beta, initial_state=h0,
+                                 return_intermediate_states=save)
+        out = dispatch.run(problem.op, pa)
+        o, ht = out[:2]
+        states = out[2].view(-1, *out[2].shape[2:]) if save else None
+        ctx.save_for_backward(q, k, v, g, beta, h0, states)
         ctx.problem = problem
         ctx.h0_grad = h0 is not None
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, beta, h0 = ctx.saved_tensors
+        q, k, v, g, beta, h0, states = ctx.saved_tensors
         pa = dataclasses.replace(ctx.problem, q=q, k=k, v=v, g=g, beta=beta, initial_state=h0)
-        dq, dk, dv, dg, dbeta, dh0 = chunk_delta_backward.backward(pa, do, dht)
+        dq, dk, dv, dg, dbeta, dh0 = chunk_delta_backward.backward(pa, do, dht, states)
         return (dq.to(q.dtype), dk.to(k.dtype), dv, dg, dbeta, dh0 if ctx.h0_grad else None, None)
 
 
