@@ -97,7 +97,7 @@ with torch.no_grad():
 torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: first call', round(time.perf_counter() - start, 2), 's')
 " 2>&1 | tail -1
     done ;;
-  backward) bg 240 tests/ops/test_triton_gdn_backward.py -m "" -k "not cpu"; show ;;
+  backward) bg 240 tests/ops/test_triton_chunk_backward.py -m "" -k "not cpu"; show ;;
   backward-bench)
     FASTLA_TRITON_BACKWARD=1 timeout 560 python3 -m fastla bench --filter gdn/h16-hv32/1x8192,gdn/h2-hv8/1x8192 \
       --modes fwdbwd --quick --no-cold --out "$out" 2>&1 | tail -8

@@ -88,6 +88,18 @@ KDA_PREPARE_POINTERS = {"q": "*bf16", "k": "*bf16", "g": "*bf16", "beta": "*bf16
                         "dt_bias": "*fp32", "p_out": "*bf16", "a_out": "*bf16", "kg": "*bf16", "kd": "*bf16",
                         "qg": "*bf16", "decay": "*fp32", "cu_seqlens": "*i64", "chunk_index": "*i32"}
 COMBINE_POINTERS = {"summary": "*fp32", "seg_start": "*fp32", "h0": "*fp32", "seq_segments": "*i32"}
+BWD_POINTERS = {
+    "reverse": {"q": "*bf16", "k": "*bf16", "beta": "*fp32", "p_in": "*bf16", "a_in": "*bf16", "gcum": "*fp32",
+                "do": "*bf16", "dht": "*fp32", "dh_chunks": "*bf16", "r_out": "*fp32", "dh0": "*fp32",
+                "cu_seqlens": "*i64", "chunk_start": "*i64"},
+    "value": {"q": "*bf16", "k": "*bf16", "v": "*bf16", "beta": "*fp32", "p_in": "*bf16", "gcum": "*fp32",
+              "h": "*bf16", "dh_chunks": "*bf16", "do": "*bf16", "r_in": "*fp32", "vn_out": "*bf16",
+              "dqk_out": "*bf16", "dkk_out": "*bf16", "dv": "*bf16", "dg": "*fp32", "dbeta": "*fp32",
+              "cu_seqlens": "*i64", "chunk_index": "*i32"},
+    "key": {"q": "*bf16", "k": "*bf16", "beta": "*fp32", "gcum": "*fp32", "h": "*bf16", "dh_chunks": "*bf16",
+            "do": "*bf16", "r_in": "*fp32", "vn_in": "*bf16", "dqk_in": "*bf16", "dkk_in": "*bf16", "dq": "*fp32",
+            "dk": "*fp32", "cu_seqlens": "*i64", "chunk_index": "*i32"},
+}
 GDN_KERNELS = {
     # name: (module.kernel, pointers, constexprs, warps, stages) as launched (K = V = 128, bf16)
     "inverse": ("chunk_prepare._inverse_kernel",
@@ -169,21 +181,18 @@ GDN_KERNELS = {
                        dict(BV=64, SK=128, SV=1, HAS_H0=True, STORE_FINAL=True, SEG=0, BETA=1, STORE_STATES=False,
                             L2NORM=False, GK=True, DELTA=False, H=32), 8, 2),
     # the backward (chunk_delta_backward.py): the reverse state-gradient scan and the per-chunk gradients
-    "bwd-reverse-scan": ("chunk_delta_backward._reverse_scan_kernel",
-                         {"q": "*bf16", "k": "*bf16", "beta": "*fp32", "p_in": "*bf16", "a_in": "*bf16",
-                          "gcum": "*fp32", "do": "*bf16", "dht": "*fp32", "dh_chunks": "*bf16", "r_out": "*fp32",
-                          "dh0": "*fp32", "cu_seqlens": "*i64", "chunk_start": "*i64"},
+    # the backward (chunk_delta_backward.py): the reverse state-gradient scan and the per-chunk gradients
+    "bwd-reverse-scan": ("chunk_delta_backward._reverse_scan_kernel", BWD_POINTERS["reverse"],
                          dict(BV=32, HAS_DHT=True, STORE_DH0=True), 8, 1),
-    "bwd-value-grads": ("chunk_delta_backward._value_grads_kernel",
-                        {"q": "*bf16", "k": "*bf16", "v": "*bf16", "beta": "*fp32", "p_in": "*bf16", "gcum": "*fp32",
-                         "h": "*bf16", "dh_chunks": "*bf16", "do": "*bf16", "r_in": "*fp32", "vn_out": "*bf16",
-                         "dqk_out": "*bf16", "dkk_out": "*bf16", "dv": "*bf16", "dg": "*fp32", "dbeta": "*fp32",
-                         "cu_seqlens": "*i64", "chunk_index": "*i32"}, dict(BV=16), 8, 1),
-    "bwd-key-grads": ("chunk_delta_backward._key_grads_kernel",
-                      {"q": "*bf16", "k": "*bf16", "beta": "*fp32", "gcum": "*fp32", "h": "*bf16",
-                       "dh_chunks": "*bf16", "do": "*bf16", "r_in": "*fp32", "vn_in": "*bf16", "dqk_in": "*bf16",
-                       "dkk_in": "*bf16", "dq": "*fp32", "dk": "*fp32", "cu_seqlens": "*i64", "chunk_index": "*i32"},
-                      dict(BK=64, BV=32), 4, 1),
+    "bwd-value-grads": ("chunk_delta_backward._value_grads_kernel", BWD_POINTERS["value"], dict(BV=16), 8, 1),
+    "bwd-key-grads": ("chunk_delta_backward._key_grads_kernel", BWD_POINTERS["key"], dict(BK=64, BV=32), 4, 1),
+    # (the plain rule's backward: Simple GLA, Lightning)
+    "bwd-plain-reverse-scan": ("chunk_delta_backward._reverse_scan_kernel", BWD_POINTERS["reverse"],
+                               dict(BV=32, HAS_DHT=True, STORE_DH0=True, DELTA=False), 8, 1),
+    "bwd-plain-value-grads": ("chunk_delta_backward._value_grads_kernel", BWD_POINTERS["value"],
+                              dict(BV=16, DELTA=False), 8, 1),
+    "bwd-plain-key-grads": ("chunk_delta_backward._key_grads_kernel", BWD_POINTERS["key"],
+                            dict(BK=64, BV=32, DELTA=False), 4, 1),
     "plain-gate-cumsum": ("chunk_prepare._gate_cumsum_kernel",
                           {"g": "*fp32", "g_gamma": "*fp32", "gcum": "*fp32", "cu_seqlens": "*i64",
                            "chunk_index": "*i32"}, dict(HAS_G=True, HAS_GAMMA=True, VARLEN=True), 1, 1),

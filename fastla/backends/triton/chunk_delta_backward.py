@@ -1,4 +1,5 @@
-"""Triton chunked backward of the gated delta rule (GDN, scalar gate): gradients of q, k, v, the
+"""Triton chunked backward of the scalar-gate rules: the gated delta rule (GDN) and, with ``DELTA``
+False, the plain rule (Simple GLA, Lightning: V_new = v, no beta nor A). Gradients of q, k, v, the
 log decay g, beta and the initial state, from dO and dht.
 
 Inputs are the activated ones (``chunk_training.py`` applies the l2norm, the gate and the beta
@@ -73,10 +74,11 @@ def _reverse_scan_kernel(
     q, k, beta, p_in, a_in, gcum, do, dht, dh_chunks, r_out, dh0, cu_seqlens, chunk_start, T, NT, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr,
-    HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, VARLEN: tl.constexpr,
+    HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, VARLEN: tl.constexpr, DELTA: tl.constexpr,
 ):
     """Program (sequence x value head, V tile): dS from dht, chunks last to first; per chunk stores
-    dS' (the gradient of the chunk's end state) and R = P^T dV_new; dh0 at the end."""
+    dS' (the gradient of the chunk's end state) and R = P^T dV_new (DELTA False, the plain rule:
+    dv = dV_new itself); dh0 at the end."""
     i_p = tl.program_id(0).to(tl.int64)
     i_v = tl.program_id(1)
     i_n, i_hv = i_p // HV, i_p % HV
@@ -110,21 +112,24 @@ def _reverse_scan_kernel(
         last = tl.minimum(eos - t0, BT) - 1
         b_G = tl.load(gcum + base + r * HV, mask=m_t, other=0.0)                                  # [BT]
         b_Gl = tl.load(gcum + base + last * HV)
-        b_beta = tl.load(beta + base + r * HV, mask=m_t, other=0.0)
         qk_row0 = (t0 * H + i_h) * K
         b_k = tl.load(k + qk_row0 + off_kr, mask=m_tk, other=0.0).to(DOT)                         # [BT, BK]
         b_q = tl.load(q + qk_row0 + off_kr, mask=m_tk, other=0.0).to(DOT)
         b_do = tl.load(do + base * V + off_v, mask=m_tv, other=0.0).to(tl.float32)               # [BT, BV]
         b_A = tl.load(a_in + base * BT + off_p, mask=m_t[:, None] & lower, other=0.0).to(DOT)     # [BT, BT]
-        b_P = tl.load(p_in + base * BT + off_p, mask=m_t[:, None] & lower, other=0.0).to(DOT)
         b_eG = tl.where(m_t, tl.exp(b_G), 0.0)
         # the rows' gate factors scale the [BT, BV] operands and products, not the [BT, BK] keys
         b_dvn = (tl.dot(tl.trans(b_A), b_do.to(DOT))
                  + tl.where(m_t, tl.exp(b_Gl - b_G), 0.0)[:, None] * tl.dot(b_k, b_dS.to(DOT)))  # [BT, BV]
-        b_r = tl.dot(tl.trans(b_P), b_dvn.to(DOT))                                               # R
+        b_dS = b_dS * tl.exp(b_Gl) + tl.dot(tl.trans(b_q), ((scale * b_eG)[:, None] * b_do).to(DOT))
+        if DELTA:
+            b_P = tl.load(p_in + base * BT + off_p, mask=m_t[:, None] & lower, other=0.0).to(DOT)
+            b_beta = tl.load(beta + base + r * HV, mask=m_t, other=0.0)
+            b_r = tl.dot(tl.trans(b_P), b_dvn.to(DOT))                                           # R
+            b_dS -= tl.dot(tl.trans(b_k), ((b_eG * b_beta)[:, None] * b_r).to(DOT))
+        else:
+            b_r = b_dvn
         tl.store(r_out + base * V + off_v, b_r, mask=m_tv)
-        b_dS = (b_dS * tl.exp(b_Gl) + tl.dot(tl.trans(b_q), ((scale * b_eG)[:, None] * b_do).to(DOT))
-                - tl.dot(tl.trans(b_k), ((b_eG * b_beta)[:, None] * b_r).to(DOT)))
     if STORE_DH0:
         tl.store(dh0 + i_n * HV * K * V + head_state + p_state, b_dS, mask=m_h)
 
@@ -135,10 +140,12 @@ def _value_grads_kernel(
     cu_seqlens, chunk_index, T, NT, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr, VARLEN: tl.constexpr,
+    DELTA: tl.constexpr,
 ):
     """Program (chunk, value head), the value columns in tiles of BV: from S, dS', dO and R, stores
     dv = diag(beta) R, V_new, dg, dbeta and the gradients of q k^T and k k^T through A_qk and A
-    (``[BT, BT]`` per token row, for ``_key_grads_kernel``)."""
+    (``[BT, BT]`` per token row, for ``_key_grads_kernel``). DELTA False (the plain rule): V_new = v
+    and dv = R, neither beta nor A."""
     i_c = tl.program_id(0).to(tl.int64)
     i_hv = tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -155,7 +162,6 @@ def _value_grads_kernel(
     off_p = r[:, None] * (HV * BT) + r[None, :]                             # [BT, BT] in P and the scratch
     b_G = tl.load(gcum + base + r * HV, mask=m_t, other=0.0)                                      # [BT]
     b_Gl = tl.load(gcum + base + last * HV)
-    b_beta = tl.load(beta + base + r * HV, mask=m_t, other=0.0)
     b_eG = tl.where(m_t, tl.exp(b_G), 0.0)
     b_eD = tl.where(m_t, tl.exp(b_Gl - b_G), 0.0)
     qk_row0 = (t0 * H + i_h) * K
@@ -163,7 +169,9 @@ def _value_grads_kernel(
     m_tk = m_t[:, None] & m_k[None, :]
     b_q = tl.load(q + qk_row0 + off_kr, mask=m_tk, other=0.0).to(DOT)                             # [BT, BK]
     b_k = tl.load(k + qk_row0 + off_kr, mask=m_tk, other=0.0).to(DOT)
-    b_P = tl.load(p_in + base * BT + off_p, mask=m_t[:, None] & lower, other=0.0).to(DOT)         # [BT, BT]
+    if DELTA:
+        b_beta = tl.load(beta + base + r * HV, mask=m_t, other=0.0)
+        b_P = tl.load(p_in + base * BT + off_p, mask=m_t[:, None] & lower, other=0.0).to(DOT)     # [BT, BT]
     chunk_state = (i_c * HV + i_hv) * K * V
 
     b_dAqk = tl.zeros([BT, BT], dtype=tl.float32)       # dO V_new^T
@@ -185,19 +193,24 @@ def _value_grads_kernel(
         b_v = tl.load(v + base * V + off_v, mask=m_tv, other=0.0).to(tl.float32)                 # [BT, BV]
         b_do = tl.load(do + base * V + off_v, mask=m_tv, other=0.0).to(DOT)
         b_r = tl.load(r_in + base * V + off_v, mask=m_tv, other=0.0)
-        b_ks = tl.dot(b_k, b_S.to(DOT))                                                           # k S
-        b_x = b_v - b_eG[:, None] * b_ks
-        b_vn = tl.dot(b_P, (b_beta[:, None] * b_x).to(DOT))                                       # V_new
-        b_dx = b_beta[:, None] * b_r
+        if DELTA:
+            b_ks = tl.dot(b_k, b_S.to(DOT))                                                       # k S
+            b_x = b_v - b_eG[:, None] * b_ks
+            b_vn = tl.dot(b_P, (b_beta[:, None] * b_x).to(DOT))                                   # V_new
+            b_dx = b_beta[:, None] * b_r
+            tl.store(vn_out + base * V + off_v, b_vn.to(vn_out.dtype.element_ty), mask=m_tv)
+        else:
+            b_vn = b_v
+            b_dx = b_r
         tl.store(dv + base * V + off_v, b_dx.to(dv.dtype.element_ty), mask=m_tv)
-        tl.store(vn_out + base * V + off_v, b_vn.to(vn_out.dtype.element_ty), mask=m_tv)
         b_vnd = b_vn.to(DOT)
         b_tkd += b_eD * tl.sum(b_vn * tl.dot(b_k, b_dS.to(DOT)), 1)
-        b_tkg += b_eG * tl.sum(b_dx * b_ks, 1)
         b_tqs += b_eG * tl.sum(b_do.to(tl.float32) * tl.dot(b_q, b_S.to(DOT)), 1)
         b_dAqk += tl.dot(b_do, tl.trans(b_vnd))
-        b_RV += tl.dot(b_r.to(DOT), tl.trans(b_vnd))
-        b_db += tl.sum(b_r * b_x, 1)
+        if DELTA:
+            b_tkg += b_eG * tl.sum(b_dx * b_ks, 1)
+            b_RV += tl.dot(b_r.to(DOT), tl.trans(b_vnd))
+            b_db += tl.sum(b_r * b_x, 1)
         b_sdS += tl.sum(b_S * b_dS, 1)
 
     # the scores' gradients, each [BT, BT] tile dead as soon as it is used (registers)
@@ -206,20 +219,22 @@ def _value_grads_kernel(
     tl.store(dqk_out + base * BT + off_p, b_dqk.to(dqk_out.dtype.element_ty), mask=m_t[:, None])
     b_e = b_dqk * tl.dot(b_q, tl.trans(b_k))                                # dA_qk * A_qk
     b_dG = tl.sum(b_e, 1) - tl.sum(b_e, 0)
-    b_t = tl.where(strict, b_gam * b_RV, 0.0)
-    b_kk = tl.dot(b_k, tl.trans(b_k))
-    b_db -= tl.sum(b_t * b_kk, 1)
-    b_dkk = -b_beta[:, None] * b_t                                          # d(k k^T) through A
-    tl.store(dkk_out + base * BT + off_p, b_dkk.to(dkk_out.dtype.element_ty), mask=m_t[:, None])
-    b_e = b_dkk * b_kk                                                      # dA * A
+    if DELTA:
+        b_t = tl.where(strict, b_gam * b_RV, 0.0)
+        b_kk = tl.dot(b_k, tl.trans(b_k))
+        b_db -= tl.sum(b_t * b_kk, 1)
+        b_dkk = -b_beta[:, None] * b_t                                      # d(k k^T) through A
+        tl.store(dkk_out + base * BT + off_p, b_dkk.to(dkk_out.dtype.element_ty), mask=m_t[:, None])
+        b_e = b_dkk * b_kk                                                  # dA * A
+        b_dG += tl.sum(b_e, 1) - tl.sum(b_e, 0)
+        tl.store(dbeta + base + r * HV, b_db, mask=m_t)
     # dG_i: the scores' e^(G_i - G_j) (rows minus columns), diag(e^G) q S, diag(e^G) k S, and
     # diag(e^(G_last - G)) k; the last token's G (G_last) takes e^G_last S and the same k term
-    b_dG += tl.sum(b_e, 1) - tl.sum(b_e, 0) + scale * b_tqs - b_tkg - b_tkd
+    b_dG += scale * b_tqs - b_tkg - b_tkd
     b_dGl = tl.sum(b_tkd, 0) + tl.exp(b_Gl) * tl.sum(b_sdS, 0)
     b_dG = tl.where(m_t, b_dG + tl.where(r == last, b_dGl, 0.0), 0.0)
     b_dg = tl.sum(tl.where(lower, b_dG[:, None], 0.0), 0)                   # dg_t = sum over i >= t of dG_i
     tl.store(dg + base + r * HV, b_dg, mask=m_t)
-    tl.store(dbeta + base + r * HV, b_db, mask=m_t)
 
 
 @triton.jit(do_not_specialize=["T", "NT"])     # as chunk_delta._scan_kernel
@@ -228,9 +243,11 @@ def _key_grads_kernel(
     T, NT, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr, VARLEN: tl.constexpr,
+    DELTA: tl.constexpr,
 ):
     """Program (chunk, value head, BK key columns): this value head's share of dq and dk there,
-    the state terms over the value columns in tiles of BV, then the scores' terms."""
+    the state terms over the value columns in tiles of BV, then the scores' terms (DELTA False: no
+    R S^T nor k k^T terms; ``vn_in`` is v)."""
     i_c = tl.program_id(0).to(tl.int64)
     i_hv = tl.program_id(1)
     i_k = tl.program_id(2)
@@ -247,9 +264,10 @@ def _key_grads_kernel(
     off_p = r[:, None] * (HV * BT) + r[None, :]
     b_G = tl.load(gcum + base + r * HV, mask=m_t, other=0.0)                                      # [BT]
     b_Gl = tl.load(gcum + base + last * HV)
-    b_beta = tl.load(beta + base + r * HV, mask=m_t, other=0.0)
     b_eG = tl.where(m_t, tl.exp(b_G), 0.0)
     b_eD = tl.where(m_t, tl.exp(b_Gl - b_G), 0.0)
+    if DELTA:
+        b_beta = tl.load(beta + base + r * HV, mask=m_t, other=0.0)
     chunk_state = (i_c * HV + i_hv) * K * V
 
     b_dqs = tl.zeros([BT, BK], dtype=tl.float32)        # dO S^T
@@ -264,31 +282,36 @@ def _key_grads_kernel(
         b_St = tl.load(h + chunk_state + p_state_t, mask=m_ht, other=0.0).to(DOT)                  # [BV, BK]
         b_dSt = tl.load(dh_chunks + chunk_state + p_state_t, mask=m_ht, other=0.0).to(DOT)
         b_do = tl.load(do + base * V + off_v, mask=m_tv, other=0.0).to(DOT)                       # [BT, BV]
-        b_r = tl.load(r_in + base * V + off_v, mask=m_tv, other=0.0)
         b_vn = tl.load(vn_in + base * V + off_v, mask=m_tv, other=0.0).to(tl.float32)
         b_dqs += tl.dot(b_do, b_St)
         b_dk += tl.dot((b_eD[:, None] * b_vn).to(DOT), b_dSt)
-        b_dk -= tl.dot(((b_eG * b_beta)[:, None] * b_r).to(DOT), b_St)
+        if DELTA:
+            b_r = tl.load(r_in + base * V + off_v, mask=m_tv, other=0.0)
+            b_dk -= tl.dot(((b_eG * b_beta)[:, None] * b_r).to(DOT), b_St)
     qk_row0 = (t0 * H + i_h) * K
     off_kr = r[:, None] * (H * K) + o_k[None, :]
     b_q = tl.load(q + qk_row0 + off_kr, mask=m_tk, other=0.0).to(DOT)                             # [BT, BK]
     b_k = tl.load(k + qk_row0 + off_kr, mask=m_tk, other=0.0).to(DOT)
     b_dqk = tl.load(dqk_in + base * BT + off_p, mask=m_t[:, None], other=0.0).to(DOT)             # [BT, BT]
-    b_dkk = tl.load(dkk_in + base * BT + off_p, mask=m_t[:, None], other=0.0).to(DOT)
     b_dq = scale * b_eG[:, None] * b_dqs + tl.dot(b_dqk, b_k)
-    b_dk += tl.dot(tl.trans(b_dqk), b_q) + tl.dot(b_dkk, b_k) + tl.dot(tl.trans(b_dkk), b_k)
+    b_dk += tl.dot(tl.trans(b_dqk), b_q)
+    if DELTA:
+        b_dkk = tl.load(dkk_in + base * BT + off_p, mask=m_t[:, None], other=0.0).to(DOT)
+        b_dk += tl.dot(b_dkk, b_k) + tl.dot(tl.trans(b_dkk), b_k)
     off_kv = r[:, None] * (HV * K) + o_k[None, :]                           # [BT, BK] in dq, dk
     tl.store(dq + base * K + off_kv, b_dq, mask=m_tk)
     tl.store(dk + base * K + off_kv, b_dk, mask=m_tk)
 
 
 def backward(p: Problem, do: torch.Tensor, dht: torch.Tensor | None, states: torch.Tensor | None = None):
-    """Gradients ``(dq, dk [B, T, H, K], dv [B, T, HV, V], dg, dbeta [B, T, HV], dh0 [N, HV, K, V] or
-    None)`` (float32; dv in v's dtype) of the chunked forward of ``p``, whose q, k, v, g (float32
-    log decay), beta (float32) and initial state (K-first, float32) are the activated ones: no
-    gate, l2norm nor beta sigmoid in the op, K-first states. ``do`` is dO ``[B, T, HV, V]``, ``dht``
-    the final state's gradient ``[N, HV, K, V]`` or None, ``states`` the forward's chunk-start
-    states ``[chunks, HV, K, V]`` in the operand dtype (None: recomputed here)."""
+    """Gradients ``(dq, dk [B, T, H, K], dv [B, T, HV, V], dg [B, T, HV], dbeta [B, T, HV] or None,
+    dh0 [N, HV, K, V] or None)`` (float32; dv in v's dtype) of the chunked forward of ``p`` (the
+    delta rule, or the plain rule with ``p.delta`` False: no beta), whose q, k, v, g (float32 log
+    decay, or None: no decay), beta (float32) and initial state (K-first, float32) are the
+    activated ones: no gate, l2norm nor beta sigmoid in the op, no g_gamma, K-first states. ``do``
+    is dO ``[B, T, HV, V]``, ``dht`` the final state's gradient ``[N, HV, K, V]`` or None,
+    ``states`` the forward's chunk-start states ``[chunks, HV, K, V]`` in the operand dtype (None:
+    recomputed here)."""
     p = dense_inputs(p)
     B, T, H, HV, K, V, N = p.B, p.T, p.H, p.HV, p.K, p.V, p.N
     dev = p.device
@@ -310,14 +333,19 @@ def backward(p: Problem, do: torch.Tensor, dht: torch.Tensor | None, states: tor
     q, k = (p.q, p.k) if p.q.dtype == op_dtype or bf16 else (p.q.to(op_dtype), p.k.to(op_dtype))
     do = do.contiguous()
     f32 = torch.float32
-
-    # 1. G, P, A_qk and (unless the forward kept them) the chunk-start states, as the forward computes them
-    gcum = call_plan.empty((B, T, HV), f32, dev)
-    inverse = call_plan.empty((B, T, HV, BT), op_dtype, dev)
-    scores = call_plan.empty((B, T, HV, BT), op_dtype, dev)
     state_dtype = f32 if FP32_STATES else op_dtype
+
+    # 1. G, P (delta rule), A_qk and (unless the forward kept them) the chunk-start states, as the
+    # forward computes them
+    gcum = call_plan.empty((B, T, HV), f32, dev)
+    scores = call_plan.empty((B, T, HV, BT), op_dtype, dev)
+    inverse = call_plan.empty((B, T, HV, BT), op_dtype, dev) if p.delta else scores
+    beta = p.beta if p.delta else gcum
     if total:
-        chunk_prepare.launch(p, p.g, p.beta, BETA_GIVEN, total, tables, gcum, inverse, dot, config)
+        if p.delta:
+            chunk_prepare.launch(p, p.g, p.beta, BETA_GIVEN, total, tables, gcum, inverse, dot, config)
+        else:
+            chunk_prepare.launch_gate_cumsum(p, total, tables, gcum)
         chunk_prepare.launch_scores(p, q, k, total, tables, gcum, scores, None, None, dot, config)
     if states is None or states.dtype != state_dtype:
         states = call_plan.empty((max(total, 1), HV, K, V), state_dtype, dev)
@@ -325,41 +353,44 @@ def backward(p: Problem, do: torch.Tensor, dht: torch.Tensor | None, states: tor
             o_scratch = call_plan.empty((B, T, HV, V), p.o_dtype, dev)
             h0 = p.initial_state
             launcher(_scan_kernel, T, NT)[(N * HV, cdiv(V, BV))](
-                q, k, p.v, p.beta, inverse, scores, gcum, gcum, gcum, gcum, gcum, o_scratch,
+                q, k, p.v, beta, inverse, scores, gcum, gcum, gcum, gcum, gcum, o_scratch,
                 h0 if h0 is not None else o_scratch, o_scratch, states, cu if varlen else gcum,
                 chunk_start if varlen else gcum, gcum, gcum, T, NT, p.scale,
                 H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, SK=V, SV=1, DOT=dot, HAS_H0=h0 is not None,
                 STORE_FINAL=False, L2NORM=False, VARLEN=varlen, SEG=0, BETA=BETA_GIVEN, STORE_STATES=True,
-                GK=False, DELTA=True, num_warps=config.scan_warps, num_stages=config.scan_stages)
+                GK=False, DELTA=p.delta, num_warps=config.scan_warps, num_stages=config.scan_stages)
 
-    # 2. the reverse scan: dS' per chunk, R, dh0
+    # 2. the reverse scan: dS' per chunk, R (the plain rule: dv), dh0
     dh_chunks = call_plan.empty((max(total, 1), HV, K, V), state_dtype, dev)
     r_buf = call_plan.empty((B, T, HV, V), f32, dev)
     dh0 = call_plan.empty((N, HV, K, V), f32, dev) if p.initial_state is not None else None
     if dht is not None:
         dht = dht.to(f32).contiguous()
     launcher(_reverse_scan_kernel, T, NT)[(N * HV, cdiv(V, BV))](
-        q, k, p.beta, inverse, scores, gcum, do, dht if dht is not None else gcum, dh_chunks, r_buf,
+        q, k, beta, inverse, scores, gcum, do, dht if dht is not None else gcum, dh_chunks, r_buf,
         dh0 if dh0 is not None else gcum, cu if varlen else gcum, chunk_start if varlen else gcum, T, NT,
         p.scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, DOT=dot, HAS_DHT=dht is not None,
-        STORE_DH0=dh0 is not None, VARLEN=varlen, num_warps=SCAN_WARPS, num_stages=1)
+        STORE_DH0=dh0 is not None, VARLEN=varlen, DELTA=p.delta, num_warps=SCAN_WARPS, num_stages=1)
 
     # 3. the gradients, chunk by chunk: dv, V_new, dg, dbeta and the scores' gradients, then dq, dk
     dq, dk = (call_plan.empty((B, T, HV, K), f32, dev) for _ in range(2))
     dv = call_plan.empty((B, T, HV, V), p.v.dtype, dev)
-    dg, dbeta = (call_plan.empty((B, T, HV), f32, dev) for _ in range(2))
+    dg = call_plan.empty((B, T, HV), f32, dev)
+    dbeta = call_plan.empty((B, T, HV), f32, dev) if p.delta else None
     if total:
-        v_new = call_plan.empty((B, T, HV, V), op_dtype, dev)
-        dqk, dkk = (call_plan.empty((B, T, HV, BT), op_dtype, dev) for _ in range(2))
+        v_new = call_plan.empty((B, T, HV, V), op_dtype, dev) if p.delta else p.v
+        dqk = call_plan.empty((B, T, HV, BT), op_dtype, dev)
+        dkk = call_plan.empty((B, T, HV, BT), op_dtype, dev) if p.delta else dqk
         tables_arg = (cu if varlen else gcum, chunk_index if varlen else gcum)
         launcher(_value_grads_kernel, T, NT)[(total, HV)](
-            q, k, p.v, p.beta, inverse, gcum, states, dh_chunks, do, r_buf, v_new, dqk, dkk, dv, dg, dbeta,
-            *tables_arg, T, NT, p.scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=min(VALUE_BLOCK_V, BVF), DOT=dot,
-            VARLEN=varlen, num_warps=VALUE_WARPS, num_stages=1)
+            q, k, p.v, beta, inverse, gcum, states, dh_chunks, do, r_buf, v_new, dqk, dkk, dv, dg,
+            dbeta if dbeta is not None else gcum, *tables_arg, T, NT, p.scale, H=H, HV=HV, K=K, V=V, BT=BT,
+            BK=BK, BV=min(VALUE_BLOCK_V, BVF), DOT=dot, VARLEN=varlen, DELTA=p.delta, num_warps=VALUE_WARPS,
+            num_stages=1)
         BKS = min(KEY_BLOCK_K, BK)
         launcher(_key_grads_kernel, T, NT)[(total, HV, cdiv(K, BKS))](
-            q, k, p.beta, gcum, states, dh_chunks, do, r_buf, v_new, dqk, dkk, dq, dk, *tables_arg, T, NT,
-            p.scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=BKS, BV=BV, DOT=dot, VARLEN=varlen,
+            q, k, beta, gcum, states, dh_chunks, do, r_buf, v_new, dqk, dkk, dq, dk, *tables_arg, T, NT,
+            p.scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=BKS, BV=BV, DOT=dot, VARLEN=varlen, DELTA=p.delta,
             num_warps=KEY_WARPS, num_stages=1)
     if HV != H:                                                              # GVA: per q/k head
         dq = dq.view(B, T, H, HV // H, K).sum(3)

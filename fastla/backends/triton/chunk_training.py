@@ -1,8 +1,10 @@
-"""GDN training on the kernel tiers: the forward on the fastest tier, the backward in Triton.
+"""Training on the kernel tiers for the scalar-gate chunked ops (GDN, Simple GLA, Lightning): the
+forward on the fastest tier, the backward in Triton.
 
-A ``chunk_gated_delta_rule`` call that needs gradients is served here (the Triton tier's entry for
-the op, ``tier.py``): the l2norm, the gate computed in the op, the beta sigmoid and the state layout
-are applied in PyTorch (autograd takes their gradients), then ``GatedDeltaChunk`` runs the forward
+A chunked call of those ops that needs gradients is served here (the Triton tier's entry for the
+chunked ops, ``tier.py``): the l2norm, the gate computed in the op (GDN's, or Simple GLA's and
+Lightning's constant ``g_gamma`` added to ``g``), the beta sigmoid and the state layout are applied
+in PyTorch (autograd takes their gradients), then ``ScalarGateChunk`` runs the forward
 through the dispatcher without gradients (the sm_90 kernels on Hopper, the Triton ones elsewhere)
 and its backward in ``chunk_delta_backward.py``. Calls it cannot serve (say why in ``reason``) go
 to the torch tier, which differentiates through PyTorch.
@@ -26,7 +28,8 @@ ENABLED = os.environ.get("FASTLA_TRITON_BACKWARD", "0") == "1"
 # The forward keeps its chunk-start states for the backward (False: the backward recomputes them)
 SAVE_STATES = True
 
-_GRAD_FIELDS = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
+_GRAD_FIELDS = ("q", "k", "v", "g", "gk", "g_gamma", "beta", "initial_state", "A_log", "dt_bias")
+SCALAR_GATE_OPS = ("chunk_gated_delta_rule", "chunk_simple_gla", "chunk_lightning_attn")
 
 
 def needs_grad(p: Problem) -> bool:
@@ -36,10 +39,10 @@ def needs_grad(p: Problem) -> bool:
 
 def reason(p: Problem) -> str | None:
     """None when this path serves ``p`` (a call that needs gradients), else why not."""
-    if p.op != "chunk_gated_delta_rule":
-        return "inputs require grad: no Triton backward for this op yet (the torch tier has autograd)"
+    if p.op not in SCALAR_GATE_OPS:
+        return "inputs require grad: no Triton backward for per-channel gates yet (the torch tier has autograd)"
     if not ENABLED:
-        return ("inputs require grad: the Triton GDN backward is off until it has run on a GPU "
+        return ("inputs require grad: the Triton backward is off until it has run on a GPU "
                 "(FASTLA_TRITON_BACKWARD=1 turns it on; the torch tier has autograd)")
     if p.return_intermediate_states:
         return "inputs require grad with return_intermediate_states (the torch tier differentiates them)"
@@ -57,7 +60,7 @@ def run(p: Problem):
     return run_training(p) if needs_grad(p) else chunk_delta.run(p)
 
 
-class GatedDeltaChunk(torch.autograd.Function):
+class ScalarGateChunk(torch.autograd.Function):
     """``(o, final state K-first)`` of the activated inputs; the backward in Triton. The forward
     also returns the chunk-start states (``return_intermediate_states``, in q's dtype), kept for the
     backward unless ``SAVE_STATES`` is off (the backward then recomputes them: less memory held
@@ -81,7 +84,8 @@ class GatedDeltaChunk(torch.autograd.Function):
         q, k, v, g, beta, h0, states = ctx.saved_tensors
         pa = dataclasses.replace(ctx.problem, q=q, k=k, v=v, g=g, beta=beta, initial_state=h0)
         dq, dk, dv, dg, dbeta, dh0 = chunk_delta_backward.backward(pa, do, dht, states)
-        return (dq.to(q.dtype), dk.to(k.dtype), dv, dg, dbeta, dh0 if ctx.h0_grad else None, None)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv, dg if g is not None else None, dbeta,
+                dh0 if ctx.h0_grad else None, None)
 
 
 def run_training(p: Problem):
@@ -89,20 +93,28 @@ def run_training(p: Problem):
     q, k = p.q, p.k
     if p.use_qk_l2norm:                         # normalised in float32, read by the kernels in q's dtype
         q, k = l2norm(q).to(p.q.dtype), l2norm(k).to(p.k.dtype)
-    g = gdn_gate(p.g, p.A_log, p.dt_bias) if p.gate_in_op == "gdn" else p.g.float()
-    if p.beta is None:
-        beta = torch.ones(p.B, p.T, p.HV, dtype=torch.float32, device=p.device)
-    elif p.beta_sigmoid:
-        beta = beta_activation(p.beta, p.allow_neg_eigval)
-    else:
-        beta = p.beta.float()
+    g = p.g
+    if g is not None:
+        g = gdn_gate(g, p.A_log, p.dt_bias) if p.gate_in_op == "gdn" else g.float()
+    if p.g_gamma is not None:                   # the constant per-head decay, added to g
+        gamma = p.g_gamma.float().expand(p.B, p.T, p.HV)
+        g = gamma if g is None else g + gamma
+    beta = None
+    if p.delta:
+        if p.beta is None:
+            beta = torch.ones(p.B, p.T, p.HV, dtype=torch.float32, device=p.device)
+        elif p.beta_sigmoid:
+            beta = beta_activation(p.beta, p.allow_neg_eigval)
+        else:
+            beta = p.beta.float()
+        beta = beta.contiguous()
     h0 = p.initial_state
     if h0 is not None:
         h0 = (h0.transpose(-1, -2) if p.state_v_first else h0).float().contiguous()
     activated = dataclasses.replace(
-        p, use_qk_l2norm=False, gate_in_op=None, A_log=None, dt_bias=None, beta_sigmoid=False,
+        p, g_gamma=None, use_qk_l2norm=False, gate_in_op=None, A_log=None, dt_bias=None, beta_sigmoid=False,
         allow_neg_eigval=False, state_v_first=False, output_final_state=True)
-    o, ht = GatedDeltaChunk.apply(q, k, p.v, g.contiguous(), beta.contiguous(), h0, activated)
+    o, ht = ScalarGateChunk.apply(q, k, p.v, g.contiguous() if g is not None else None, beta, h0, activated)
     if not p.output_final_state:
         return o, None
     return o, ht.transpose(-1, -2) if p.state_v_first else ht

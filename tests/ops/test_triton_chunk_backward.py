@@ -1,6 +1,7 @@
-"""The Triton GDN backward (chunk_training.py, chunk_delta_backward.py) against the fp64
-reference: every gradient through the public autograd API, loss (o*do).sum() + (ht*dht).sum();
-on the CPU it runs in the Triton interpreter."""
+"""The Triton backward of the scalar-gate chunked ops (GDN, Simple GLA, Lightning;
+chunk_training.py, chunk_delta_backward.py) against the fp64 reference: every gradient through
+the public autograd API, loss (o*do).sum() + (ht*dht).sum(); on the CPU it runs in the Triton
+interpreter."""
 import pytest
 import torch
 
@@ -8,9 +9,8 @@ from fastla.backends.triton import chunk_training, interpreting
 from fastla.core import dispatch
 from fastla.core.dispatch import use_tier
 from fastla.core.validation import build_problem
-from fastla.ops.gated_delta_rule import chunk_gated_delta_rule
 from tests.helpers import (
-    KERNEL_DEVICES, OPS, as_leaves, assert_close, call_reference, forward_backward, make_inputs,
+    KERNEL_DEVICES, OPS, as_leaves, assert_close, call_chunk, call_reference, forward_backward, make_inputs,
 )
 
 SPEC = OPS["gdn"]
@@ -23,7 +23,7 @@ def backward_on(monkeypatch):
     monkeypatch.setattr(chunk_training, "ENABLED", True)
 
 
-def check(t, extra=None, dht=True, tol=TOL, grad_tol=None, **opts):
+def check(t, extra=None, dht=True, tol=TOL, grad_tol=None, spec=SPEC, **opts):
     """``t``: the tensors (leaves), ``extra``: leaves the reference takes as keywords too (A_log,
     dt_bias), ``opts``: the op's options (cu_seqlens_cpu to the op under test only). Outputs within
     ``tol``, gradients within ``grad_tol`` (10 x tol) of the fp64 reference."""
@@ -35,14 +35,14 @@ def check(t, extra=None, dht=True, tol=TOL, grad_tol=None, **opts):
 
     def fast(x, **kw):
         with use_tier("triton", strict=True):
-            return chunk_gated_delta_rule(**x, **kw, **({"cu_seqlens_cpu": host} if host is not None else {}))
+            return call_chunk(spec, x, **kw, **({"cu_seqlens_cpu": host} if host is not None else {}))
 
     final = opts.get("output_final_state", True)
     opts["output_final_state"] = final
     probe = fast(as_leaves({**t, **extra}), **opts)[1]
     d_final = torch.randn_like(probe) if dht and final else None
     o, ht, grads = forward_backward(fast, leaves, do, d_final, **opts)
-    ref = lambda x, **kw: call_reference(SPEC, x, **kw)  # noqa: E731
+    ref = lambda x, **kw: call_reference(spec, x, **kw)  # noqa: E731
     ro, rht, rgrads = forward_backward(ref, as_leaves({**t, **extra}, torch.float64), do, d_final, **opts)
     assert_close("o", o, ro, tol)
     if final:
@@ -133,3 +133,22 @@ def test_bf16_wide_heads_on_gpu(varlen):
         cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
         opts.update(cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu)
     check(t, extra, tol=1e-2, grad_tol=2e-2, **opts)
+
+
+@pytest.mark.parametrize("op", ["simple_gla", "lightning"])
+@pytest.mark.parametrize("T", [1, 65, 130])
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_plain_rule(op, T, device):
+    """Simple GLA (a gate per token) and Lightning (the constant per-head decay): no beta, V_new = v."""
+    spec = OPS[op]
+    check(make_inputs(spec, B=2, T=T, H=2, K=32, V=32, device=device), spec=spec)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_plain_rule_varlen_gate_and_constant_decay(device):
+    """Simple GLA with both g and g_gamma (their sum decays; both learned) and varlen offsets."""
+    spec = OPS["simple_gla"]
+    lengths = [1, 64, 70, 3]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
+    t = make_inputs(spec, B=1, T=sum(lengths), H=2, K=32, V=48, device=device, N=len(lengths))
+    check(t, dict(g_gamma=-torch.rand(2, device=device)), spec=spec, cu_seqlens=cu.to(device), cu_seqlens_cpu=cu)
