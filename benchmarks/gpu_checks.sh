@@ -10,8 +10,9 @@
 #   bash benchmarks/gpu_checks.sh cold         # cold starts of the Gluon paths (first call, empty cache)
 #   bash benchmarks/gpu_checks.sh setup        # only the installs (before runs side by side)
 #   bash benchmarks/gpu_checks.sh backward     # the Triton GDN backward (off by default): its GPU tests (~2 min)
-#   bash benchmarks/gpu_checks.sh backward-bench # its fwdbwd against FLA on two registry shapes (FLA's
-#                                              # backward compiles for minutes without a cache)
+#   bash benchmarks/gpu_checks.sh backward-bench # its fwdbwd against FLA on registry shapes (FILTER: which;
+#                                              # two GDN ones by default; FLA's backward compiles for
+#                                              # minutes without a cache: KDA's tunes ~280 s)
 #   bash benchmarks/gpu_checks.sh cold-gates   # KDA's first call with each gate (the registry cold-starts only
 #                                              # the bounded one), its compiles serial and side by side
 #                                              # (FASTLA_COMPILE_AHEAD=0 / 1, fastla/core/compile_ahead.py)
@@ -99,7 +100,7 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
     done ;;
   backward) bg 240 tests/ops/test_triton_chunk_backward.py -m "" -k "not cpu"; show ;;
   backward-bench)
-    FASTLA_TRITON_BACKWARD=1 timeout 560 python3 -m fastla bench --filter gdn/h16-hv32/1x8192,gdn/h2-hv8/1x8192 \
+    FASTLA_TRITON_BACKWARD=1 timeout 560 python3 -m fastla bench --filter "${FILTER:-gdn/h16-hv32/1x8192,gdn/h2-hv8/1x8192}" \
       --modes fwdbwd --quick --no-cold --out "$out" 2>&1 | tail -8
     ;;
   setup) ;;

@@ -89,7 +89,7 @@ KDA_PREPARE_POINTERS = {"q": "*bf16", "k": "*bf16", "g": "*bf16", "beta": "*bf16
                         "qg": "*bf16", "decay": "*fp32", "cu_seqlens": "*i64", "chunk_index": "*i32"}
 COMBINE_POINTERS = {"summary": "*fp32", "seg_start": "*fp32", "h0": "*fp32", "seq_segments": "*i32"}
 BWD_POINTERS = {
-    "reverse": {"q": "*bf16", "k": "*bf16", "beta": "*fp32", "p_in": "*bf16", "a_in": "*bf16", "gcum": "*fp32",
+    "reverse": {"q": "*bf16", "k": "*bf16", "kd": "*bf16", "decay": "*fp32", "beta": "*fp32", "p_in": "*bf16", "a_in": "*bf16", "gcum": "*fp32",
                 "do": "*bf16", "dht": "*fp32", "dh_chunks": "*bf16", "r_out": "*fp32", "dh0": "*fp32",
                 "cu_seqlens": "*i64", "chunk_start": "*i64"},
     "value": {"q": "*bf16", "k": "*bf16", "v": "*bf16", "beta": "*fp32", "p_in": "*bf16", "gcum": "*fp32",
@@ -99,6 +99,13 @@ BWD_POINTERS = {
     "key": {"q": "*bf16", "k": "*bf16", "beta": "*fp32", "gcum": "*fp32", "h": "*bf16", "dh_chunks": "*bf16",
             "do": "*bf16", "r_in": "*fp32", "vn_in": "*bf16", "dqk_in": "*bf16", "dkk_in": "*bf16", "dq": "*fp32",
             "dk": "*fp32", "cu_seqlens": "*i64", "chunk_index": "*i32"},
+}
+CHANNEL_BWD_POINTERS = {
+    "q": "*bf16", "k": "*bf16", "kg": "*bf16", "v": "*bf16", "beta": "*fp32", "p_in": "*bf16", "gcum": "*fp32",
+    "h": "*bf16", "dh_chunks": "*bf16", "do": "*bf16", "r_in": "*fp32", "vn_out": "*bf16", "vn_in": "*bf16",
+    "dqk_out": "*fp32", "dkk_out": "*fp32", "dqk": "*fp32", "dkk": "*fp32", "dv": "*bf16", "dbeta": "*fp32",
+    "dq": "*fp32", "dk": "*fp32", "dG": "*fp32", "x": "*fp32", "out": "*fp32", "cu_seqlens": "*i64",
+    "chunk_index": "*i32",
 }
 GDN_KERNELS = {
     # name: (module.kernel, pointers, constexprs, warps, stages) as launched (K = V = 128, bf16)
@@ -183,16 +190,29 @@ GDN_KERNELS = {
     # the backward (chunk_delta_backward.py): the reverse state-gradient scan and the per-chunk gradients
     # the backward (chunk_delta_backward.py): the reverse state-gradient scan and the per-chunk gradients
     "bwd-reverse-scan": ("chunk_delta_backward._reverse_scan_kernel", BWD_POINTERS["reverse"],
-                         dict(BV=32, HAS_DHT=True, STORE_DH0=True), 8, 1),
+                         dict(BV=32, HAS_DHT=True, STORE_DH0=True, GK=False), 8, 1),
     "bwd-value-grads": ("chunk_delta_backward._value_grads_kernel", BWD_POINTERS["value"], dict(BV=16), 8, 1),
     "bwd-key-grads": ("chunk_delta_backward._key_grads_kernel", BWD_POINTERS["key"], dict(BK=64, BV=32), 4, 1),
     # (the plain rule's backward: Simple GLA, Lightning)
     "bwd-plain-reverse-scan": ("chunk_delta_backward._reverse_scan_kernel", BWD_POINTERS["reverse"],
-                               dict(BV=32, HAS_DHT=True, STORE_DH0=True, DELTA=False), 8, 1),
+                               dict(BV=32, HAS_DHT=True, STORE_DH0=True, DELTA=False, GK=False), 8, 1),
     "bwd-plain-value-grads": ("chunk_delta_backward._value_grads_kernel", BWD_POINTERS["value"],
                               dict(BV=16, DELTA=False), 8, 1),
     "bwd-plain-key-grads": ("chunk_delta_backward._key_grads_kernel", BWD_POINTERS["key"],
                             dict(BK=64, BV=32, DELTA=False), 4, 1),
+    # (the per-channel backward, chunk_channel_backward.py: KDA, and GLA's plain rule)
+    "bwd-kda-reverse-scan": ("chunk_delta_backward._reverse_scan_kernel", BWD_POINTERS["reverse"],
+                             dict(BV=32, HAS_DHT=True, STORE_DH0=True, GK=True), 8, 1),
+    "bwd-kda-value-grads": ("chunk_channel_backward._channel_value_grads_kernel", CHANNEL_BWD_POINTERS,
+                            dict(BV=32), 8, 1),
+    "bwd-kda-key-grads": ("chunk_channel_backward._channel_key_grads_kernel", CHANNEL_BWD_POINTERS,
+                          dict(BK=32, BV=32), 4, 1),
+    "bwd-kda-score-grads": ("chunk_channel_backward._channel_score_grads_kernel", CHANNEL_BWD_POINTERS,
+                            dict(BK=16), 8, 1),
+    "bwd-gla-score-grads": ("chunk_channel_backward._channel_score_grads_kernel", CHANNEL_BWD_POINTERS,
+                            dict(BK=16, DELTA=False), 8, 1),
+    "bwd-channel-cumsum": ("chunk_channel_backward._channel_cumsum_kernel", CHANNEL_BWD_POINTERS,
+                           dict(BK=32, REVERSE=True), 4, 1),
     "plain-gate-cumsum": ("chunk_prepare._gate_cumsum_kernel",
                           {"g": "*fp32", "g_gamma": "*fp32", "gcum": "*fp32", "cu_seqlens": "*i64",
                            "chunk_index": "*i32"}, dict(HAS_G=True, HAS_GAMMA=True, VARLEN=True), 1, 1),
@@ -215,6 +235,7 @@ def _child_gdn(name: str, folder: str) -> None:
                      DELTA=True), **extra}
     names = kern.arg_names
     consts = {n: c for n, c in consts.items() if n in names}
+    ptrs = {n: t for n, t in ptrs.items() if n in names}            # (a shared table: this kernel's)
     sig = {n: ptrs.get(n) or ("constexpr" if n in consts else ("i32" if n in ("T", "NT", "total", "n_flags") else "fp32"))
            for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ptrs}
@@ -248,8 +269,9 @@ def test_gdn_chunk_kernels_compile_for_sm90(name, tmp_path):
     shared memory, spills bounded."""
     res = _run_child(f"_child_gdn({name!r}, {str(tmp_path)!r})", tmp_path)
     # no tensor-core products: fp32 FMA products (ieee), a list, a cumsum, GLA's kd and decay
-    if not name.startswith(("kda-wide", "plain-gate", "plain-gla-prepare", "plain-gla-wide")):
-        small = name in ("inverse", "kda-inverse") or name.startswith("kda-prepare")
+    if not name.startswith(("kda-wide", "plain-gate", "plain-gla-prepare", "plain-gla-wide", "bwd-channel-cumsum")):
+        # (the backward's score kernels: [16, BT] x [BT, 16] products per 16-token block)
+        small = name in ("inverse", "kda-inverse") or name.startswith(("kda-prepare", "bwd-kda-score", "bwd-gla-score"))
         assert (res["hmma"] if small else res["hgmma"]) > 0, res
     assert res["shared_bytes"] <= 227 * 1024, res
     assert res["LOCAL"] == 0, res
@@ -260,7 +282,9 @@ def test_gdn_chunk_kernels_compile_for_sm90(name, tmp_path):
 # warp and spills 8 bytes in both launches (docs/notes/kda-prefill.md); so does the GDN inverse
 # with its diagonal rows read back from memory (measured faster: 1x32k HV64 478 -> 366 us,
 # docs/notes/gdn-prefill.md); the other builds none
-KNOWN_STACK = {"kda-prepare-given-gate": 8, "kda-prepare-scores-given-gate": 8, "inverse": 8}
+# the per-channel backward's score kernel (the diagonal blocks' [16, 16, 16] products at 8 warps) 64
+KNOWN_STACK = {"kda-prepare-given-gate": 8, "kda-prepare-scores-given-gate": 8, "inverse": 8,
+               "bwd-kda-score-grads": 64}
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))

@@ -52,7 +52,7 @@ def check(t, extra=None, dht=True, tol=TOL, grad_tol=None, spec=SPEC, **opts):
         assert_close(f"d{name}", g, rgrads[name], grad_tol or tol * 10)
 
 
-@pytest.mark.parametrize("T", [1, 63, 65, 130])
+@pytest.mark.parametrize("T", [1, 65])            # (longer: test_strong_decay, test_varlen)
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_lengths(T, device):
     check(make_inputs(SPEC, B=2, T=T, H=2, HV=4, K=32, V=32, device=device))
@@ -105,34 +105,39 @@ def test_served_where_it_can(monkeypatch):
     assert "FASTLA_TRITON_BACKWARD" in dict(dispatch.explain("chunk_gated_delta_rule", p))["triton"]
     kda = OPS["kda"]
     tk = as_leaves(make_inputs(kda, B=1, T=64, H=1, K=32, V=32))
-    pk = build_problem("chunk_kda", gk=tk.pop("g"), **tk, delta=True, gva=True)
+    pk = build_problem("chunk_kda", gk=tk.pop("g"), **tk, delta=True, gva=True, chunk_size=32)
     monkeypatch.setattr(chunk_training, "ENABLED", True)
-    assert "no Triton backward" in dict(dispatch.explain("chunk_kda", pk))["triton"]
+    assert "chunk_size" in dict(dispatch.explain("chunk_kda", pk))["triton"]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("varlen", [False, True])
-def test_bf16_wide_heads_on_gpu(varlen):
+@pytest.mark.parametrize("op", ["gdn", "kda"])
+def test_bf16_wide_heads_on_gpu(op, varlen):
     """bf16 inputs at K = V = 128 (the shipped products: bf16 operands, fp32 accumulation), with the
-    gate, l2norm and beta sigmoid in the op and GVA: every gradient against the fp64 reference
-    within FLA-level error (its bf16 forward is ~4e-3 off)."""
+    gate (KDA: bounded, safe_gate), l2norm and beta sigmoid in the op and GVA: every gradient
+    against the fp64 reference within FLA-level error (its bf16 forward is ~4e-3 off)."""
     from tests.helpers import poison
 
     poison()
+    spec = OPS[op]
     lengths = [300, 1, 64, 65, 500] if varlen else None
     T = sum(lengths) if varlen else 400
     B = 1 if varlen else 2
-    t = make_inputs(SPEC, B=B, T=T, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16, device="cuda",
+    t = make_inputs(spec, B=B, T=T, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16, device="cuda",
                     N=len(lengths) if varlen else None)
     t["g"] = torch.randn_like(t["g"], dtype=torch.float32)
     t["beta"] = torch.randn_like(t["beta"])
-    extra = dict(A_log=torch.randn(4, device="cuda") * 0.5, dt_bias=torch.randn(4, device="cuda"))
+    extra = dict(A_log=torch.randn(4, device="cuda") * 0.5,
+                 dt_bias=torch.randn(4 if op == "gdn" else 4 * 128, device="cuda"))
     opts = dict(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+    if op == "kda":
+        opts.update(safe_gate=True, lower_bound=-5.0)
     if varlen:
         cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
         opts.update(cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu)
-    check(t, extra, tol=1e-2, grad_tol=2e-2, **opts)
+    check(t, extra, tol=1e-2, grad_tol=2e-2, spec=spec, **opts)
 
 
 @pytest.mark.parametrize("op", ["simple_gla", "lightning"])
@@ -152,3 +157,39 @@ def test_plain_rule_varlen_gate_and_constant_decay(device):
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
     t = make_inputs(spec, B=1, T=sum(lengths), H=2, K=32, V=48, device=device, N=len(lengths))
     check(t, dict(g_gamma=-torch.rand(2, device=device)), spec=spec, cu_seqlens=cu.to(device), cu_seqlens_cpu=cu)
+
+
+@pytest.mark.parametrize("op,T", [("kda", 1), ("gla", 1), ("gla", 70)])
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_channel_gates(op, T, device):
+    """Per-channel gates: KDA (GVA; longer sequences in the tests below) and GLA (the plain rule)."""
+    spec = OPS[op]
+    check(make_inputs(spec, B=2, T=T, H=2, HV=4 if spec.gva else None, K=32, V=32, device=device), spec=spec)
+
+
+@pytest.mark.parametrize("op", ["kda", "gla"])
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_channel_gates_varlen_strong_decay(op, device):
+    """Mixed lengths (partial blocks and chunks) under strong decay (spans of hundreds of nats in a
+    16-token block: the blocks' references and the exact diagonal keep every exponent <= 0)."""
+    spec = OPS[op]
+    lengths = [1, 17, 64, 79, 5]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
+    t = make_inputs(spec, B=1, T=sum(lengths), H=1, HV=2 if spec.gva else None, K=32, V=48, device=device,
+                    N=len(lengths), strength=30.0)
+    check(t, spec=spec, cu_seqlens=cu.to(device), cu_seqlens_cpu=cu)
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_kda_everything_in_op(lower_bound, device):
+    """The KDA gate from learned A_log and dt_bias (softplus, or bounded by lower_bound with
+    safe_gate), the l2norm, beta logits, a V-first state."""
+    spec = OPS["kda"]
+    t = make_inputs(spec, B=1, T=90, H=2, HV=4, K=32, V=32, device=device, v_first=True)
+    t["g"] = torch.randn_like(t["g"])
+    t["beta"] = torch.randn_like(t["beta"])
+    extra = dict(A_log=torch.randn(4, device=device) * 0.5, dt_bias=torch.randn(4 * 32, device=device))
+    check(t, extra, spec=spec, use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True,
+          use_beta_sigmoid_in_kernel=True, state_v_first=True, safe_gate=lower_bound is not None,
+          lower_bound=lower_bound)

@@ -71,18 +71,26 @@ FP32_STATES = False     # the stored chunk states and their gradients in float32
 
 @triton.jit(do_not_specialize=["T", "NT"])     # as chunk_delta._scan_kernel
 def _reverse_scan_kernel(
-    q, k, beta, p_in, a_in, gcum, do, dht, dh_chunks, r_out, dh0, cu_seqlens, chunk_start, T, NT, scale,
+    q, k, kd, decay, beta, p_in, a_in, gcum, do, dht, dh_chunks, r_out, dh0, cu_seqlens, chunk_start, T, NT,
+    scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr,
-    HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, VARLEN: tl.constexpr, DELTA: tl.constexpr,
+    HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, VARLEN: tl.constexpr, DELTA: tl.constexpr, GK: tl.constexpr,
 ):
     """Program (sequence x value head, V tile): dS from dht, chunks last to first; per chunk stores
     dS' (the gradient of the chunk's end state) and R = P^T dV_new (DELTA False, the plain rule:
-    dv = dV_new itself); dh0 at the end."""
+    dv = dV_new itself); dh0 at the end. GK (per-channel gates): q, k are the prologue's qg (scale
+    included) and kg per value head, with kd and decay = e^(G_last) [chunks, HV, K]:
+    dV_new = A_qk^T dO + kd dS', dS = diag(decay) dS' + qg^T dO - kg^T diag(beta) R."""
     i_p = tl.program_id(0).to(tl.int64)
     i_v = tl.program_id(1)
     i_n, i_hv = i_p // HV, i_p % HV
-    i_h = i_hv // (HV // H)
+    if GK:
+        QK_HEADS: tl.constexpr = HV                                         # gated q / k: one per value head
+        i_h = i_hv
+    else:
+        QK_HEADS: tl.constexpr = H
+        i_h = i_hv // (HV // H)
     bos, eos, first_chunk = _sequence(cu_seqlens, chunk_start, i_n, T, NT, VARLEN)
     n_chunks = tl.cdiv(eos - bos, BT)
     o_k = tl.arange(0, BK)
@@ -97,7 +105,7 @@ def _reverse_scan_kernel(
         b_dS = tl.load(dht + i_n * HV * K * V + head_state + p_state, mask=m_h, other=0.0)
     r = tl.arange(0, BT)
     lower = r[:, None] >= r[None, :]
-    off_kr = r[:, None] * (H * K) + o_k[None, :]                            # [BT, BK] in q, k
+    off_kr = r[:, None] * (QK_HEADS * K) + o_k[None, :]                     # [BT, BK] in q, k, kd
     off_p = r[:, None] * (HV * BT) + r[None, :]                             # [BT, BT] in P, A_qk
     off_v = r[:, None] * (HV * V) + o_v[None, :]                            # [BT, BV] in dO, R
     for i in range(0, n_chunks):
@@ -109,20 +117,29 @@ def _reverse_scan_kernel(
         m_t = r < eos - t0
         m_tk = m_t[:, None] & m_k[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
-        last = tl.minimum(eos - t0, BT) - 1
-        b_G = tl.load(gcum + base + r * HV, mask=m_t, other=0.0)                                  # [BT]
-        b_Gl = tl.load(gcum + base + last * HV)
-        qk_row0 = (t0 * H + i_h) * K
-        b_k = tl.load(k + qk_row0 + off_kr, mask=m_tk, other=0.0).to(DOT)                         # [BT, BK]
-        b_q = tl.load(q + qk_row0 + off_kr, mask=m_tk, other=0.0).to(DOT)
+        qk_row0 = (t0 * QK_HEADS + i_h) * K
+        b_q = tl.load(q + qk_row0 + off_kr, mask=m_tk, other=0.0).to(DOT)                         # [BT, BK]
         b_do = tl.load(do + base * V + off_v, mask=m_tv, other=0.0).to(tl.float32)               # [BT, BV]
         b_A = tl.load(a_in + base * BT + off_p, mask=m_t[:, None] & lower, other=0.0).to(DOT)     # [BT, BT]
-        b_eG = tl.where(m_t, tl.exp(b_G), 0.0)
-        # the rows' gate factors scale the [BT, BV] operands and products, not the [BT, BK] keys
-        b_dvn = (tl.dot(tl.trans(b_A), b_do.to(DOT))
-                 + tl.where(m_t, tl.exp(b_Gl - b_G), 0.0)[:, None] * tl.dot(b_k, b_dS.to(DOT)))  # [BT, BV]
-        b_dS = b_dS * tl.exp(b_Gl) + tl.dot(tl.trans(b_q), ((scale * b_eG)[:, None] * b_do).to(DOT))
+        if GK:
+            b_kd = tl.load(kd + qk_row0 + off_kr, mask=m_tk, other=0.0).to(DOT)
+            b_decay = tl.load(decay + ((first_chunk + c) * HV + i_hv) * K + o_k, mask=m_k, other=0.0)  # [BK]
+            b_dvn = tl.dot(tl.trans(b_A), b_do.to(DOT)) + tl.dot(b_kd, b_dS.to(DOT))             # [BT, BV]
+            b_dS = b_dS * b_decay[:, None] + tl.dot(tl.trans(b_q), b_do.to(DOT))
+            b_eG = tl.full([BT], 1.0, tl.float32)                           # (kg carries e^G)
+        else:
+            last = tl.minimum(eos - t0, BT) - 1
+            b_G = tl.load(gcum + base + r * HV, mask=m_t, other=0.0)                              # [BT]
+            b_Gl = tl.load(gcum + base + last * HV)
+            b_eG = tl.where(m_t, tl.exp(b_G), 0.0)
+            # the rows' gate factors scale the [BT, BV] operands and products, not the [BT, BK] keys
+            b_k = tl.load(k + qk_row0 + off_kr, mask=m_tk, other=0.0).to(DOT)                     # [BT, BK]
+            b_dvn = (tl.dot(tl.trans(b_A), b_do.to(DOT))
+                     + tl.where(m_t, tl.exp(b_Gl - b_G), 0.0)[:, None] * tl.dot(b_k, b_dS.to(DOT)))
+            b_dS = b_dS * tl.exp(b_Gl) + tl.dot(tl.trans(b_q), ((scale * b_eG)[:, None] * b_do).to(DOT))
         if DELTA:
+            if GK:
+                b_k = tl.load(k + qk_row0 + off_kr, mask=m_tk, other=0.0).to(DOT)                 # kg
             b_P = tl.load(p_in + base * BT + off_p, mask=m_t[:, None] & lower, other=0.0).to(DOT)
             b_beta = tl.load(beta + base + r * HV, mask=m_t, other=0.0)
             b_r = tl.dot(tl.trans(b_P), b_dvn.to(DOT))                                           # R
@@ -367,10 +384,10 @@ def backward(p: Problem, do: torch.Tensor, dht: torch.Tensor | None, states: tor
     if dht is not None:
         dht = dht.to(f32).contiguous()
     launcher(_reverse_scan_kernel, T, NT)[(N * HV, cdiv(V, BV))](
-        q, k, beta, inverse, scores, gcum, do, dht if dht is not None else gcum, dh_chunks, r_buf,
+        q, k, gcum, gcum, beta, inverse, scores, gcum, do, dht if dht is not None else gcum, dh_chunks, r_buf,
         dh0 if dh0 is not None else gcum, cu if varlen else gcum, chunk_start if varlen else gcum, T, NT,
         p.scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, DOT=dot, HAS_DHT=dht is not None,
-        STORE_DH0=dh0 is not None, VARLEN=varlen, DELTA=p.delta, num_warps=SCAN_WARPS, num_stages=1)
+        STORE_DH0=dh0 is not None, VARLEN=varlen, DELTA=p.delta, GK=False, num_warps=SCAN_WARPS, num_stages=1)
 
     # 3. the gradients, chunk by chunk: dv, V_new, dg, dbeta and the scores' gradients, then dq, dk
     dq, dk = (call_plan.empty((B, T, HV, K), f32, dev) for _ in range(2))

@@ -1,10 +1,11 @@
-"""Training on the kernel tiers for the scalar-gate chunked ops (GDN, Simple GLA, Lightning): the
-forward on the fastest tier, the backward in Triton.
+"""Training on the kernel tiers for the chunked ops (GDN, KDA, GLA, Simple GLA, Lightning): the
+forward on the fastest tier, the backward in Triton (chunk_delta_backward.py for scalar gates,
+chunk_channel_backward.py for per-channel ones).
 
-A chunked call of those ops that needs gradients is served here (the Triton tier's entry for the
-chunked ops, ``tier.py``): the l2norm, the gate computed in the op (GDN's, or Simple GLA's and
-Lightning's constant ``g_gamma`` added to ``g``), the beta sigmoid and the state layout are applied
-in PyTorch (autograd takes their gradients), then ``ScalarGateChunk`` runs the forward
+A chunked call that needs gradients is served here (the Triton tier's entry for the chunked ops,
+``tier.py``): the l2norm, the gate computed in the op (GDN's, KDA's with or without lower_bound,
+Simple GLA's and Lightning's constant ``g_gamma`` added to ``g``), the beta sigmoid and the state
+layout are applied in PyTorch (autograd takes their gradients), then ``ChunkTraining`` runs the forward
 through the dispatcher without gradients (the sm_90 kernels on Hopper, the Triton ones elsewhere)
 and its backward in ``chunk_delta_backward.py``. Calls it cannot serve (say why in ``reason``) go
 to the torch tier, which differentiates through PyTorch.
@@ -19,9 +20,9 @@ import os
 
 import torch
 
-from fastla.backends.triton import chunk_delta, chunk_delta_backward
+from fastla.backends.triton import chunk_channel_backward, chunk_delta, chunk_delta_backward
 from fastla.core import dispatch
-from fastla.core.gates import beta_activation, gdn_gate, l2norm
+from fastla.core.gates import beta_activation, gdn_gate, kda_gate, l2norm
 from fastla.core.problem import Problem
 
 ENABLED = os.environ.get("FASTLA_TRITON_BACKWARD", "0") == "1"
@@ -29,7 +30,7 @@ ENABLED = os.environ.get("FASTLA_TRITON_BACKWARD", "0") == "1"
 SAVE_STATES = True
 
 _GRAD_FIELDS = ("q", "k", "v", "g", "gk", "g_gamma", "beta", "initial_state", "A_log", "dt_bias")
-SCALAR_GATE_OPS = ("chunk_gated_delta_rule", "chunk_simple_gla", "chunk_lightning_attn")
+OPS = ("chunk_gated_delta_rule", "chunk_kda", "chunk_gla", "chunk_simple_gla", "chunk_lightning_attn")
 
 
 def needs_grad(p: Problem) -> bool:
@@ -39,8 +40,8 @@ def needs_grad(p: Problem) -> bool:
 
 def reason(p: Problem) -> str | None:
     """None when this path serves ``p`` (a call that needs gradients), else why not."""
-    if p.op not in SCALAR_GATE_OPS:
-        return "inputs require grad: no Triton backward for per-channel gates yet (the torch tier has autograd)"
+    if p.op not in OPS:
+        return "inputs require grad: no Triton backward for this op (the torch tier has autograd)"
     if not ENABLED:
         return ("inputs require grad: the Triton backward is off until it has run on a GPU "
                 "(FASTLA_TRITON_BACKWARD=1 turns it on; the torch tier has autograd)")
@@ -60,32 +61,32 @@ def run(p: Problem):
     return run_training(p) if needs_grad(p) else chunk_delta.run(p)
 
 
-class ScalarGateChunk(torch.autograd.Function):
-    """``(o, final state K-first)`` of the activated inputs; the backward in Triton. The forward
-    also returns the chunk-start states (``return_intermediate_states``, in q's dtype), kept for the
-    backward unless ``SAVE_STATES`` is off (the backward then recomputes them: less memory held
-    between the passes, one more scan)."""
+class ChunkTraining(torch.autograd.Function):
+    """``(o, final state K-first)`` of the activated inputs (a scalar gate ``g`` or a per-channel
+    one ``gk``, or neither); the backward in Triton. The forward also returns the chunk-start states
+    (``return_intermediate_states``, in q's dtype), kept for the backward unless ``SAVE_STATES`` is
+    off (the backward then recomputes them: less memory held between the passes, one more scan)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, h0, problem: Problem):
+    def forward(ctx, q, k, v, g, gk, beta, h0, problem: Problem):
         save = SAVE_STATES and not chunk_delta_backward.FP32_STATES
-        pa = dataclasses.replace(problem, q=q, k=k, v=v, g=g, beta=beta, initial_state=h0,
+        pa = dataclasses.replace(problem, q=q, k=k, v=v, g=g, gk=gk, beta=beta, initial_state=h0,
                                  return_intermediate_states=save)
         out = dispatch.run(problem.op, pa)
         o, ht = out[:2]
         states = out[2].view(-1, *out[2].shape[2:]) if save else None
-        ctx.save_for_backward(q, k, v, g, beta, h0, states)
+        ctx.save_for_backward(q, k, v, g, gk, beta, h0, states)
         ctx.problem = problem
-        ctx.h0_grad = h0 is not None
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, beta, h0, states = ctx.saved_tensors
-        pa = dataclasses.replace(ctx.problem, q=q, k=k, v=v, g=g, beta=beta, initial_state=h0)
-        dq, dk, dv, dg, dbeta, dh0 = chunk_delta_backward.backward(pa, do, dht, states)
-        return (dq.to(q.dtype), dk.to(k.dtype), dv, dg if g is not None else None, dbeta,
-                dh0 if ctx.h0_grad else None, None)
+        q, k, v, g, gk, beta, h0, states = ctx.saved_tensors
+        pa = dataclasses.replace(ctx.problem, q=q, k=k, v=v, g=g, gk=gk, beta=beta, initial_state=h0)
+        rule = chunk_channel_backward if gk is not None else chunk_delta_backward
+        dq, dk, dv, dgate, dbeta, dh0 = rule.backward(pa, do, dht, states)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv, dgate if g is not None else None,
+                dgate if gk is not None else None, dbeta, dh0 if h0 is not None else None, None)
 
 
 def run_training(p: Problem):
@@ -99,6 +100,10 @@ def run_training(p: Problem):
     if p.g_gamma is not None:                   # the constant per-head decay, added to g
         gamma = p.g_gamma.float().expand(p.B, p.T, p.HV)
         g = gamma if g is None else g + gamma
+    gk = p.gk
+    if gk is not None:
+        gk = kda_gate(gk, p.A_log, p.dt_bias, p.lower_bound) if p.gate_in_op == "kda" else gk.float()
+        gk = gk.contiguous()
     beta = None
     if p.delta:
         if p.beta is None:
@@ -112,9 +117,9 @@ def run_training(p: Problem):
     if h0 is not None:
         h0 = (h0.transpose(-1, -2) if p.state_v_first else h0).float().contiguous()
     activated = dataclasses.replace(
-        p, g_gamma=None, use_qk_l2norm=False, gate_in_op=None, A_log=None, dt_bias=None, beta_sigmoid=False,
-        allow_neg_eigval=False, state_v_first=False, output_final_state=True)
-    o, ht = ScalarGateChunk.apply(q, k, p.v, g.contiguous() if g is not None else None, beta, h0, activated)
+        p, g_gamma=None, use_qk_l2norm=False, gate_in_op=None, A_log=None, dt_bias=None, lower_bound=None,
+        beta_sigmoid=False, allow_neg_eigval=False, state_v_first=False, output_final_state=True)
+    o, ht = ChunkTraining.apply(q, k, p.v, g.contiguous() if g is not None else None, gk, beta, h0, activated)
     if not p.output_final_state:
         return o, None
     return o, ht.transpose(-1, -2) if p.state_v_first else ht

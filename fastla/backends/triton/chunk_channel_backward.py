@@ -1,0 +1,437 @@
+"""Triton chunked backward with per-channel gates: KDA (the delta rule) and GLA (the plain rule,
+``DELTA`` False: V_new = v, no beta nor A). Gradients of q, k, v, the log decay gk, beta and the
+initial state, from dO and dht.
+
+Inputs are the activated ones (``chunk_training.py``: the KDA gate, l2norm and beta sigmoid in
+PyTorch): q, k ``[B, T, H, K]`` (GVA: value head ``j`` reads head ``j // (HV // H)``), v, dO
+``[B, T, HV, V]``, gk (log decay, <= 0) ``[B, T, HV, K]`` and beta ``[B, T, HV]`` float32, h0 and
+dht ``[N, HV, K, V]`` float32 (K-first).
+
+Per chunk (G [BT, K] the in-chunk cumsum of gk, per-channel products
+``(a * b)_ij = sum_c a_ic b_jc e^(G_ic - G_jc)``), the forward (chunk_prepare_kda.py, chunk_delta.py
+with GK) is
+    A = strict(diag(beta) (k * k)),  P = (I + A)^-1,  A_qk = scale causal(q * k),
+    kg = k e^G,  qg = scale q e^G,  kd = k e^(G_last - G),  decay = e^(G_last),
+    X = v - kg S,  V_new = P diag(beta) X,  O = qg S + A_qk V_new,  S' = diag(decay) S + kd^T V_new.
+The backward:
+1. the Triton KDA prologue again (P, A_qk, kg, qg, kd, decay) and G (``_channel_cumsum_kernel``);
+   the chunk-start states S from the forward (or recomputed by the forward's scan);
+2. chunk_delta_backward's reverse scan with GK: dS' per chunk, R = P^T dV_new, dh0;
+3. ``_channel_value_grads_kernel``, grid ``(chunks, HV)``: dv = diag(beta) R, V_new (scratch),
+   dA_qk = causal(dO V_new^T) and dA = -strict(R V_new^T) (scratch, ``[BT, BT]`` a token row),
+   dbeta's rowsum(R * X);
+4. ``_channel_key_grads_kernel``, grid ``(chunks, HV, K / BK)``: the state terms through qg, kg, kd
+   and decay: d(qg) = dO S^T, d(kg) = -diag(beta) R S^T, d(kd) = V_new dS'^T, d(decay) = rowsum(S * dS'),
+   into dq, dk and dG (G_last's share on the chunk's last token);
+5. ``_channel_score_grads_kernel``, grid ``(chunks, HV)``: the score terms, for row block b (16
+   tokens) with r_b the G of its first row and column block c with e_c the G of its last row:
+       dq_i = scale sum_j dA_qk_ij k_j e^(G_i - G_j),  (dk_row)_i = beta_i sum_j dA_ij k_j e^(G_i - G_j),
+       (dk_col)_j = sum_i (scale dA_qk_ij q_i + beta_i dA_ij k_i) e^(G_i - G_j),
+       dG_i += q_i dq_i + k_i (dk_row)_i,  dG_j -= k_j (dk_col)_j,  dbeta_i += sum_j dA_ij (k * k)_ij;
+   blocks below the diagonal through products factored around r_b (rows) or e_c (columns), every
+   factor e^(<= 0) for any decay; the diagonal blocks element-wise ``[16, 16, BK]``, exact; added to
+   what step 4 stored (each entry read and written by one program);
+6. dgk = the reverse in-chunk cumsum of dG (``_channel_cumsum_kernel``, REVERSE).
+dq and dk are per value head (float32); GVA sums them per q/k head in PyTorch.
+Rows past a sequence's end take G_last as their G, and the reference rows are clamped to the last
+valid one, so that no exponent of a masked entry is positive (inf times zero).
+Not run on a GPU yet: ``chunk_training.ENABLED``.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fastla.backends.triton import cdiv, chunk_prepare_kda, interpreting, next_pow2
+from fastla.backends.triton.chunk_delta import ChunkConfig, _scan_kernel, _varlen_index, dense_inputs
+from fastla.backends.triton.chunk_delta_backward import BLOCK_V, FP32_STATES, SCAN_WARPS, _reverse_scan_kernel
+from fastla.backends.triton.chunk_index import BT, _chunk
+from fastla.backends.triton.launch import launcher
+from fastla.backends.triton.recurrent import BETA_GIVEN
+from fastla.core import call_plan
+from fastla.core.problem import Problem
+
+# Launch shapes at K = V = 128 (sm_90 compiles, tests/backends/test_triton_sm90.py; not timed on a
+# GPU yet): the value kernel 163 registers (8 warps), the key kernel 136 (4 warps), the score
+# kernel 255 with 64 bytes of stack at 8 warps (KDA; GLA 236, none; 4 warps: 400-1160 bytes, the
+# steps of K unrolled: 1160)
+VALUE_BLOCK_V = 32      # value columns per tile of _channel_value_grads_kernel
+KEY_BLOCK_K = 32        # key columns per program of _channel_key_grads_kernel
+SCORE_BLOCK_K = 16      # key columns per step of _channel_score_grads_kernel ([16, 16, BK] diagonal tiles)
+VALUE_WARPS = 8
+KEY_WARPS = 4
+SCORE_WARPS = 8
+
+
+@triton.jit(do_not_specialize=["T", "NT"])     # as chunk_delta._scan_kernel
+def _channel_cumsum_kernel(
+    x, out, cu_seqlens, chunk_index, T, NT,
+    HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, VARLEN: tl.constexpr,
+    REVERSE: tl.constexpr,
+):
+    """Program (chunk, value head, BK channels): the in-chunk cumsum of x ``[B, T, HV, K]`` (fp32),
+    from the chunk's first token, or (REVERSE) from its last one backwards."""
+    i_c = tl.program_id(0).to(tl.int64)
+    i_hv = tl.program_id(1)
+    i_k = tl.program_id(2)
+    i_n, c, bos, eos = _chunk(chunk_index, cu_seqlens, i_c, T, NT, VARLEN)
+    t0 = bos + c * BT
+    r = tl.arange(0, BT)
+    o_k = i_k * BK + tl.arange(0, BK)
+    m = (r < eos - t0)[:, None] & (o_k < K)[None, :]
+    off = (t0 * HV + i_hv) * K + r[:, None] * (HV * K) + o_k[None, :]
+    b_x = tl.load(x + off, mask=m, other=0.0).to(tl.float32)                                      # [BT, BK]
+    if REVERSE:
+        b_y = tl.sum(tl.where((r[:, None] >= r[None, :])[:, :, None], b_x[:, None, :], 0.0), 0)
+    else:
+        b_y = tl.cumsum(b_x, 0)
+    tl.store(out + off, b_y, mask=m)
+
+
+@triton.jit(do_not_specialize=["T", "NT"])     # as chunk_delta._scan_kernel
+def _channel_value_grads_kernel(
+    kg, v, beta, p_in, h, dh_chunks, do, r_in, vn_out, dqk_out, dkk_out, dv, dbeta, cu_seqlens, chunk_index,
+    T, NT,
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr, VARLEN: tl.constexpr,
+    DELTA: tl.constexpr,
+):
+    """Program (chunk, value head), the value columns in tiles of BV: dv, V_new, dA_qk, dA and
+    dbeta's rowsum(R * X) (DELTA False: dv = R, V_new = v, no dA nor dbeta)."""
+    i_c = tl.program_id(0).to(tl.int64)
+    i_hv = tl.program_id(1)
+    i_n, c, bos, eos = _chunk(chunk_index, cu_seqlens, i_c, T, NT, VARLEN)
+    t0 = bos + c * BT
+    base = t0 * HV + i_hv
+    r = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    m_t = r < eos - t0
+    m_k = o_k < K
+    lower = r[:, None] >= r[None, :]
+    strict = r[:, None] > r[None, :]
+    off_p = r[:, None] * (HV * BT) + r[None, :]                             # [BT, BT] in P and the scratch
+    if DELTA:
+        b_kg = tl.load(kg + base * K + r[:, None] * (HV * K) + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
+                       other=0.0).to(DOT)                                                         # [BT, BK]
+        b_beta = tl.load(beta + base + r * HV, mask=m_t, other=0.0)
+        b_P = tl.load(p_in + base * BT + off_p, mask=m_t[:, None] & lower, other=0.0).to(DOT)     # [BT, BT]
+    chunk_state = (i_c * HV + i_hv) * K * V
+    b_dAqk = tl.zeros([BT, BT], dtype=tl.float32)       # dO V_new^T
+    b_RV = tl.zeros([BT, BT], dtype=tl.float32)         # R V_new^T
+    b_db = tl.zeros([BT], dtype=tl.float32)             # rowsum(R * X)
+    for v0 in range(0, V, BV):
+        o_v = v0 + tl.arange(0, BV)
+        m_v = o_v < V
+        m_tv = m_t[:, None] & m_v[None, :]
+        off_v = r[:, None] * (HV * V) + o_v[None, :]
+        b_v = tl.load(v + base * V + off_v, mask=m_tv, other=0.0).to(tl.float32)                 # [BT, BV]
+        b_do = tl.load(do + base * V + off_v, mask=m_tv, other=0.0).to(DOT)
+        b_r = tl.load(r_in + base * V + off_v, mask=m_tv, other=0.0)
+        if DELTA:
+            b_S = tl.load(h + chunk_state + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :],
+                          other=0.0).to(DOT)                                                      # [BK, BV]
+            b_x = b_v - tl.dot(b_kg, b_S)                                                         # X
+            b_vn = tl.dot(b_P, (b_beta[:, None] * b_x).to(DOT))                                   # V_new
+            b_dx = b_beta[:, None] * b_r
+            tl.store(vn_out + base * V + off_v, b_vn.to(vn_out.dtype.element_ty), mask=m_tv)
+        else:
+            b_vn = b_v
+            b_dx = b_r
+        tl.store(dv + base * V + off_v, b_dx.to(dv.dtype.element_ty), mask=m_tv)
+        b_vnd = b_vn.to(DOT)
+        b_dAqk += tl.dot(b_do, tl.trans(b_vnd))
+        if DELTA:
+            b_RV += tl.dot(b_r.to(DOT), tl.trans(b_vnd))
+            b_db += tl.sum(b_r * b_x, 1)
+    tl.store(dqk_out + base * BT + off_p, tl.where(lower, b_dAqk, 0.0).to(dqk_out.dtype.element_ty),
+             mask=m_t[:, None])
+    if DELTA:
+        tl.store(dkk_out + base * BT + off_p, tl.where(strict, -b_RV, 0.0).to(dkk_out.dtype.element_ty),
+                 mask=m_t[:, None])
+        tl.store(dbeta + base + r * HV, b_db, mask=m_t)
+
+
+@triton.jit(do_not_specialize=["T", "NT"])     # as chunk_delta._scan_kernel
+def _channel_key_grads_kernel(
+    q, k, beta, gcum, h, dh_chunks, do, r_in, vn_in, dq, dk, dG, cu_seqlens, chunk_index, T, NT, scale,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr, VARLEN: tl.constexpr,
+    DELTA: tl.constexpr,
+):
+    """Program (chunk, value head, BK key columns): the state terms of dq, dk and dG there (stored;
+    the score kernel adds its terms). ``vn_in`` is V_new (DELTA) or v."""
+    i_c = tl.program_id(0).to(tl.int64)
+    i_hv = tl.program_id(1)
+    i_k = tl.program_id(2)
+    i_h = i_hv // (HV // H)
+    i_n, c, bos, eos = _chunk(chunk_index, cu_seqlens, i_c, T, NT, VARLEN)
+    t0 = bos + c * BT
+    base = t0 * HV + i_hv
+    r = tl.arange(0, BT)
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_t = r < eos - t0
+    m_k = o_k < K
+    m_tk = m_t[:, None] & m_k[None, :]
+    last = tl.minimum(eos - t0, BT) - 1
+    if DELTA:
+        b_beta = tl.load(beta + base + r * HV, mask=m_t, other=0.0)
+    chunk_state = (i_c * HV + i_hv) * K * V
+    b_dqg = tl.zeros([BT, BK], dtype=tl.float32)        # dO S^T
+    b_dkg = tl.zeros([BT, BK], dtype=tl.float32)        # -diag(beta) R S^T
+    b_dkd = tl.zeros([BT, BK], dtype=tl.float32)        # V_new dS'^T
+    b_ddecay = tl.zeros([BK], dtype=tl.float32)         # rowsum(S * dS')
+    for v0 in range(0, V, BV):
+        o_v = v0 + tl.arange(0, BV)
+        m_v = o_v < V
+        m_tv = m_t[:, None] & m_v[None, :]
+        off_v = r[:, None] * (HV * V) + o_v[None, :]
+        p_state_t = o_k[None, :] * V + o_v[:, None]                         # [BV, BK]: S^T
+        m_ht = m_k[None, :] & m_v[:, None]
+        b_St = tl.load(h + chunk_state + p_state_t, mask=m_ht, other=0.0).to(tl.float32)          # [BV, BK]
+        b_dSt = tl.load(dh_chunks + chunk_state + p_state_t, mask=m_ht, other=0.0).to(tl.float32)
+        b_do = tl.load(do + base * V + off_v, mask=m_tv, other=0.0).to(DOT)                       # [BT, BV]
+        b_vn = tl.load(vn_in + base * V + off_v, mask=m_tv, other=0.0).to(DOT)
+        b_dqg += tl.dot(b_do, b_St.to(DOT))
+        b_dkd += tl.dot(b_vn, b_dSt.to(DOT))
+        b_ddecay += tl.sum(b_St * b_dSt, 0)
+        if DELTA:
+            b_r = tl.load(r_in + base * V + off_v, mask=m_tv, other=0.0)
+            b_dkg -= tl.dot((b_beta[:, None] * b_r).to(DOT), b_St.to(DOT))
+    off_g = base * K + r[:, None] * (HV * K) + o_k[None, :]                 # [BT, BK] in G, dq, dk, dG
+    b_G = tl.load(gcum + off_g, mask=m_tk, other=0.0)
+    b_Gl = tl.load(gcum + base * K + last * (HV * K) + o_k, mask=m_k, other=0.0)                 # [BK]
+    b_eG = tl.where(m_tk, tl.exp(b_G), 0.0)
+    b_eD = tl.where(m_tk, tl.exp(b_Gl[None, :] - b_G), 0.0)
+    qk_row0 = (t0 * H + i_h) * K
+    off_kr = r[:, None] * (H * K) + o_k[None, :]
+    b_q = tl.load(q + qk_row0 + off_kr, mask=m_tk, other=0.0).to(tl.float32)                      # [BT, BK]
+    b_k = tl.load(k + qk_row0 + off_kr, mask=m_tk, other=0.0).to(tl.float32)
+    b_dq = scale * b_eG * b_dqg
+    b_dk = b_eD * b_dkd
+    b_tkd = b_dk * b_k                                                      # d(kd) * kd
+    b_dG = b_dq * b_q - b_tkd
+    if DELTA:
+        b_dkg = b_eG * b_dkg
+        b_dk += b_dkg
+        b_dG += b_dkg * b_k
+    b_dGl = tl.sum(b_tkd, 0) + tl.exp(b_Gl) * b_ddecay                      # G_last: kd and decay
+    b_dG += tl.where((r == last)[:, None], b_dGl[None, :], 0.0)
+    off_kv = base * K + r[:, None] * (HV * K) + o_k[None, :]
+    tl.store(dq + off_kv, b_dq, mask=m_tk)
+    tl.store(dk + off_kv, b_dk, mask=m_tk)
+    tl.store(dG + off_g, b_dG, mask=m_tk)
+
+
+@triton.jit
+def _g_rows(gcum, base, rows, last, o_k, m_k, HV: tl.constexpr, K: tl.constexpr):
+    """G at ``rows`` ``[R, BK]`` (clamped to the chunk's last valid row: a row past a sequence's end
+    takes G_last)."""
+    rows = tl.minimum(rows, last)
+    return tl.load(gcum + base * K + rows[:, None] * (HV * K) + o_k[None, :], mask=m_k[None, :], other=0.0)
+
+
+@triton.jit
+def _g_row(gcum, base, row, last, o_k, m_k, HV: tl.constexpr, K: tl.constexpr):
+    """G at one row ``[BK]``, clamped as in _g_rows."""
+    return tl.load(gcum + base * K + tl.minimum(row, last) * (HV * K) + o_k, mask=m_k, other=0.0)
+
+
+@triton.jit(do_not_specialize=["T", "NT"])     # as chunk_delta._scan_kernel
+def _channel_score_grads_kernel(
+    q, k, beta, gcum, dqk, dkk, dq, dk, dG, dbeta, cu_seqlens, chunk_index, T, NT, scale,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, VARLEN: tl.constexpr, DELTA: tl.constexpr,
+):
+    """Program (chunk, value head): the score terms of dq, dk, dG (added to the key kernel's) and
+    dbeta (added to the value kernel's), block by block of 16 rows, K in steps of BK."""
+    i_c = tl.program_id(0).to(tl.int64)
+    i_hv = tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    i_n, c, bos, eos = _chunk(chunk_index, cu_seqlens, i_c, T, NT, VARLEN)
+    t0 = bos + c * BT
+    base = t0 * HV + i_hv
+    n_valid = eos - t0
+    last = tl.minimum(n_valid, BT) - 1
+    r = tl.arange(0, BT)
+    rb = tl.arange(0, 16)
+    m_t = r < n_valid
+    qk_row0 = (t0 * H + i_h) * K
+    if DELTA:
+        b_beta = tl.load(beta + base + r * HV, mask=m_t, other=0.0)                                # [BT]
+    for b in tl.static_range(0, BT // 16):
+        rows = b * 16 + rb                                                  # block b's rows / columns
+        m_b = rows < n_valid
+        # dA_qk and dA: block b's rows against every column [16, BT], its columns against every row
+        # (transposed, [16, BT]), its diagonal block [16, 16]
+        off_rows = base * BT + rows[:, None] * (HV * BT) + r[None, :]
+        off_cols = base * BT + r[None, :] * (HV * BT) + rows[:, None]
+        b_aq_row = tl.load(dqk + off_rows, mask=m_b[:, None] & (r < b * 16)[None, :], other=0.0).to(tl.float32)
+        b_aq_col = tl.load(dqk + off_cols, mask=(r >= b * 16 + 16)[None, :] & m_t[None, :], other=0.0).to(tl.float32)
+        b_aq_diag = tl.load(dqk + base * BT + rows[:, None] * (HV * BT) + (b * 16 + rb)[None, :],
+                            mask=m_b[:, None], other=0.0).to(tl.float32)                           # [16, 16]
+        if DELTA:
+            b_beta_b = tl.load(beta + base + rows * HV, mask=m_b, other=0.0)                        # [16]
+            b_a_row = tl.load(dkk + off_rows, mask=m_b[:, None] & (r < b * 16)[None, :], other=0.0).to(tl.float32)
+            b_a_col = tl.load(dkk + off_cols, mask=(r >= b * 16 + 16)[None, :] & m_t[None, :],
+                              other=0.0).to(tl.float32) * b_beta[None, :]   # beta_i dA_ij, [16 (j), BT (i)]
+            b_a_diag = tl.load(dkk + base * BT + rows[:, None] * (HV * BT) + (b * 16 + rb)[None, :],
+                               mask=m_b[:, None], other=0.0).to(tl.float32)
+            b_db = tl.zeros([16], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            o_k = k0 + tl.arange(0, BK)
+            m_k = o_k < K
+            off_kr = r[:, None] * (H * K) + o_k[None, :]
+            b_q = tl.load(q + qk_row0 + off_kr, mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)   # [BT, BK]
+            b_k = tl.load(k + qk_row0 + off_kr, mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+            b_G = _g_rows(gcum, base, r, last, o_k, m_k, HV, K)                                    # [BT, BK]
+            off_bk = rows[:, None] * (H * K) + o_k[None, :]
+            m_bk = m_b[:, None] & m_k[None, :]
+            b_qb = tl.load(q + qk_row0 + off_bk, mask=m_bk, other=0.0).to(tl.float32)             # [16, BK]
+            b_kb = tl.load(k + qk_row0 + off_bk, mask=m_bk, other=0.0).to(tl.float32)
+            b_Gb = _g_rows(gcum, base, rows, last, o_k, m_k, HV, K)                                # [16, BK]
+            # rows of block b against the columns before it, around r_b (G of the block's first row)
+            b_ref = _g_row(gcum, base, b * 16, last, o_k, m_k, HV, K)                              # [BK]
+            b_left = tl.where((r < b * 16)[:, None], tl.exp(tl.where((r < b * 16)[:, None], b_ref[None, :] - b_G, 0.0)),
+                              0.0)                                                                 # [BT, BK]
+            b_up = tl.exp(b_Gb - b_ref[None, :])                                                   # [16, BK]
+            b_kl = (b_k * b_left).to(DOT)
+            b_dq = scale * b_up * tl.dot(b_aq_row.to(DOT), b_kl)
+            # diagonal block, element-wise: E_ij = e^(G_i - G_j), i >= j
+            tri = (rb[:, None] >= rb[None, :])[:, :, None]
+            b_E = tl.where(tri, tl.exp(tl.where(tri, b_Gb[:, None, :] - b_Gb[None, :, :], 0.0)), 0.0)    # [16, 16, BK]
+            b_aqE = scale * b_aq_diag[:, :, None] * b_E                                            # [16, 16, BK]
+            b_dq += tl.sum(b_aqE * b_kb[None, :, :], 1)
+            # columns of block b against the rows after it, around e_b (G of the block's last row)
+            b_end = _g_row(gcum, base, b * 16 + 15, last, o_k, m_k, HV, K)                         # [BK]
+            after = (r >= b * 16 + 16)[:, None]
+            b_right = tl.where(after, tl.exp(tl.where(after, b_G - b_end[None, :], 0.0)), 0.0)     # [BT, BK]
+            b_down = tl.exp(b_end[None, :] - b_Gb)                                                 # [16, BK]
+            b_dkc = scale * tl.dot(b_aq_col.to(DOT), (b_q * b_right).to(DOT))                    # [16, BK]
+            if DELTA:
+                b_dkc += tl.dot(b_a_col.to(DOT), (b_k * b_right).to(DOT))
+            b_dkc = b_down * b_dkc + tl.sum(b_aqE * b_qb[:, None, :], 0)
+            b_dG = b_qb * b_dq
+            if DELTA:
+                b_drow = b_up * tl.dot(b_a_row.to(DOT), b_kl)                                      # sum_j dA_ij k_j e^(..)
+                b_aE = b_a_diag[:, :, None] * b_E                   # (dA's diagonal block is strict)
+                b_drow += tl.sum(b_aE * b_kb[None, :, :], 1)
+                b_db += tl.sum(b_kb * b_drow, 1)
+                b_drow = b_beta_b[:, None] * b_drow
+                b_dkc += tl.sum(b_aE * (b_beta_b[:, None] * b_kb)[:, None, :], 0)
+                b_dG += b_kb * b_drow
+            else:
+                b_drow = tl.zeros([16, BK], dtype=tl.float32)
+            b_dG -= b_kb * b_dkc
+            off_out = base * K + rows[:, None] * (HV * K) + o_k[None, :]
+            tl.store(dq + off_out, tl.load(dq + off_out, mask=m_bk, other=0.0) + b_dq, mask=m_bk)
+            tl.store(dk + off_out, tl.load(dk + off_out, mask=m_bk, other=0.0) + b_drow + b_dkc, mask=m_bk)
+            tl.store(dG + off_out, tl.load(dG + off_out, mask=m_bk, other=0.0) + b_dG, mask=m_bk)
+        if DELTA:
+            tl.store(dbeta + base + rows * HV, tl.load(dbeta + base + rows * HV, mask=m_b, other=0.0) + b_db, mask=m_b)
+
+
+def backward(p: Problem, do: torch.Tensor, dht: torch.Tensor | None, states: torch.Tensor | None = None):
+    """Gradients ``(dq, dk [B, T, H, K], dv [B, T, HV, V], dgk [B, T, HV, K], dbeta [B, T, HV] or
+    None, dh0 [N, HV, K, V] or None)`` (float32; dv in v's dtype) of the chunked forward of ``p``
+    (KDA, or GLA with ``p.delta`` False), whose q, k, v, gk (float32 log decay), beta (float32) and
+    initial state (K-first, float32) are the activated ones; ``do``, ``dht`` and ``states`` as
+    chunk_delta_backward.backward takes them."""
+    p = dense_inputs(p)
+    B, T, H, HV, K, V, N = p.B, p.T, p.H, p.HV, p.K, p.V, p.N
+    dev = p.device
+    varlen = p.cu_seqlens is not None
+    NT = cdiv(T, BT)
+    if varlen:
+        chunk_index, chunk_start, total, _, _ = _varlen_index(p)
+        cu = p.cu_seqlens
+    else:
+        total = B * NT
+        chunk_index = chunk_start = cu = None
+    tables = (cu, chunk_index) if varlen else (None, None)
+    config = ChunkConfig(segment_chunks=0)
+    bf16 = p.q.dtype == torch.bfloat16 and not interpreting()
+    op_dtype = torch.bfloat16 if bf16 else torch.float32
+    dot = tl.bfloat16 if bf16 else tl.float32
+    BK, BVF = max(16, next_pow2(K)), max(16, next_pow2(V))
+    BV = min(BLOCK_V, BVF)
+    do = do.contiguous()
+    f32 = torch.float32
+    state_dtype = f32 if FP32_STATES else op_dtype
+    idx = (cu if varlen else None, chunk_index if varlen else None)
+
+    # 1. the prologue's P, A_qk, kg, qg, kd, decay; G; the chunk-start states
+    scores = call_plan.empty((B, T, HV, BT), op_dtype, dev)
+    inverse = call_plan.empty((B, T, HV, BT), op_dtype, dev) if p.delta else scores
+    qg, kd = (call_plan.empty((B, T, HV, K), op_dtype, dev) for _ in range(2))
+    decay = call_plan.empty((max(total, 1), HV, K), f32, dev)
+    kg = call_plan.empty((B, T, HV, K), op_dtype, dev) if p.delta else decay
+    beta = p.beta if p.delta else decay
+    gcum = call_plan.empty((B, T, HV, K), f32, dev)
+    if total:
+        chunk_prepare_kda.launch(p, p.q, p.k, beta, BETA_GIVEN, total, tables, inverse, scores, kg, kd, qg, decay,
+                                 dot)
+        _cumsum(p, p.gk, gcum, total, idx, reverse=False)
+    if states is None or states.dtype != state_dtype:
+        states = call_plan.empty((max(total, 1), HV, K, V), state_dtype, dev)
+        if total:
+            o_scratch = call_plan.empty((B, T, HV, V), p.o_dtype, dev)
+            h0 = p.initial_state
+            launcher(_scan_kernel, T, NT)[(N * HV, cdiv(V, BV))](
+                qg, kg, p.v, beta, inverse, scores, decay, decay, decay, kd, decay, o_scratch,
+                h0 if h0 is not None else o_scratch, o_scratch, states, cu if varlen else decay,
+                chunk_start if varlen else decay, decay, decay, T, NT, p.scale,
+                H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, SK=V, SV=1, DOT=dot, HAS_H0=h0 is not None,
+                STORE_FINAL=False, L2NORM=False, VARLEN=varlen, SEG=0, BETA=BETA_GIVEN, STORE_STATES=True,
+                GK=True, DELTA=p.delta, num_warps=config.scan_warps, num_stages=config.scan_stages)
+
+    # 2. the reverse scan (GK): dS' per chunk, R (GLA: dv), dh0
+    dh_chunks = call_plan.empty((max(total, 1), HV, K, V), state_dtype, dev)
+    r_buf = call_plan.empty((B, T, HV, V), f32, dev)
+    dh0 = call_plan.empty((N, HV, K, V), f32, dev) if p.initial_state is not None else None
+    if dht is not None:
+        dht = dht.to(f32).contiguous()
+    launcher(_reverse_scan_kernel, T, NT)[(N * HV, cdiv(V, BV))](
+        qg, kg, kd, decay, beta, inverse, scores, decay, do, dht if dht is not None else decay, dh_chunks, r_buf,
+        dh0 if dh0 is not None else decay, cu if varlen else decay, chunk_start if varlen else decay, T, NT,
+        p.scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, DOT=dot, HAS_DHT=dht is not None,
+        STORE_DH0=dh0 is not None, VARLEN=varlen, DELTA=p.delta, GK=True, num_warps=SCAN_WARPS, num_stages=1)
+
+    # 3.-5. the gradients, chunk by chunk
+    dq, dk, dG = (call_plan.empty((B, T, HV, K), f32, dev) for _ in range(3))
+    dv = call_plan.empty((B, T, HV, V), p.v.dtype, dev)
+    dbeta = call_plan.empty((B, T, HV), f32, dev) if p.delta else None
+    dgk = call_plan.empty((B, T, HV, K), f32, dev)
+    if total:
+        v_new = call_plan.empty((B, T, HV, V), op_dtype, dev) if p.delta else p.v
+        dqk = call_plan.empty((B, T, HV, BT), f32, dev)
+        dkk = call_plan.empty((B, T, HV, BT), f32, dev) if p.delta else dqk
+        tables_arg = (cu if varlen else decay, chunk_index if varlen else decay)
+        launcher(_channel_value_grads_kernel, T, NT)[(total, HV)](
+            kg, p.v, beta, inverse, states, dh_chunks, do, r_buf, v_new, dqk, dkk, dv,
+            dbeta if dbeta is not None else decay, *tables_arg, T, NT, HV=HV, K=K, V=V, BT=BT, BK=BK,
+            BV=min(VALUE_BLOCK_V, BVF), DOT=dot, VARLEN=varlen, DELTA=p.delta, num_warps=VALUE_WARPS, num_stages=1)
+        BKS = min(KEY_BLOCK_K, BK)
+        launcher(_channel_key_grads_kernel, T, NT)[(total, HV, cdiv(K, BKS))](
+            p.q, p.k, beta, gcum, states, dh_chunks, do, r_buf, v_new, dq, dk, dG, *tables_arg, T, NT, p.scale,
+            H=H, HV=HV, K=K, V=V, BT=BT, BK=BKS, BV=BV, DOT=dot, VARLEN=varlen, DELTA=p.delta,
+            num_warps=KEY_WARPS, num_stages=1)
+        launcher(_channel_score_grads_kernel, T, NT)[(total, HV)](
+            p.q, p.k, beta, gcum, dqk, dkk, dq, dk, dG, dbeta if dbeta is not None else decay, *tables_arg, T, NT,
+            p.scale, H=H, HV=HV, K=K, BT=BT, BK=min(SCORE_BLOCK_K, BK), DOT=dot, VARLEN=varlen, DELTA=p.delta,
+            num_warps=SCORE_WARPS, num_stages=1)
+        _cumsum(p, dG, dgk, total, idx, reverse=True)
+    if HV != H:                                                              # GVA: per q/k head
+        dq = dq.view(B, T, H, HV // H, K).sum(3)
+        dk = dk.view(B, T, H, HV // H, K).sum(3)
+    return dq, dk, dv, dgk, dbeta, dh0
+
+
+def _cumsum(p: Problem, x: torch.Tensor, out: torch.Tensor, total: int, idx, reverse: bool) -> None:
+    """The in-chunk cumsum of ``x`` ``[B, T, HV, K]`` into ``out`` (``reverse``: from the end)."""
+    cu, chunk_index = idx
+    varlen = cu is not None
+    BKC = min(32, max(16, next_pow2(p.K)))
+    launcher(_channel_cumsum_kernel, p.T, cdiv(p.T, BT))[(total, p.HV, cdiv(p.K, BKC))](
+        x, out, cu if varlen else out, chunk_index if varlen else out, p.T, cdiv(p.T, BT), HV=p.HV, K=p.K, BT=BT,
+        BK=BKC, VARLEN=varlen, REVERSE=reverse, num_warps=4, num_stages=1)
