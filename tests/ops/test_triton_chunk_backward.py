@@ -193,3 +193,22 @@ def test_kda_everything_in_op(lower_bound, device):
     check(t, extra, spec=spec, use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True,
           use_beta_sigmoid_in_kernel=True, state_v_first=True, safe_gate=lower_bound is not None,
           lower_bound=lower_bound)
+
+
+@pytest.mark.parametrize("op", ["gdn", "simple_gla"])
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_strong_decay_partial_chunk(op, device):
+    """A partial last chunk under decay past e^-88 within it: the rows past the end must not turn
+    the scores' gate factors into inf (inf * 0 made dg NaN before)."""
+    spec = OPS[op]
+    check(make_inputs(spec, B=1, T=40, H=1, K=32, V=32, device=device, strength=30.0), spec=spec)
+
+
+@pytest.mark.parametrize("op", ["gdn", "kda"])
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_without_gate(op, device):
+    """g=None (no decay), which the forward accepts."""
+    spec = OPS[op]
+    t = make_inputs(spec, B=1, T=70, H=1, K=32, V=32, device=device)
+    del t["g"]
+    check(t, spec=spec, g=None)

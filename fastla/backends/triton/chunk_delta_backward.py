@@ -177,8 +177,10 @@ def _value_grads_kernel(
     lower = r[:, None] >= r[None, :]
     strict = r[:, None] > r[None, :]
     off_p = r[:, None] * (HV * BT) + r[None, :]                             # [BT, BT] in P and the scratch
-    b_G = tl.load(gcum + base + r * HV, mask=m_t, other=0.0)                                      # [BT]
     b_Gl = tl.load(gcum + base + last * HV)
+    # rows past the sequence's end take G_last: Gamma's exponents stay <= 0 there (not inf * 0)
+    b_G = tl.load(gcum + base + r * HV, mask=m_t, other=0.0)                                      # [BT]
+    b_G = tl.where(m_t, b_G, b_Gl)
     b_eG = tl.where(m_t, tl.exp(b_G), 0.0)
     b_eD = tl.where(m_t, tl.exp(b_Gl - b_G), 0.0)
     qk_row0 = (t0 * H + i_h) * K
@@ -360,7 +362,8 @@ def backward(p: Problem, do: torch.Tensor, dht: torch.Tensor | None, states: tor
     beta = p.beta if p.delta else gcum
     if total:
         if p.delta:
-            chunk_prepare.launch(p, p.g, p.beta, BETA_GIVEN, total, tables, gcum, inverse, dot, config)
+            g = p.g if p.g is not None else call_plan.full((B, T, HV), 0.0, f32, dev)      # (no gate: no decay)
+            chunk_prepare.launch(p, g, p.beta, BETA_GIVEN, total, tables, gcum, inverse, dot, config)
         else:
             chunk_prepare.launch_gate_cumsum(p, total, tables, gcum)
         chunk_prepare.launch_scores(p, q, k, total, tables, gcum, scores, None, None, dot, config)
