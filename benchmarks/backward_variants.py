@@ -1,0 +1,39 @@
+"""One chunked call with gradients through the Triton backward on a GPU, its gradients against the
+fp64 reference and the torch tier's (fp32) against the same, under launch switches that separate a
+precision loss from a compile's: ``python benchmarks/backward_variants.py OP B T DTYPE TWIN SAVE [IN_OP]``
+(OP gdn / kda / gla / simple_gla / lightning, DTYPE bfloat16 / float32, TWIN 0: no length-specialized
+twin kernels, SAVE 0: the backward recomputes the chunk states, IN_OP 0: no gate / l2norm / beta
+sigmoid in the op). K = V = 128, H = 2, HV = 4 (where the op has GVA)."""
+import sys, torch
+from fastla.backends.triton import chunk_training as ct, launch
+from fastla.core.dispatch import use_tier
+from tests.helpers import OPS, make_inputs, as_leaves, call_chunk, call_reference, forward_backward, rel_rms
+ct.ENABLED = True
+op, B, T, dt, twin, save = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), getattr(torch, sys.argv[4]), sys.argv[5] == '1', sys.argv[6] == '1'
+inop = len(sys.argv) < 8 or sys.argv[7] == '1'
+ct.SAVE_STATES = save
+if not twin:
+    launch.length_specialized = lambda fn: fn
+s = OPS[op]
+t = make_inputs(s, B=B, T=T, H=2, HV=4 if s.gva else None, K=128, V=128, dtype=dt, device='cuda', seed=1)
+o = dict(output_final_state=True)
+ex = {}
+if inop:
+    t['g'] = torch.randn_like(t['g'], dtype=torch.float32); t['beta'] = torch.randn_like(t['beta'])
+    ex = dict(A_log=torch.randn(4, device='cuda') * 0.5, dt_bias=torch.randn(4 if op == 'gdn' else 512, device='cuda'))
+    o.update(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+    if op == 'kda':
+        o.update(safe_gate=True, lower_bound=-5.0)
+torch.manual_seed(0)
+do = torch.randn(t['v'].shape, device='cuda'); dh = torch.randn(B, t['v'].shape[2], 128, 128, device='cuda')
+def f(x, **k):
+    with use_tier('triton', strict=True):
+        return call_chunk(s, x, **k)
+def tt(x, **k):
+    with use_tier('torch', strict=True):
+        return call_chunk(s, x, **k)
+a = forward_backward(f, as_leaves({**t, **ex}), do, dh, **o)
+r = forward_backward(lambda x, **k: call_reference(s, x, **k), as_leaves({**t, **ex}, torch.float64), do, dh, **o)
+c = forward_backward(tt, as_leaves({**t, **ex}), do, dh, **o)
+print(' '.join(sys.argv[1:]), '| vs fp64: o %.1e' % rel_rms(a[0], r[0]), ' '.join('%s %.1e' % (n, rel_rms(g, r[2][n])) for n, g in a[2].items()),
+      '| torch tier vs fp64:', ' '.join('%s %.1e' % (n, rel_rms(g, r[2][n])) for n, g in c[2].items()), flush=True)
