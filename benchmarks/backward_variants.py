@@ -3,15 +3,17 @@ fp64 reference and the torch tier's (fp32) against the same, under launch switch
 precision loss from a compile's: ``python benchmarks/backward_variants.py OP B T DTYPE TWIN SAVE [IN_OP]``
 (OP gdn / kda / gla / simple_gla / lightning, DTYPE bfloat16 / float32, TWIN 0: no length-specialized
 twin kernels, SAVE 0: the backward recomputes the chunk states, IN_OP 0: no gate / l2norm / beta
-sigmoid in the op). K = V = 128, H = 2, HV = 4 (where the op has GVA)."""
-import sys, torch
-from fastla.backends.triton import chunk_training as ct, launch
+sigmoid in the op). K = V = 128, H = 2, HV = 4 (where the op has GVA). ``FP32_STATES=1`` in the
+environment: the stored chunk states and their gradients in float32."""
+import os, sys, torch
+from fastla.backends.triton import chunk_delta_backward, chunk_training as ct, launch
 from fastla.core.dispatch import use_tier
 from tests.helpers import OPS, make_inputs, as_leaves, call_chunk, call_reference, forward_backward, rel_rms
 ct.ENABLED = True
 op, B, T, dt, twin, save = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), getattr(torch, sys.argv[4]), sys.argv[5] == '1', sys.argv[6] == '1'
 inop = len(sys.argv) < 8 or sys.argv[7] == '1'
 ct.SAVE_STATES = save
+chunk_delta_backward.FP32_STATES = os.environ.get("FP32_STATES") == "1"
 if not twin:
     launch.length_specialized = lambda fn: fn
 s = OPS[op]

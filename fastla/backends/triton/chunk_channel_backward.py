@@ -45,7 +45,8 @@ import triton.language as tl
 
 from fastla.backends.triton import cdiv, chunk_prepare_kda, interpreting, next_pow2
 from fastla.backends.triton.chunk_delta import ChunkConfig, _scan_kernel, _varlen_index, dense_inputs
-from fastla.backends.triton.chunk_delta_backward import BLOCK_V, FP32_STATES, SCAN_WARPS, _reverse_scan_kernel
+from fastla.backends.triton import chunk_delta_backward
+from fastla.backends.triton.chunk_delta_backward import BLOCK_V, SCAN_WARPS, _reverse_scan_kernel
 from fastla.backends.triton.chunk_index import BT, _chunk
 from fastla.backends.triton.launch import launcher
 from fastla.backends.triton.recurrent import BETA_GIVEN
@@ -357,7 +358,7 @@ def backward(p: Problem, do: torch.Tensor, dht: torch.Tensor | None, states: tor
     BV = min(BLOCK_V, BVF)
     do = do.contiguous()
     f32 = torch.float32
-    state_dtype = f32 if FP32_STATES else op_dtype
+    state_dtype = f32 if chunk_delta_backward.FP32_STATES else op_dtype     # (one switch for both rules)
     idx = (cu if varlen else None, chunk_index if varlen else None)
 
     # 1. the prologue's P, A_qk, kg, qg, kd, decay; G; the chunk-start states
