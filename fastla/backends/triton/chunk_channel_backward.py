@@ -43,10 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastla.backends.triton import cdiv, chunk_prepare_kda, interpreting, next_pow2
-from fastla.backends.triton.chunk_delta import ChunkConfig, _scan_kernel, _varlen_index, dense_inputs
-from fastla.backends.triton import chunk_delta_backward
-from fastla.backends.triton.chunk_delta_backward import BLOCK_V, SCAN_WARPS, _reverse_scan_kernel
+from fastla.backends.triton import cdiv, chunk_delta_backward, chunk_prepare_kda, next_pow2
 from fastla.backends.triton.chunk_index import BT, _chunk
 from fastla.backends.triton.launch import launcher
 from fastla.backends.triton.recurrent import BETA_GIVEN
@@ -338,28 +335,11 @@ def backward(p: Problem, do: torch.Tensor, dht: torch.Tensor | None, states: tor
     (KDA, or GLA with ``p.delta`` False), whose q, k, v, gk (float32 log decay), beta (float32) and
     initial state (K-first, float32) are the activated ones; ``do``, ``dht`` and ``states`` as
     chunk_delta_backward.backward takes them."""
-    p = dense_inputs(p)
-    B, T, H, HV, K, V, N = p.B, p.T, p.H, p.HV, p.K, p.V, p.N
-    dev = p.device
-    varlen = p.cu_seqlens is not None
-    NT = cdiv(T, BT)
-    if varlen:
-        chunk_index, chunk_start, total, _, _ = _varlen_index(p)
-        cu = p.cu_seqlens
-    else:
-        total = B * NT
-        chunk_index = chunk_start = cu = None
-    tables = (cu, chunk_index) if varlen else (None, None)
-    config = ChunkConfig(segment_chunks=0)
-    bf16 = p.q.dtype == torch.bfloat16 and not interpreting()
-    op_dtype = torch.bfloat16 if bf16 else torch.float32
-    dot = tl.bfloat16 if bf16 else tl.float32
-    BK, BVF = max(16, next_pow2(K)), max(16, next_pow2(V))
-    BV = min(BLOCK_V, BVF)
+    c = chunk_delta_backward.call_of(p)
+    p = c.p
+    B, T, H, HV, K, V = p.B, p.T, p.H, p.HV, p.K, p.V
+    dev, f32, total, op_dtype = p.device, torch.float32, c.total, c.op_dtype
     do = do.contiguous()
-    f32 = torch.float32
-    state_dtype = f32 if chunk_delta_backward.FP32_STATES else op_dtype     # (one switch for both rules)
-    idx = (cu if varlen else None, chunk_index if varlen else None)
 
     # 1. the prologue's P, A_qk, kg, qg, kd, decay; G; the chunk-start states
     scores = call_plan.empty((B, T, HV, BT), op_dtype, dev)
@@ -370,33 +350,15 @@ def backward(p: Problem, do: torch.Tensor, dht: torch.Tensor | None, states: tor
     beta = p.beta if p.delta else decay
     gcum = call_plan.empty((B, T, HV, K), f32, dev)
     if total:
-        chunk_prepare_kda.launch(p, p.q, p.k, beta, BETA_GIVEN, total, tables, inverse, scores, kg, kd, qg, decay,
-                                 dot)
-        _cumsum(p, p.gk, gcum, total, idx, reverse=False)
-    if states is None or states.dtype != state_dtype:
-        states = call_plan.empty((max(total, 1), HV, K, V), state_dtype, dev)
-        if total:
-            o_scratch = call_plan.empty((B, T, HV, V), p.o_dtype, dev)
-            h0 = p.initial_state
-            launcher(_scan_kernel, T, NT)[(N * HV, cdiv(V, BV))](
-                qg, kg, p.v, beta, inverse, scores, decay, decay, decay, kd, decay, o_scratch,
-                h0 if h0 is not None else o_scratch, o_scratch, states, cu if varlen else decay,
-                chunk_start if varlen else decay, decay, decay, T, NT, p.scale,
-                H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, SK=V, SV=1, DOT=dot, HAS_H0=h0 is not None,
-                STORE_FINAL=False, L2NORM=False, VARLEN=varlen, SEG=0, BETA=BETA_GIVEN, STORE_STATES=True,
-                GK=True, DELTA=p.delta, num_warps=config.scan_warps, num_stages=config.scan_stages)
+        chunk_prepare_kda.launch(p, p.q, p.k, beta, BETA_GIVEN, total, c.tables, inverse, scores, kg, kd, qg, decay,
+                                 c.dot)
+        _cumsum(c, p.gk, gcum, reverse=False)
+    if states is None or states.dtype != c.state_dtype:
+        states = chunk_delta_backward.chunk_states(c, qg, kg, kd, decay, beta, inverse, scores, decay, gk=True)
 
     # 2. the reverse scan (GK): dS' per chunk, R (GLA: dv), dh0
-    dh_chunks = call_plan.empty((max(total, 1), HV, K, V), state_dtype, dev)
-    r_buf = call_plan.empty((B, T, HV, V), f32, dev)
-    dh0 = call_plan.empty((N, HV, K, V), f32, dev) if p.initial_state is not None else None
-    if dht is not None:
-        dht = dht.to(f32).contiguous()
-    launcher(_reverse_scan_kernel, T, NT)[(N * HV, cdiv(V, BV))](
-        qg, kg, kd, decay, beta, inverse, scores, decay, do, dht if dht is not None else decay, dh_chunks, r_buf,
-        dh0 if dh0 is not None else decay, cu if varlen else decay, chunk_start if varlen else decay, T, NT,
-        p.scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, DOT=dot, HAS_DHT=dht is not None,
-        STORE_DH0=dh0 is not None, VARLEN=varlen, DELTA=p.delta, GK=True, num_warps=SCAN_WARPS, num_stages=1)
+    dh_chunks, r_buf, dh0 = chunk_delta_backward.reverse_scan(c, qg, kg, kd, decay, beta, inverse, scores, decay,
+                                                              do, dht, gk=True)
 
     # 3.-5. the gradients, chunk by chunk
     dq, dk, dG = (call_plan.empty((B, T, HV, K), f32, dev) for _ in range(3))
@@ -407,32 +369,30 @@ def backward(p: Problem, do: torch.Tensor, dht: torch.Tensor | None, states: tor
         v_new = call_plan.empty((B, T, HV, V), op_dtype, dev) if p.delta else p.v
         dqk = call_plan.empty((B, T, HV, BT), f32, dev)
         dkk = call_plan.empty((B, T, HV, BT), f32, dev) if p.delta else dqk
-        tables_arg = (cu if varlen else decay, chunk_index if varlen else decay)
-        launcher(_channel_value_grads_kernel, T, NT)[(total, HV)](
+        varlen = c.cu is not None
+        launcher(_channel_value_grads_kernel, T, c.NT)[(total, HV)](
             kg, p.v, beta, inverse, states, dh_chunks, do, r_buf, v_new, dqk, dkk, dv,
-            dbeta if dbeta is not None else decay, *tables_arg, T, NT, HV=HV, K=K, V=V, BT=BT, BK=BK,
-            BV=min(VALUE_BLOCK_V, BVF), DOT=dot, VARLEN=varlen, DELTA=p.delta, num_warps=VALUE_WARPS, num_stages=1)
-        BKS = min(KEY_BLOCK_K, BK)
-        launcher(_channel_key_grads_kernel, T, NT)[(total, HV, cdiv(K, BKS))](
-            p.q, p.k, beta, gcum, states, dh_chunks, do, r_buf, v_new, dq, dk, dG, *tables_arg, T, NT, p.scale,
-            H=H, HV=HV, K=K, V=V, BT=BT, BK=BKS, BV=BV, DOT=dot, VARLEN=varlen, DELTA=p.delta,
+            dbeta if dbeta is not None else decay, *c.index(decay), T, c.NT, HV=HV, K=K, V=V, BT=BT, BK=c.BK,
+            BV=min(VALUE_BLOCK_V, c.BVF), DOT=c.dot, VARLEN=varlen, DELTA=p.delta, num_warps=VALUE_WARPS,
+            num_stages=1)
+        BKS = min(KEY_BLOCK_K, c.BK)
+        launcher(_channel_key_grads_kernel, T, c.NT)[(total, HV, cdiv(K, BKS))](
+            p.q, p.k, beta, gcum, states, dh_chunks, do, r_buf, v_new, dq, dk, dG, *c.index(decay), T, c.NT, p.scale,
+            H=H, HV=HV, K=K, V=V, BT=BT, BK=BKS, BV=c.BV, DOT=c.dot, VARLEN=varlen, DELTA=p.delta,
             num_warps=KEY_WARPS, num_stages=1)
-        launcher(_channel_score_grads_kernel, T, NT)[(total, HV)](
-            p.q, p.k, beta, gcum, dqk, dkk, dq, dk, dG, dbeta if dbeta is not None else decay, *tables_arg, T, NT,
-            p.scale, H=H, HV=HV, K=K, BT=BT, BK=min(SCORE_BLOCK_K, BK), DOT=dot, VARLEN=varlen, DELTA=p.delta,
-            num_warps=SCORE_WARPS, num_stages=1)
-        _cumsum(p, dG, dgk, total, idx, reverse=True)
-    if HV != H:                                                              # GVA: per q/k head
-        dq = dq.view(B, T, H, HV // H, K).sum(3)
-        dk = dk.view(B, T, H, HV // H, K).sum(3)
+        launcher(_channel_score_grads_kernel, T, c.NT)[(total, HV)](
+            p.q, p.k, beta, gcum, dqk, dkk, dq, dk, dG, dbeta if dbeta is not None else decay, *c.index(decay),
+            T, c.NT, p.scale, H=H, HV=HV, K=K, BT=BT, BK=min(SCORE_BLOCK_K, c.BK), DOT=c.dot, VARLEN=varlen,
+            DELTA=p.delta, num_warps=SCORE_WARPS, num_stages=1)
+        _cumsum(c, dG, dgk, reverse=True)
+    dq, dk = chunk_delta_backward.per_qk_head(p, dq, dk)
     return dq, dk, dv, dgk, dbeta, dh0
 
 
-def _cumsum(p: Problem, x: torch.Tensor, out: torch.Tensor, total: int, idx, reverse: bool) -> None:
+def _cumsum(c, x: torch.Tensor, out: torch.Tensor, reverse: bool) -> None:
     """The in-chunk cumsum of ``x`` ``[B, T, HV, K]`` into ``out`` (``reverse``: from the end)."""
-    cu, chunk_index = idx
-    varlen = cu is not None
+    p = c.p
     BKC = min(32, max(16, next_pow2(p.K)))
-    launcher(_channel_cumsum_kernel, p.T, cdiv(p.T, BT))[(total, p.HV, cdiv(p.K, BKC))](
-        x, out, cu if varlen else out, chunk_index if varlen else out, p.T, cdiv(p.T, BT), HV=p.HV, K=p.K, BT=BT,
-        BK=BKC, VARLEN=varlen, REVERSE=reverse, num_warps=4, num_stages=1)
+    launcher(_channel_cumsum_kernel, p.T, c.NT)[(c.total, p.HV, cdiv(p.K, BKC))](
+        x, out, *c.index(out), p.T, c.NT, HV=p.HV, K=p.K, BT=BT, BK=BKC, VARLEN=c.cu is not None, REVERSE=reverse,
+        num_warps=4, num_stages=1)

@@ -42,6 +42,8 @@ gradient kernels. Not run on a GPU yet: ``chunk_training.ENABLED``.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -322,6 +324,93 @@ def _key_grads_kernel(
     tl.store(dk + base * K + off_kv, b_dk, mask=m_tk)
 
 
+@dataclass(frozen=True)
+class Call:
+    """What the launches of one backward call share (both rules: this module's and
+    chunk_channel_backward's)."""
+    p: Problem                          # dense inputs
+    NT: int                             # chunks per dense sequence
+    total: int                          # chunks in the batch
+    cu: torch.Tensor | None             # varlen: offsets [N + 1], chunk index [chunks, 2], first chunks [N]
+    chunk_index: torch.Tensor | None
+    chunk_start: torch.Tensor | None
+    op_dtype: torch.dtype               # the products' operands (bf16 for bf16 inputs on a GPU)
+    dot: object
+    state_dtype: torch.dtype            # the stored chunk states and their gradients
+    BK: int
+    BVF: int
+    BV: int
+
+    @property
+    def tables(self):
+        return self.cu, self.chunk_index
+
+    def index(self, dummy):
+        """The kernels' (cu_seqlens, chunk_index) arguments (``dummy`` for dense batches)."""
+        return (self.cu, self.chunk_index) if self.cu is not None else (dummy, dummy)
+
+    def starts(self, dummy):
+        """The kernels' (cu_seqlens, chunk_start) arguments (``dummy`` for dense batches)."""
+        return (self.cu, self.chunk_start) if self.cu is not None else (dummy, dummy)
+
+
+def call_of(p: Problem) -> Call:
+    p = dense_inputs(p)
+    NT = cdiv(p.T, BT)
+    if p.cu_seqlens is not None:
+        chunk_index, chunk_start, total, _, _ = _varlen_index(p)
+        cu = p.cu_seqlens
+    else:
+        total, chunk_index, chunk_start, cu = p.B * NT, None, None, None
+    bf16 = p.q.dtype == torch.bfloat16 and not interpreting()
+    op_dtype = torch.bfloat16 if bf16 else torch.float32
+    BK, BVF = max(16, next_pow2(p.K)), max(16, next_pow2(p.V))
+    return Call(p, NT, total, cu, chunk_index, chunk_start, op_dtype, tl.bfloat16 if bf16 else tl.float32,
+                torch.float32 if FP32_STATES else op_dtype, BK, BVF, min(BLOCK_V, BVF))
+
+
+def chunk_states(c: Call, q, k, kd, decay, beta, inverse, scores, gcum, gk: bool) -> torch.Tensor:
+    """The chunk-start states ``[chunks, HV, K, V]`` (the forward's scan with STORE_STATES; its
+    output discarded). ``q``, ``k``: the raw ones, or qg, kg with ``gk`` (per-channel gates)."""
+    p = c.p
+    states = call_plan.empty((max(c.total, 1), p.HV, p.K, p.V), c.state_dtype, p.device)
+    if c.total:
+        config = ChunkConfig(segment_chunks=0)
+        o_scratch = call_plan.empty((p.B, p.T, p.HV, p.V), p.o_dtype, p.device)
+        h0 = p.initial_state
+        launcher(_scan_kernel, p.T, c.NT)[(p.N * p.HV, cdiv(p.V, c.BV))](
+            q, k, p.v, beta, inverse, scores, gcum, gcum, gcum, kd, decay, o_scratch,
+            h0 if h0 is not None else o_scratch, o_scratch, states, *c.starts(gcum), gcum, gcum, p.T, c.NT, p.scale,
+            H=p.H, HV=p.HV, K=p.K, V=p.V, BT=BT, BK=c.BK, BV=c.BV, SK=p.V, SV=1, DOT=c.dot, HAS_H0=h0 is not None,
+            STORE_FINAL=False, L2NORM=False, VARLEN=c.cu is not None, SEG=0, BETA=BETA_GIVEN, STORE_STATES=True,
+            GK=gk, DELTA=p.delta, num_warps=config.scan_warps, num_stages=config.scan_stages)
+    return states
+
+
+def reverse_scan(c: Call, q, k, kd, decay, beta, inverse, scores, gcum, do, dht, gk: bool):
+    """``(dS' per chunk [chunks, HV, K, V], R [B, T, HV, V] fp32 (the plain rule: dv), dh0 or None)``."""
+    p = c.p
+    f32 = torch.float32
+    dh_chunks = call_plan.empty((max(c.total, 1), p.HV, p.K, p.V), c.state_dtype, p.device)
+    r_buf = call_plan.empty((p.B, p.T, p.HV, p.V), f32, p.device)
+    dh0 = call_plan.empty((p.N, p.HV, p.K, p.V), f32, p.device) if p.initial_state is not None else None
+    if dht is not None:
+        dht = dht.to(f32).contiguous()
+    launcher(_reverse_scan_kernel, p.T, c.NT)[(p.N * p.HV, cdiv(p.V, c.BV))](
+        q, k, kd, decay, beta, inverse, scores, gcum, do, dht if dht is not None else gcum, dh_chunks, r_buf,
+        dh0 if dh0 is not None else gcum, *c.starts(gcum), p.T, c.NT, p.scale, H=p.H, HV=p.HV, K=p.K, V=p.V, BT=BT,
+        BK=c.BK, BV=c.BV, DOT=c.dot, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None,
+        VARLEN=c.cu is not None, DELTA=p.delta, GK=gk, num_warps=SCAN_WARPS, num_stages=1)
+    return dh_chunks, r_buf, dh0
+
+
+def per_qk_head(p: Problem, dq: torch.Tensor, dk: torch.Tensor):
+    """GVA: dq and dk per value head ``[B, T, HV, K]`` summed per q/k head."""
+    if p.HV == p.H:
+        return dq, dk
+    return (x.view(p.B, p.T, p.H, p.HV // p.H, p.K).sum(3) for x in (dq, dk))
+
+
 def backward(p: Problem, do: torch.Tensor, dht: torch.Tensor | None, states: torch.Tensor | None = None):
     """Gradients ``(dq, dk [B, T, H, K], dv [B, T, HV, V], dg [B, T, HV], dbeta [B, T, HV] or None,
     dh0 [N, HV, K, V] or None)`` (float32; dv in v's dtype) of the chunked forward of ``p`` (the
@@ -331,66 +420,32 @@ def backward(p: Problem, do: torch.Tensor, dht: torch.Tensor | None, states: tor
     is dO ``[B, T, HV, V]``, ``dht`` the final state's gradient ``[N, HV, K, V]`` or None,
     ``states`` the forward's chunk-start states ``[chunks, HV, K, V]`` in the operand dtype (None:
     recomputed here)."""
-    p = dense_inputs(p)
-    B, T, H, HV, K, V, N = p.B, p.T, p.H, p.HV, p.K, p.V, p.N
-    dev = p.device
-    varlen = p.cu_seqlens is not None
-    NT = cdiv(T, BT)
-    if varlen:
-        chunk_index, chunk_start, total, _, _ = _varlen_index(p)
-        cu = p.cu_seqlens
-    else:
-        total = B * NT
-        chunk_index = chunk_start = cu = None
-    tables = (cu, chunk_index) if varlen else (None, None)
-    config = ChunkConfig(segment_chunks=0)
-    bf16 = p.q.dtype == torch.bfloat16 and not interpreting()
-    op_dtype = torch.bfloat16 if bf16 else torch.float32
-    dot = tl.bfloat16 if bf16 else tl.float32
-    BK, BVF = max(16, next_pow2(K)), max(16, next_pow2(V))
-    BV = min(BLOCK_V, BVF)
-    q, k = (p.q, p.k) if p.q.dtype == op_dtype or bf16 else (p.q.to(op_dtype), p.k.to(op_dtype))
+    c = call_of(p)
+    p = c.p
+    B, T, H, HV, K, V = p.B, p.T, p.H, p.HV, p.K, p.V
+    dev, f32, total = p.device, torch.float32, c.total
+    q, k = (p.q, p.k) if p.q.dtype == c.op_dtype else (p.q.to(c.op_dtype), p.k.to(c.op_dtype))
     do = do.contiguous()
-    f32 = torch.float32
-    state_dtype = f32 if FP32_STATES else op_dtype
 
     # 1. G, P (delta rule), A_qk and (unless the forward kept them) the chunk-start states, as the
     # forward computes them
+    config = ChunkConfig(segment_chunks=0)
     gcum = call_plan.empty((B, T, HV), f32, dev)
-    scores = call_plan.empty((B, T, HV, BT), op_dtype, dev)
-    inverse = call_plan.empty((B, T, HV, BT), op_dtype, dev) if p.delta else scores
+    scores = call_plan.empty((B, T, HV, BT), c.op_dtype, dev)
+    inverse = call_plan.empty((B, T, HV, BT), c.op_dtype, dev) if p.delta else scores
     beta = p.beta if p.delta else gcum
     if total:
         if p.delta:
             g = p.g if p.g is not None else call_plan.full((B, T, HV), 0.0, f32, dev)      # (no gate: no decay)
-            chunk_prepare.launch(p, g, p.beta, BETA_GIVEN, total, tables, gcum, inverse, dot, config)
+            chunk_prepare.launch(p, g, p.beta, BETA_GIVEN, total, c.tables, gcum, inverse, c.dot, config)
         else:
-            chunk_prepare.launch_gate_cumsum(p, total, tables, gcum)
-        chunk_prepare.launch_scores(p, q, k, total, tables, gcum, scores, None, None, dot, config)
-    if states is None or states.dtype != state_dtype:
-        states = call_plan.empty((max(total, 1), HV, K, V), state_dtype, dev)
-        if total:
-            o_scratch = call_plan.empty((B, T, HV, V), p.o_dtype, dev)
-            h0 = p.initial_state
-            launcher(_scan_kernel, T, NT)[(N * HV, cdiv(V, BV))](
-                q, k, p.v, beta, inverse, scores, gcum, gcum, gcum, gcum, gcum, o_scratch,
-                h0 if h0 is not None else o_scratch, o_scratch, states, cu if varlen else gcum,
-                chunk_start if varlen else gcum, gcum, gcum, T, NT, p.scale,
-                H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, SK=V, SV=1, DOT=dot, HAS_H0=h0 is not None,
-                STORE_FINAL=False, L2NORM=False, VARLEN=varlen, SEG=0, BETA=BETA_GIVEN, STORE_STATES=True,
-                GK=False, DELTA=p.delta, num_warps=config.scan_warps, num_stages=config.scan_stages)
+            chunk_prepare.launch_gate_cumsum(p, total, c.tables, gcum)
+        chunk_prepare.launch_scores(p, q, k, total, c.tables, gcum, scores, None, None, c.dot, config)
+    if states is None or states.dtype != c.state_dtype:
+        states = chunk_states(c, q, k, gcum, gcum, beta, inverse, scores, gcum, gk=False)
 
     # 2. the reverse scan: dS' per chunk, R (the plain rule: dv), dh0
-    dh_chunks = call_plan.empty((max(total, 1), HV, K, V), state_dtype, dev)
-    r_buf = call_plan.empty((B, T, HV, V), f32, dev)
-    dh0 = call_plan.empty((N, HV, K, V), f32, dev) if p.initial_state is not None else None
-    if dht is not None:
-        dht = dht.to(f32).contiguous()
-    launcher(_reverse_scan_kernel, T, NT)[(N * HV, cdiv(V, BV))](
-        q, k, gcum, gcum, beta, inverse, scores, gcum, do, dht if dht is not None else gcum, dh_chunks, r_buf,
-        dh0 if dh0 is not None else gcum, cu if varlen else gcum, chunk_start if varlen else gcum, T, NT,
-        p.scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, DOT=dot, HAS_DHT=dht is not None,
-        STORE_DH0=dh0 is not None, VARLEN=varlen, DELTA=p.delta, GK=False, num_warps=SCAN_WARPS, num_stages=1)
+    dh_chunks, r_buf, dh0 = reverse_scan(c, q, k, gcum, gcum, beta, inverse, scores, gcum, do, dht, gk=False)
 
     # 3. the gradients, chunk by chunk: dv, V_new, dg, dbeta and the scores' gradients, then dq, dk
     dq, dk = (call_plan.empty((B, T, HV, K), f32, dev) for _ in range(2))
@@ -398,21 +453,18 @@ def backward(p: Problem, do: torch.Tensor, dht: torch.Tensor | None, states: tor
     dg = call_plan.empty((B, T, HV), f32, dev)
     dbeta = call_plan.empty((B, T, HV), f32, dev) if p.delta else None
     if total:
-        v_new = call_plan.empty((B, T, HV, V), op_dtype, dev) if p.delta else p.v
-        dqk = call_plan.empty((B, T, HV, BT), op_dtype, dev)
-        dkk = call_plan.empty((B, T, HV, BT), op_dtype, dev) if p.delta else dqk
-        tables_arg = (cu if varlen else gcum, chunk_index if varlen else gcum)
-        launcher(_value_grads_kernel, T, NT)[(total, HV)](
+        v_new = call_plan.empty((B, T, HV, V), c.op_dtype, dev) if p.delta else p.v
+        dqk = call_plan.empty((B, T, HV, BT), c.op_dtype, dev)
+        dkk = call_plan.empty((B, T, HV, BT), c.op_dtype, dev) if p.delta else dqk
+        launcher(_value_grads_kernel, T, c.NT)[(total, HV)](
             q, k, p.v, beta, inverse, gcum, states, dh_chunks, do, r_buf, v_new, dqk, dkk, dv, dg,
-            dbeta if dbeta is not None else gcum, *tables_arg, T, NT, p.scale, H=H, HV=HV, K=K, V=V, BT=BT,
-            BK=BK, BV=min(VALUE_BLOCK_V, BVF), DOT=dot, VARLEN=varlen, DELTA=p.delta, num_warps=VALUE_WARPS,
-            num_stages=1)
-        BKS = min(KEY_BLOCK_K, BK)
-        launcher(_key_grads_kernel, T, NT)[(total, HV, cdiv(K, BKS))](
-            q, k, beta, gcum, states, dh_chunks, do, r_buf, v_new, dqk, dkk, dq, dk, *tables_arg, T, NT,
-            p.scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=BKS, BV=BV, DOT=dot, VARLEN=varlen, DELTA=p.delta,
-            num_warps=KEY_WARPS, num_stages=1)
-    if HV != H:                                                              # GVA: per q/k head
-        dq = dq.view(B, T, H, HV // H, K).sum(3)
-        dk = dk.view(B, T, H, HV // H, K).sum(3)
+            dbeta if dbeta is not None else gcum, *c.index(gcum), T, c.NT, p.scale, H=H, HV=HV, K=K, V=V, BT=BT,
+            BK=c.BK, BV=min(VALUE_BLOCK_V, c.BVF), DOT=c.dot, VARLEN=c.cu is not None, DELTA=p.delta,
+            num_warps=VALUE_WARPS, num_stages=1)
+        BKS = min(KEY_BLOCK_K, c.BK)
+        launcher(_key_grads_kernel, T, c.NT)[(total, HV, cdiv(K, BKS))](
+            q, k, beta, gcum, states, dh_chunks, do, r_buf, v_new, dqk, dkk, dq, dk, *c.index(gcum), T, c.NT,
+            p.scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=BKS, BV=c.BV, DOT=c.dot, VARLEN=c.cu is not None,
+            DELTA=p.delta, num_warps=KEY_WARPS, num_stages=1)
+    dq, dk = per_qk_head(p, dq, dk)
     return dq, dk, dv, dg, dbeta, dh0
