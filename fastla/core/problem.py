@@ -68,3 +68,10 @@ class Problem:
     @property
     def device(self) -> torch.device:
         return self.q.device
+
+    def needs_grad(self) -> bool:
+        """Whether autograd is on and any input tensor (gates' parameters included) requires grad."""
+        return torch.is_grad_enabled() and any(
+            x is not None and x.requires_grad
+            for x in (self.q, self.k, self.v, self.g, self.gk, self.gv, self.g_gamma, self.beta, self.initial_state,
+                      self.A_log, self.dt_bias))

@@ -80,10 +80,7 @@ def _channel_cumsum_kernel(
     m = (r < eos - t0)[:, None] & (o_k < K)[None, :]
     off = (t0 * HV + i_hv) * K + r[:, None] * (HV * K) + o_k[None, :]
     b_x = tl.load(x + off, mask=m, other=0.0).to(tl.float32)                                      # [BT, BK]
-    if REVERSE:
-        b_y = tl.sum(tl.where((r[:, None] >= r[None, :])[:, :, None], b_x[:, None, :], 0.0), 0)
-    else:
-        b_y = tl.cumsum(b_x, 0)
+    b_y = tl.cumsum(b_x, 0, reverse=REVERSE)
     tl.store(out + off, b_y, mask=m)
 
 

@@ -453,8 +453,7 @@ def supports(p: Problem, config: ChunkConfig | None = None) -> str | None:
         length = _segments(p, config or default_config(p), counts)
         if length and not HOST_TABLES.cached(_segment_key(p, counts, length)):
             return "a first call with this shape must come before CUDA-graph capture (it builds the segment table)"
-    tensors = [p.q, p.k, p.v, p.g, p.gk, p.gv, p.g_gamma, p.beta, p.initial_state, p.A_log, p.dt_bias]
-    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors):
+    if p.needs_grad():
         return "inputs require grad (the forward kernels keep no autograd graph; chunk_training serves such calls)"
     return None
 

@@ -254,7 +254,7 @@ def _value_grads_kernel(
     b_dG += scale * b_tqs - b_tkg - b_tkd
     b_dGl = tl.sum(b_tkd, 0) + tl.exp(b_Gl) * tl.sum(b_sdS, 0)
     b_dG = tl.where(m_t, b_dG + tl.where(r == last, b_dGl, 0.0), 0.0)
-    b_dg = tl.sum(tl.where(lower, b_dG[:, None], 0.0), 0)                   # dg_t = sum over i >= t of dG_i
+    b_dg = tl.cumsum(b_dG, 0, reverse=True)                                 # dg_t = sum over i >= t of dG_i
     tl.store(dg + base + r * HV, b_dg, mask=m_t)
 
 

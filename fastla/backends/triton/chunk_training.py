@@ -29,13 +29,7 @@ ENABLED = os.environ.get("FASTLA_TRITON_BACKWARD", "0") == "1"
 # The forward keeps its chunk-start states for the backward (False: the backward recomputes them)
 SAVE_STATES = True
 
-_GRAD_FIELDS = ("q", "k", "v", "g", "gk", "g_gamma", "beta", "initial_state", "A_log", "dt_bias")
 OPS = ("chunk_gated_delta_rule", "chunk_kda", "chunk_gla", "chunk_simple_gla", "chunk_lightning_attn")
-
-
-def needs_grad(p: Problem) -> bool:
-    return torch.is_grad_enabled() and any(
-        getattr(p, n) is not None and getattr(p, n).requires_grad for n in _GRAD_FIELDS)
 
 
 def reason(p: Problem) -> str | None:
@@ -53,12 +47,12 @@ def reason(p: Problem) -> str | None:
 
 def supports(p: Problem) -> str | None:
     """The Triton tier's check for the chunked ops: the training path's when gradients are needed."""
-    return reason(p) if needs_grad(p) else chunk_delta.supports(p)
+    return reason(p) if p.needs_grad() else chunk_delta.supports(p)
 
 
 def run(p: Problem):
     """The Triton tier's entry for the chunked ops."""
-    return run_training(p) if needs_grad(p) else chunk_delta.run(p)
+    return run_training(p) if p.needs_grad() else chunk_delta.run(p)
 
 
 class ChunkTraining(torch.autograd.Function):

@@ -265,10 +265,6 @@ def default_config(p: Problem) -> DecodeConfig:
     return DecodeConfig(min(16, next_pow2(p.V)), 1)
 
 
-def _tensors(p: Problem):
-    return [x for x in (p.q, p.k, p.v, p.g, p.gk, p.beta, p.initial_state) if x is not None]
-
-
 def supports(p: Problem) -> str | None:
     from fastla.backends.triton import available
 
@@ -281,8 +277,7 @@ def supports(p: Problem) -> str | None:
         return "a per-value gate (gv) is served by the torch tier"
     if p.reverse:
         return "reverse=True is served by the torch tier"
-    params = [p.A_log, p.dt_bias, p.g_gamma]
-    if torch.is_grad_enabled() and any(x.requires_grad for x in _tensors(p) + params if x is not None):
+    if p.needs_grad():
         return "inputs require grad: the Triton recurrent kernel has no backward (the torch tier has autograd)"
     if any(x.dim() == 4 and x.stride(-1) != 1 for x in (p.q, p.k, p.v, p.gk) if x is not None):
         return "an input's last dim is strided (the kernel needs unit stride along the head dim)"
