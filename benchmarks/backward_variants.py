@@ -4,8 +4,27 @@ precision loss from a compile's: ``python benchmarks/backward_variants.py OP B T
 (OP gdn / kda / gla / simple_gla / lightning, DTYPE bfloat16 / float32, TWIN 0: no length-specialized
 twin kernels, SAVE 0: the backward recomputes the chunk states, IN_OP 0: no gate / l2norm / beta
 sigmoid in the op). K = V = 128, H = 2, HV = 4 (where the op has GVA). ``FP32_STATES=1`` in the
-environment: the stored chunk states and their gradients in float32."""
+environment: the stored chunk states and their gradients in float32; ``DEVICE=cpu``: the Triton
+interpreter on the CPU (~2 min at T = 400), with ``TF32=1`` its float32 products' operands rounded
+to tf32 as the GPU's are (the interpreter multiplies in full float32)."""
 import os, sys, torch
+dev = os.environ.get('DEVICE', 'cuda')
+if dev == 'cpu':
+    os.environ['TRITON_INTERPRET'] = '1'
+    if os.environ.get('TF32') == '1':
+        import numpy as np
+        from triton._C.libtriton import ir
+        from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
+        plain_dot = InterpreterBuilder.create_dot
+
+        def tf32_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+            def rounded(x):
+                if x.data.dtype != np.float32 or input_precision == ir.INPUT_PRECISION.IEEE:
+                    return x
+                bits = x.data.view(np.uint32)
+                return TensorHandle(((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32), x.dtype)
+            return plain_dot(self, rounded(a), rounded(b), d, input_precision, max_num_imprecise_acc)
+        InterpreterBuilder.create_dot = tf32_dot
 from fastla.backends.triton import chunk_delta_backward, chunk_training as ct, launch
 from fastla.core.dispatch import use_tier
 from tests.helpers import OPS, make_inputs, as_leaves, call_chunk, call_reference, forward_backward, rel_rms
@@ -17,17 +36,17 @@ chunk_delta_backward.FP32_STATES = os.environ.get("FP32_STATES") == "1"
 if not twin:
     launch.length_specialized = lambda fn: fn
 s = OPS[op]
-t = make_inputs(s, B=B, T=T, H=2, HV=4 if s.gva else None, K=128, V=128, dtype=dt, device='cuda', seed=1)
+t = make_inputs(s, B=B, T=T, H=2, HV=4 if s.gva else None, K=128, V=128, dtype=dt, device=dev, seed=1)
 o = dict(output_final_state=True)
 ex = {}
 if inop:
     t['g'] = torch.randn_like(t['g'], dtype=torch.float32); t['beta'] = torch.randn_like(t['beta'])
-    ex = dict(A_log=torch.randn(4, device='cuda') * 0.5, dt_bias=torch.randn(4 if op == 'gdn' else 512, device='cuda'))
+    ex = dict(A_log=torch.randn(4, device=dev) * 0.5, dt_bias=torch.randn(4 if op == 'gdn' else 512, device=dev))
     o.update(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
     if op == 'kda':
         o.update(safe_gate=True, lower_bound=-5.0)
 torch.manual_seed(0)
-do = torch.randn(t['v'].shape, device='cuda'); dh = torch.randn(B, t['v'].shape[2], 128, 128, device='cuda')
+do = torch.randn(t['v'].shape, device=dev); dh = torch.randn(B, t['v'].shape[2], 128, 128, device=dev)
 def f(x, **k):
     with use_tier('triton', strict=True):
         return call_chunk(s, x, **k)

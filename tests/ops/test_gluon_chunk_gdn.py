@@ -269,8 +269,9 @@ def test_offsets_on_the_host_only():
         assert torch.equal(a, b), f"{name} differs with the offsets on the host only"
 
 
-def test_intermediate_states_match_triton(block_v):
-    t = bf16_inputs(B=2, T=200, H=1, HV=2, K=128, V=128)
+@pytest.mark.parametrize("T", [200, 400])      # (400: a multiple of 16, the length-specialized twins)
+def test_intermediate_states_match_triton(T, block_v):
+    t = bf16_inputs(B=2, T=T, H=1, HV=2, K=128, V=128)
     opts = dict(output_final_state=True, return_intermediate_states=True)
     o, ht, h = on("gluon", call_chunk, SPEC, t, **opts)
     to, tht, th = on("triton", call_chunk, SPEC, t, **opts)

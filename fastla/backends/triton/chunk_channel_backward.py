@@ -104,16 +104,18 @@ def _channel_value_grads_kernel(
     m_t = r < eos - t0
     m_k = o_k < K
     lower = r[:, None] >= r[None, :]
-    strict = r[:, None] > r[None, :]
-    off_p = r[:, None] * (HV * BT) + r[None, :]                             # [BT, BT] in P and the scratch
+    off_p = r[:, None] * (HV * BT) + r[None, :]                             # [BT, BT] in P
+    off_pT = r[None, :] * (HV * BT) + r[:, None]                            # the scratch, transposed tiles
     if DELTA:
         b_kg = tl.load(kg + base * K + r[:, None] * (HV * K) + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
                        other=0.0).to(DOT)                                                         # [BT, BK]
         b_beta = tl.load(beta + base + r * HV, mask=m_t, other=0.0)
         b_P = tl.load(p_in + base * BT + off_p, mask=m_t[:, None] & lower, other=0.0).to(DOT)     # [BT, BT]
     chunk_state = (i_c * HV + i_hv) * K * V
-    b_dAqk = tl.zeros([BT, BT], dtype=tl.float32)       # dO V_new^T
-    b_RV = tl.zeros([BT, BT], dtype=tl.float32)         # R V_new^T
+    # held transposed (row j, column i): tl.trans of a product's result (V_new) fed to another
+    # product miscompiles on Hopper (GLUON.md)
+    b_dAqkT = tl.zeros([BT, BT], dtype=tl.float32)      # (dO V_new^T)^T
+    b_RVT = tl.zeros([BT, BT], dtype=tl.float32)        # (R V_new^T)^T
     b_db = tl.zeros([BT], dtype=tl.float32)             # rowsum(R * X)
     for v0 in range(0, V, BV):
         o_v = v0 + tl.arange(0, BV)
@@ -135,15 +137,16 @@ def _channel_value_grads_kernel(
             b_dx = b_r
         tl.store(dv + base * V + off_v, b_dx.to(dv.dtype.element_ty), mask=m_tv)
         b_vnd = b_vn.to(DOT)
-        b_dAqk += tl.dot(b_do, tl.trans(b_vnd))
+        b_dAqkT += tl.dot(b_vnd, tl.trans(b_do))
         if DELTA:
-            b_RV += tl.dot(b_r.to(DOT), tl.trans(b_vnd))
+            b_RVT += tl.dot(b_vnd, tl.trans(b_r.to(DOT)))
             b_db += tl.sum(b_r * b_x, 1)
-    tl.store(dqk_out + base * BT + off_p, tl.where(lower, b_dAqk, 0.0).to(dqk_out.dtype.element_ty),
-             mask=m_t[:, None])
+    upper = r[:, None] <= r[None, :]                                        # j <= i
+    tl.store(dqk_out + base * BT + off_pT, tl.where(upper, b_dAqkT, 0.0).to(dqk_out.dtype.element_ty),
+             mask=m_t[None, :])
     if DELTA:
-        tl.store(dkk_out + base * BT + off_p, tl.where(strict, -b_RV, 0.0).to(dkk_out.dtype.element_ty),
-                 mask=m_t[:, None])
+        tl.store(dkk_out + base * BT + off_pT, tl.where(r[:, None] < r[None, :], -b_RVT, 0.0).to(
+            dkk_out.dtype.element_ty), mask=m_t[None, :])
         tl.store(dbeta + base + r * HV, b_db, mask=m_t)
 
 

@@ -177,8 +177,8 @@ def _value_grads_kernel(
     m_k = o_k < K
     last = tl.minimum(eos - t0, BT) - 1
     lower = r[:, None] >= r[None, :]
-    strict = r[:, None] > r[None, :]
-    off_p = r[:, None] * (HV * BT) + r[None, :]                             # [BT, BT] in P and the scratch
+    off_p = r[:, None] * (HV * BT) + r[None, :]                             # [BT, BT] in P
+    off_pT = r[None, :] * (HV * BT) + r[:, None]                            # the scratch, transposed tiles
     b_Gl = tl.load(gcum + base + last * HV)
     # rows past the sequence's end take G_last: Gamma's exponents stay <= 0 there (not inf * 0)
     b_G = tl.load(gcum + base + r * HV, mask=m_t, other=0.0)                                      # [BT]
@@ -195,8 +195,10 @@ def _value_grads_kernel(
         b_P = tl.load(p_in + base * BT + off_p, mask=m_t[:, None] & lower, other=0.0).to(DOT)     # [BT, BT]
     chunk_state = (i_c * HV + i_hv) * K * V
 
-    b_dAqk = tl.zeros([BT, BT], dtype=tl.float32)       # dO V_new^T
-    b_RV = tl.zeros([BT, BT], dtype=tl.float32)         # R V_new^T (dA = -strict of it)
+    # the [BT, BT] score tiles are held transposed (row j, column i): V_new comes out of a product,
+    # and tl.trans of a product's result fed to another product miscompiles on Hopper (GLUON.md)
+    b_dAqkT = tl.zeros([BT, BT], dtype=tl.float32)      # (dO V_new^T)^T = V_new dO^T
+    b_RVT = tl.zeros([BT, BT], dtype=tl.float32)        # (R V_new^T)^T (dA = -strict of it)
     b_db = tl.zeros([BT], dtype=tl.float32)             # rowsum(R * X)
     b_tqs = tl.zeros([BT], dtype=tl.float32)            # e^G rowsum(dO * q S)
     b_tkg = tl.zeros([BT], dtype=tl.float32)            # e^G rowsum(diag(beta) R * k S)
@@ -227,27 +229,29 @@ def _value_grads_kernel(
         b_vnd = b_vn.to(DOT)
         b_tkd += b_eD * tl.sum(b_vn * tl.dot(b_k, b_dS.to(DOT)), 1)
         b_tqs += b_eG * tl.sum(b_do.to(tl.float32) * tl.dot(b_q, b_S.to(DOT)), 1)
-        b_dAqk += tl.dot(b_do, tl.trans(b_vnd))
+        b_dAqkT += tl.dot(b_vnd, tl.trans(b_do))
         if DELTA:
             b_tkg += b_eG * tl.sum(b_dx * b_ks, 1)
-            b_RV += tl.dot(b_r.to(DOT), tl.trans(b_vnd))
+            b_RVT += tl.dot(b_vnd, tl.trans(b_r.to(DOT)))
             b_db += tl.sum(b_r * b_x, 1)
         b_sdS += tl.sum(b_S * b_dS, 1)
 
-    # the scores' gradients, each [BT, BT] tile dead as soon as it is used (registers)
-    b_gam = tl.where(lower, tl.exp(tl.where(lower, b_G[:, None] - b_G[None, :], 0.0)), 0.0)     # Gamma
-    b_dqk = tl.where(lower, scale * b_gam * b_dAqk, 0.0)                    # d(q k^T) through A_qk
-    tl.store(dqk_out + base * BT + off_p, b_dqk.to(dqk_out.dtype.element_ty), mask=m_t[:, None])
-    b_e = b_dqk * tl.dot(b_q, tl.trans(b_k))                                # dA_qk * A_qk
-    b_dG = tl.sum(b_e, 1) - tl.sum(b_e, 0)
+    # the scores' gradients, transposed (row j, column i: sums over i are over axis 1, over j axis
+    # 0), each [BT, BT] tile dead as soon as it is used (registers)
+    upper = r[:, None] <= r[None, :]                                        # j <= i
+    b_gamT = tl.where(upper, tl.exp(tl.where(upper, b_G[None, :] - b_G[:, None], 0.0)), 0.0)    # Gamma^T
+    b_dqkT = tl.where(upper, scale * b_gamT * b_dAqkT, 0.0)                 # d(q k^T)^T through A_qk
+    tl.store(dqk_out + base * BT + off_pT, b_dqkT.to(dqk_out.dtype.element_ty), mask=m_t[None, :])
+    b_eT = b_dqkT * tl.dot(b_k, tl.trans(b_q))                              # (dA_qk * A_qk)^T
+    b_dG = tl.sum(b_eT, 0) - tl.sum(b_eT, 1)
     if DELTA:
-        b_t = tl.where(strict, b_gam * b_RV, 0.0)
-        b_kk = tl.dot(b_k, tl.trans(b_k))
-        b_db -= tl.sum(b_t * b_kk, 1)
-        b_dkk = -b_beta[:, None] * b_t                                      # d(k k^T) through A
-        tl.store(dkk_out + base * BT + off_p, b_dkk.to(dkk_out.dtype.element_ty), mask=m_t[:, None])
-        b_e = b_dkk * b_kk                                                  # dA * A
-        b_dG += tl.sum(b_e, 1) - tl.sum(b_e, 0)
+        b_tT = tl.where(r[:, None] < r[None, :], b_gamT * b_RVT, 0.0)
+        b_kk = tl.dot(b_k, tl.trans(b_k))                                   # (symmetric)
+        b_db -= tl.sum(b_tT * b_kk, 0)
+        b_dkkT = -b_beta[None, :] * b_tT                                    # d(k k^T)^T through A
+        tl.store(dkk_out + base * BT + off_pT, b_dkkT.to(dkk_out.dtype.element_ty), mask=m_t[None, :])
+        b_eT = b_dkkT * b_kk                                                # (dA * A)^T
+        b_dG += tl.sum(b_eT, 0) - tl.sum(b_eT, 1)
         tl.store(dbeta + base + r * HV, b_db, mask=m_t)
     # dG_i: the scores' e^(G_i - G_j) (rows minus columns), diag(e^G) q S, diag(e^G) k S, and
     # diag(e^(G_last - G)) k; the last token's G (G_last) takes e^G_last S and the same k term

@@ -1,0 +1,106 @@
+"""Which backward kernel goes wrong on a GPU: the same call with gradients on the GPU and in the
+Triton interpreter (CPU), every tensor argument of every backward kernel launch saved after the
+launch, then compared launch by launch.
+
+    python benchmarks/backward_stages.py run cuda OP B T DTYPE OUT.pt     # the GPU run
+    python benchmarks/backward_stages.py run cpu OP B T DTYPE OUT.pt      # the interpreter (minutes)
+    python benchmarks/backward_stages.py compare GPU.pt CPU.pt            # argument by argument
+
+OP gdn / kda (gate, l2norm and beta sigmoid in the op, KDA's bounded gate), K = V = 128, H = 2,
+HV = 4; inputs made on the CPU from fixed seeds, so both runs see the same numbers. The forward
+differs (Gluon on Hopper, Triton in the interpreter), so inputs of the backward kernels agree to
+bf16 rounding; a kernel whose outputs drift further than its inputs is the suspect. Lines whose
+relative RMS (over entries finite on both sides) passes 1e-2 are marked."""
+import os
+import sys
+
+if len(sys.argv) > 2 and sys.argv[1] == "run" and sys.argv[2] == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+
+
+def run(device, op, B, T, dtype, out):
+    from fastla.backends.triton import chunk_channel_backward, chunk_delta_backward, chunk_training
+    from fastla.core.dispatch import use_tier
+    from tests.helpers import OPS, as_leaves, call_chunk, forward_backward, make_inputs
+
+    chunk_training.ENABLED = True
+    saved, counts = {}, {}
+
+    def recording(real):
+        def launcher(fn, T=None, NT=None):
+            inner = real(fn, T, NT)
+            name = getattr(getattr(fn, "fn", fn), "__name__", str(fn))
+            names = list(getattr(fn, "arg_names", []))
+
+            class Recorded:
+                def __getitem__(self, grid):
+                    def go(*args, **kwargs):
+                        result = inner[grid](*args, **kwargs)
+                        if device == "cuda":
+                            torch.cuda.synchronize()
+                        i = counts[name] = counts.get(name, -1) + 1
+                        saved[f"{name}#{i}"] = {
+                            (names[j] if j < len(names) else str(j)): a.detach().float().cpu().clone()
+                            for j, a in enumerate(args) if isinstance(a, torch.Tensor)}
+                        return result
+                    return go
+            return Recorded()
+        return launcher
+
+    for module in (chunk_delta_backward, chunk_channel_backward):
+        module.launcher = recording(module.launcher)
+    spec = OPS[op]
+    t = make_inputs(spec, B=B, T=T, H=2, HV=4, K=128, V=128, dtype=dtype, seed=1)
+    gen = torch.Generator().manual_seed(2)
+    t["g"] = torch.randn(t["g"].shape, generator=gen)
+    t["beta"] = torch.randn(t["beta"].shape, generator=gen).to(dtype)
+    t["A_log"] = torch.randn(4, generator=gen) * 0.5
+    t["dt_bias"] = torch.randn(4 if op == "gdn" else 4 * 128, generator=gen)
+    do = torch.randn(B, T, 4, 128, generator=gen)
+    dh = torch.randn(B, 4, 128, 128, generator=gen)
+    t, do, dh = {n: x.to(device) for n, x in t.items()}, do.to(device), dh.to(device)
+    opts = dict(output_final_state=True, use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True,
+                use_beta_sigmoid_in_kernel=True)
+    if op == "kda":
+        opts.update(safe_gate=True, lower_bound=-5.0)
+
+    def fast(x, **kw):
+        with use_tier("triton", strict=True):
+            return call_chunk(spec, x, **kw)
+
+    o, ht, grads = forward_backward(fast, as_leaves(t), do, dh, **opts)
+    saved["grads"] = {n: g.detach().float().cpu() for n, g in grads.items()}
+    saved["grads"]["o"] = o.detach().float().cpu()
+    torch.save(saved, out)
+    print(f"{device}: {len(saved) - 1} launches recorded -> {out}")
+
+
+def compare(a_path, b_path):
+    """One line per launch: each tensor argument's relative RMS between the runs (those past 1e-2
+    marked with *), then the gradients'."""
+    a, b = torch.load(a_path), torch.load(b_path)
+    for key in a:
+        if key not in b:
+            print(f"{key}: only in {a_path}")
+            continue
+        parts = []
+        for name, x in a[key].items():
+            y = b[key].get(name)
+            if y is None or x.shape != y.shape or x.numel() <= 1:
+                continue
+            finite = torch.isfinite(x) & torch.isfinite(y)
+            d = (x - y)[finite].double().norm().item()
+            n = y[finite].double().norm().item()
+            rel = d / n if n > 0 else d
+            bad = (~finite).sum().item()
+            parts.append(f"{name} {rel:.0e}{'*' if rel > 1e-2 else ''}" + (f" ({bad} non-finite)" if bad else ""))
+        print(f"{key}: " + ", ".join(parts))
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "run":
+        run(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), getattr(torch, sys.argv[6]), sys.argv[7])
+    else:
+        compare(sys.argv[2], sys.argv[3])
