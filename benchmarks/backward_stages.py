@@ -7,15 +7,19 @@ launch, then compared launch by launch.
     python benchmarks/backward_stages.py compare GPU.pt CPU.pt            # argument by argument
 
 OP gdn / kda (gate, l2norm and beta sigmoid in the op, KDA's bounded gate), K = V = 128, H = 2,
-HV = 4; inputs made on the CPU from fixed seeds, so both runs see the same numbers. The forward
-differs (Gluon on Hopper, Triton in the interpreter), so inputs of the backward kernels agree to
+HV = 4; inputs made on the CPU from fixed seeds, so both runs see the same numbers. The interpreter's
+backward rounds as the GPU's (bf16 operands, tf32 for float32 ones: interpreter_emulation.py); the
+forward differs (Gluon on Hopper, Triton in the interpreter), so the backward's inputs agree to
 bf16 rounding; a kernel whose outputs drift further than its inputs is the suspect. Lines whose
-relative RMS (over entries finite on both sides) passes 1e-2 are marked."""
+relative RMS (over entries finite on both sides) passes 3e-2 are marked."""
 import os
 import sys
 
 if len(sys.argv) > 2 and sys.argv[1] == "run" and sys.argv[2] == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import interpreter_emulation
+    interpreter_emulation.products(tf32=True)
 
 import torch  # noqa: E402
 
@@ -26,6 +30,9 @@ def run(device, op, B, T, dtype, out):
     from tests.helpers import OPS, as_leaves, call_chunk, forward_backward, make_inputs
 
     chunk_training.ENABLED = True
+    if device == "cpu":
+        import interpreter_emulation
+        interpreter_emulation.bf16_backward()
     saved, counts = {}, {}
 
     def recording(real):
@@ -78,7 +85,7 @@ def run(device, op, B, T, dtype, out):
 
 
 def compare(a_path, b_path):
-    """One line per launch: each tensor argument's relative RMS between the runs (those past 1e-2
+    """One line per launch: each tensor argument's relative RMS between the runs (those past 3e-2
     marked with *), then the gradients'."""
     a, b = torch.load(a_path), torch.load(b_path)
     for key in a:
@@ -95,7 +102,7 @@ def compare(a_path, b_path):
             n = y[finite].double().norm().item()
             rel = d / n if n > 0 else d
             bad = (~finite).sum().item()
-            parts.append(f"{name} {rel:.0e}{'*' if rel > 1e-2 else ''}" + (f" ({bad} non-finite)" if bad else ""))
+            parts.append(f"{name} {rel:.0e}{'*' if rel > 3e-2 else ''}" + (f" ({bad} non-finite)" if bad else ""))
         print(f"{key}: " + ", ".join(parts))
 
 

@@ -6,29 +6,21 @@ twin kernels, SAVE 0: the backward recomputes the chunk states, IN_OP 0: no gate
 sigmoid in the op). K = V = 128, H = 2, HV = 4 (where the op has GVA). ``FP32_STATES=1`` in the
 environment: the stored chunk states and their gradients in float32; ``DEVICE=cpu``: the Triton
 interpreter on the CPU (~2 min at T = 400), with ``TF32=1`` its float32 products' operands rounded
-to tf32 as the GPU's are (the interpreter multiplies in full float32)."""
+to tf32 as the GPU's are, with ``BF16=1`` the backward's products on bf16 operands and its states in
+bf16 as on a GPU (the interpreter's own float32 choice lifted, its bf16 product mended)."""
 import os, sys, torch
 dev = os.environ.get('DEVICE', 'cuda')
 if dev == 'cpu':
     os.environ['TRITON_INTERPRET'] = '1'
-    if os.environ.get('TF32') == '1':
-        import numpy as np
-        from triton._C.libtriton import ir
-        from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
-        plain_dot = InterpreterBuilder.create_dot
-
-        def tf32_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-            def rounded(x):
-                if x.data.dtype != np.float32 or input_precision == ir.INPUT_PRECISION.IEEE:
-                    return x
-                bits = x.data.view(np.uint32)
-                return TensorHandle(((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32), x.dtype)
-            return plain_dot(self, rounded(a), rounded(b), d, input_precision, max_num_imprecise_acc)
-        InterpreterBuilder.create_dot = tf32_dot
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import interpreter_emulation
+    interpreter_emulation.products(tf32=os.environ.get('TF32') == '1')
 from fastla.backends.triton import chunk_delta_backward, chunk_training as ct, launch
 from fastla.core.dispatch import use_tier
 from tests.helpers import OPS, make_inputs, as_leaves, call_chunk, call_reference, forward_backward, rel_rms
 ct.ENABLED = True
+if dev == 'cpu' and os.environ.get('BF16') == '1':
+    interpreter_emulation.bf16_backward()
 op, B, T, dt, twin, save = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), getattr(torch, sys.argv[4]), sys.argv[5] == '1', sys.argv[6] == '1'
 inop = len(sys.argv) < 8 or sys.argv[7] == '1'
 ct.SAVE_STATES = save
