@@ -9,7 +9,9 @@
 #   bash benchmarks/gpu_checks.sh plain-split  # the plain rule's kernel split vs FLA (docs/notes/plain-prefill.md)
 #   bash benchmarks/gpu_checks.sh cold         # cold starts of the Gluon paths (first call, empty cache)
 #   bash benchmarks/gpu_checks.sh setup        # only the installs (before runs side by side)
-#   bash benchmarks/gpu_checks.sh backward     # the Triton GDN backward (off by default): its GPU tests (~2 min)
+#   bash benchmarks/gpu_checks.sh backward     # the Triton GDN backward (off by default): its GPU tests (~3 min)
+#   bash benchmarks/gpu_checks.sh backward-stages # those tests, and every backward launch's tensors
+#                                              # against the interpreter's (benchmarks/backward_stages.py)
 #   bash benchmarks/gpu_checks.sh backward-bench # its fwdbwd against FLA on registry shapes (FILTER: which;
 #                                              # two GDN ones by default; FLA's backward compiles for
 #                                              # minutes without a cache: KDA's tunes ~280 s)
@@ -99,6 +101,19 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
 " 2>&1 | tail -1
     done ;;
   backward) bg 240 tests/ops/test_triton_chunk_backward.py -m "" -k "not cpu"; show ;;
+  backward-stages)
+    # each backward launch's tensors on the GPU against the interpreter's (its products rounded as
+    # the GPU's), GDN and KDA at B = 2, T = 400 bf16; the interpreter runs beside the GPU tests
+    for op in gdn kda; do
+      python3 benchmarks/backward_stages.py run cpu $op 2 400 bfloat16 /tmp/${op}_cpu.pt > /tmp/${op}_cpu.log 2>&1 &
+    done
+    for op in gdn kda; do timeout 120 python3 benchmarks/backward_stages.py run cuda $op 2 400 bfloat16 /tmp/${op}_gpu.pt 2>&1 | tail -1; done
+    bg 240 tests/ops/test_triton_chunk_backward.py -m "" -k "not cpu"; show
+    wait
+    for op in gdn kda; do
+      tail -1 /tmp/${op}_cpu.log
+      python3 benchmarks/backward_stages.py compare /tmp/${op}_gpu.pt /tmp/${op}_cpu.pt
+    done ;;
   backward-bench)
     FASTLA_TRITON_BACKWARD=1 timeout 560 python3 -m fastla bench --filter "${FILTER:-gdn/h16-hv32/1x8192,gdn/h2-hv8/1x8192}" \
       --modes fwdbwd --quick --no-cold --out "$out" 2>&1 | tail -8
