@@ -7,7 +7,8 @@ sigmoid in the op). K = V = 128, H = 2, HV = 4 (where the op has GVA). ``FP32_ST
 environment: the stored chunk states and their gradients in float32; ``DEVICE=cpu``: the Triton
 interpreter on the CPU (~2 min at T = 400), with ``TF32=1`` its float32 products' operands rounded
 to tf32 as the GPU's are, with ``BF16=1`` the backward's products on bf16 operands and its states in
-bf16 as on a GPU (the interpreter's own float32 choice lifted, its bf16 product mended)."""
+bf16 as on a GPU (the interpreter's own float32 choice lifted, its bf16 product mended).
+``KNOBS=chunk_delta_backward.SCAN_WARPS=4,...``: launch constants of the backward modules."""
 import os, sys, torch
 dev = os.environ.get('DEVICE', 'cuda')
 if dev == 'cpu':
@@ -24,6 +25,10 @@ if dev == 'cpu' and os.environ.get('BF16') == '1':
 op, B, T, dt, twin, save = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), getattr(torch, sys.argv[4]), sys.argv[5] == '1', sys.argv[6] == '1'
 inop = len(sys.argv) < 8 or sys.argv[7] == '1'
 ct.SAVE_STATES = save
+for knob in filter(None, os.environ.get('KNOBS', '').split(',')):     # e.g. chunk_delta_backward.SCAN_WARPS=4
+    path, value = knob.split('=')
+    module, name = path.rsplit('.', 1)
+    setattr(__import__('fastla.backends.triton.' + module, fromlist=[name]), name, int(value))
 chunk_delta_backward.FP32_STATES = os.environ.get("FP32_STATES") == "1"
 if not twin:
     launch.length_specialized = lambda fn: fn
@@ -48,5 +53,5 @@ def tt(x, **k):
 a = forward_backward(f, as_leaves({**t, **ex}), do, dh, **o)
 r = forward_backward(lambda x, **k: call_reference(s, x, **k), as_leaves({**t, **ex}, torch.float64), do, dh, **o)
 c = forward_backward(tt, as_leaves({**t, **ex}), do, dh, **o)
-print(' '.join(sys.argv[1:]), '| vs fp64: o %.1e' % rel_rms(a[0], r[0]), ' '.join('%s %.1e' % (n, rel_rms(g, r[2][n])) for n, g in a[2].items()),
+print(' '.join(sys.argv[1:]), os.environ.get('KNOBS', ''), '| vs fp64: o %.1e' % rel_rms(a[0], r[0]), ' '.join('%s %.1e' % (n, rel_rms(g, r[2][n])) for n, g in a[2].items()),
       '| torch tier vs fp64:', ' '.join('%s %.1e' % (n, rel_rms(g, r[2][n])) for n, g in c[2].items()), flush=True)

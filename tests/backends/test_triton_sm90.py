@@ -188,7 +188,6 @@ GDN_KERNELS = {
                        dict(BV=64, SK=128, SV=1, HAS_H0=True, STORE_FINAL=True, SEG=0, BETA=1, STORE_STATES=False,
                             L2NORM=False, GK=True, DELTA=False, H=32), 8, 2),
     # the backward (chunk_delta_backward.py): the reverse state-gradient scan and the per-chunk gradients
-    # the backward (chunk_delta_backward.py): the reverse state-gradient scan and the per-chunk gradients
     "bwd-reverse-scan": ("chunk_delta_backward._reverse_scan_kernel", BWD_POINTERS["reverse"],
                          dict(BV=32, HAS_DHT=True, STORE_DH0=True, GK=False), 8, 1),
     "bwd-value-grads": ("chunk_delta_backward._value_grads_kernel", BWD_POINTERS["value"], dict(BV=16), 8, 1),
