@@ -14,8 +14,9 @@ from tests.helpers import (
 )
 
 SPEC = OPS["gdn"]
-# fp32 operands in the interpreter; on a GPU tf32 (fp32 inputs) or bf16 products, as the forward's tests
-TOL = 2e-5 if interpreting() else 1e-2
+# fp32 operands in the interpreter; on a GPU tf32 products for fp32 inputs (unit roundoff 2^-11:
+# ~5e-4 a product; the gradients' bound is 10x, 2e-2; bf16 cases pass their own bounds)
+TOL = 2e-5 if interpreting() else 2e-3
 
 
 @pytest.fixture(autouse=True)
@@ -93,18 +94,18 @@ def test_strong_decay(device):
     check(make_inputs(SPEC, B=1, T=130, H=2, HV=2, K=32, V=32, device=device, strength=20.0))
 
 
-def test_served_where_it_can(monkeypatch):
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_served_where_it_can(device, monkeypatch):
     """Calls the Triton backward cannot serve say why and go to the torch tier; off, it says so."""
-    t = as_leaves(make_inputs(SPEC, B=1, T=64, H=1, K=32, V=32))
+    t = as_leaves(make_inputs(SPEC, B=1, T=64, H=1, K=32, V=32, device=device))
     p = build_problem("chunk_gated_delta_rule", **t, delta=True, gva=True, return_intermediate_states=True)
     assert "return_intermediate_states" in dict(dispatch.explain("chunk_gated_delta_rule", p))["triton"]
     p = build_problem("chunk_gated_delta_rule", **t, delta=True, gva=True)
-    if interpreting():
-        assert dict(dispatch.explain("chunk_gated_delta_rule", p))["triton"] is None
+    assert dict(dispatch.explain("chunk_gated_delta_rule", p))["triton"] is None
     monkeypatch.setattr(chunk_training, "ENABLED", False)
     assert "FASTLA_TRITON_BACKWARD" in dict(dispatch.explain("chunk_gated_delta_rule", p))["triton"]
     kda = OPS["kda"]
-    tk = as_leaves(make_inputs(kda, B=1, T=64, H=1, K=32, V=32))
+    tk = as_leaves(make_inputs(kda, B=1, T=64, H=1, K=32, V=32, device=device))
     pk = build_problem("chunk_kda", gk=tk.pop("g"), **tk, delta=True, gva=True, chunk_size=32)
     monkeypatch.setattr(chunk_training, "ENABLED", True)
     assert "chunk_size" in dict(dispatch.explain("chunk_kda", pk))["triton"]
