@@ -38,7 +38,8 @@ Precision as the forward: products with bf16 operands for bf16 inputs (fp32 in t
 fp32 accumulation, the state gradient fp32 in the scan. The stored chunk states S and dS' are in the
 products' operand dtype (bf16 for bf16 inputs, as FLA stores its chunk states; ``FP32_STATES``:
 float32, twice their bytes): they are the largest traffic, each written once and read by both
-gradient kernels. Not run on a GPU yet: ``chunk_training.ENABLED``.
+gradient kernels. Off by default (``chunk_training.ENABLED``): on the H200 a dense bf16 case's
+gradients are off (docs/notes/chunk-backward.md).
 """
 from __future__ import annotations
 
