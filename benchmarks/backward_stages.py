@@ -8,7 +8,7 @@ launch, then compared launch by launch.
 
 OP gdn / kda (gate, l2norm and beta sigmoid in the op, KDA's bounded gate), K = V = 128, H = 2,
 HV = 4; inputs made on the CPU from fixed seeds, so both runs see the same numbers. The interpreter's
-backward rounds as the GPU's (bf16 operands, tf32 for float32 ones: interpreter_emulation.py); the
+backward rounds as the GPU's (bf16 operands, tf32 for float32 ones: tests/interpreter_emulation.py); the
 forward differs (Gluon on Hopper, Triton in the interpreter), so the backward's inputs agree to
 bf16 rounding; a kernel whose outputs drift further than its inputs is the suspect. Lines whose
 relative RMS (over entries finite on both sides) passes 3e-2 are marked."""
@@ -17,8 +17,8 @@ import sys
 
 if len(sys.argv) > 2 and sys.argv[1] == "run" and sys.argv[2] == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import interpreter_emulation
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from tests import interpreter_emulation
     interpreter_emulation.products(tf32=True)
 
 import torch  # noqa: E402
@@ -31,7 +31,7 @@ def run(device, op, B, T, dtype, out):
 
     chunk_training.ENABLED = True
     if device == "cpu":
-        import interpreter_emulation
+        from tests import interpreter_emulation
         interpreter_emulation.bf16_backward()
     saved, counts = {}, {}
 

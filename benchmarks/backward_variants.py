@@ -13,8 +13,8 @@ import os, sys, torch
 dev = os.environ.get('DEVICE', 'cuda')
 if dev == 'cpu':
     os.environ['TRITON_INTERPRET'] = '1'
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import interpreter_emulation
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from tests import interpreter_emulation
     interpreter_emulation.products(tf32=os.environ.get('TF32') == '1')
 from fastla.backends.triton import chunk_delta_backward, chunk_training as ct, launch
 from fastla.core.dispatch import use_tier

@@ -111,34 +111,60 @@ def test_served_where_it_can(device, monkeypatch):
     assert "chunk_size" in dict(dispatch.explain("chunk_kda", pk))["triton"]
 
 
+def check_bf16(op, device, lengths=None, B=2, T=400, K=128):
+    """bf16 inputs with the gate (KDA: bounded, safe_gate), l2norm and beta sigmoid in the op and
+    GVA (``lengths``: varlen): every gradient against the fp64 reference within FLA-level error (its
+    bf16 forward is ~4e-3 off)."""
+    spec = OPS[op]
+    if lengths:
+        B, T = 1, sum(lengths)
+    t = make_inputs(spec, B=B, T=T, H=2, HV=4, K=K, V=K, dtype=torch.bfloat16, device=device,
+                    N=len(lengths) if lengths else None)
+    t["g"] = torch.randn_like(t["g"], dtype=torch.float32)
+    t["beta"] = torch.randn_like(t["beta"])
+    extra = dict(A_log=torch.randn(4, device=device) * 0.5,
+                 dt_bias=torch.randn(4 if op == "gdn" else 4 * K, device=device))
+    opts = dict(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+    if op == "kda":
+        opts.update(safe_gate=True, lower_bound=-5.0)
+    if lengths:
+        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
+        opts.update(cu_seqlens=cu.to(device), cu_seqlens_cpu=cu)
+    check(t, extra, tol=1e-2, grad_tol=2e-2, spec=spec, **opts)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("varlen", [False, True])
 @pytest.mark.parametrize("op", ["gdn", "kda"])
 def test_bf16_wide_heads_on_gpu(op, varlen):
-    """bf16 inputs at K = V = 128 (the shipped products: bf16 operands, fp32 accumulation), with the
-    gate (KDA: bounded, safe_gate), l2norm and beta sigmoid in the op and GVA: every gradient
-    against the fp64 reference within FLA-level error (its bf16 forward is ~4e-3 off)."""
+    """The shipped products at K = V = 128: bf16 operands, fp32 accumulation, bf16 chunk states."""
     from tests.helpers import poison
 
     poison()
-    spec = OPS[op]
-    lengths = [300, 1, 64, 65, 500] if varlen else None
-    T = sum(lengths) if varlen else 400
-    B = 1 if varlen else 2
-    t = make_inputs(spec, B=B, T=T, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16, device="cuda",
-                    N=len(lengths) if varlen else None)
-    t["g"] = torch.randn_like(t["g"], dtype=torch.float32)
-    t["beta"] = torch.randn_like(t["beta"])
-    extra = dict(A_log=torch.randn(4, device="cuda") * 0.5,
-                 dt_bias=torch.randn(4 if op == "gdn" else 4 * 128, device="cuda"))
-    opts = dict(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
-    if op == "kda":
-        opts.update(safe_gate=True, lower_bound=-5.0)
-    if varlen:
-        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
-        opts.update(cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu)
-    check(t, extra, tol=1e-2, grad_tol=2e-2, spec=spec, **opts)
+    check_bf16(op, "cuda", [300, 1, 64, 65, 500] if varlen else None)
+
+
+@pytest.mark.skipif(not interpreting(), reason="the interpreter's products, rounded as a GPU's")
+@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("op", ["gdn", "kda"])
+def test_bf16_path_in_interpreter(op, varlen, monkeypatch):
+    """The GPU's bf16 path in the interpreter (which otherwise runs the backward on float32
+    operands and states): bf16 operands and chunk states (kept by the forward), float32 operands
+    rounded to tf32 (tests/interpreter_emulation.py)."""
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    from fastla.backends.triton import chunk_delta_backward
+    from tests import interpreter_emulation
+
+    monkeypatch.setattr(InterpreterBuilder, "create_dot", interpreter_emulation.emulated_dot(tf32=True))
+    monkeypatch.setattr(chunk_delta_backward, "interpreting", lambda: False)
+    seen = []
+    reverse_scan = chunk_delta_backward.reverse_scan
+    monkeypatch.setattr(chunk_delta_backward, "reverse_scan", lambda c, *a, **kw: seen.append(c) or reverse_scan(c, *a, **kw))
+    monkeypatch.setattr(chunk_delta_backward, "chunk_states", lambda *a, **kw: pytest.fail("states recomputed"))
+    check_bf16(op, "cpu", [50, 1, 64, 20] if varlen else None, T=80, K=32)
+    assert seen and all(c.op_dtype == c.state_dtype == torch.bfloat16 for c in seen)
 
 
 @pytest.mark.parametrize("op", ["simple_gla", "lightning"])

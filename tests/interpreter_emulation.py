@@ -1,6 +1,6 @@
-"""The Triton interpreter's products made to round as a GPU's do, for comparing a kernel's numbers
-on the CPU with a GPU run (benchmarks/backward_variants.py, backward_stages.py). Import before any
-kernel launches, with TRITON_INTERPRET=1 set.
+"""The Triton interpreter's products made to round as a GPU's do: the bf16 paths of the kernels
+checked on the CPU (tests/ops/test_triton_chunk_backward.py), and a kernel's numbers compared with
+a GPU run (benchmarks/backward_variants.py, backward_stages.py). With TRITON_INTERPRET=1 set.
 
 - ``products(tf32)``: bf16 operands are widened from their bits (the interpreter's own bf16
   product multiplies the raw 16-bit patterns as numbers); with ``tf32``, float32 operands of
@@ -14,9 +14,12 @@ from triton._C.libtriton import ir
 from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
 
 
-def products(tf32: bool) -> None:
-    plain = InterpreterBuilder.__dict__.get("_plain_dot", InterpreterBuilder.create_dot)
-    InterpreterBuilder._plain_dot = plain
+_PLAIN_DOT = InterpreterBuilder.create_dot
+
+
+def emulated_dot(tf32: bool):
+    """The interpreter's ``create_dot`` with the operands rounded as above (``products`` installs
+    it; a test monkeypatches it in)."""
 
     def operand(x, precision):
         if x.dtype.scalar == tl.bfloat16:
@@ -27,9 +30,13 @@ def products(tf32: bool) -> None:
         return x
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        return plain(self, operand(a, input_precision), operand(b, input_precision), d, input_precision,
+        return _PLAIN_DOT(self, operand(a, input_precision), operand(b, input_precision), d, input_precision,
                      max_num_imprecise_acc)
-    InterpreterBuilder.create_dot = create_dot
+    return create_dot
+
+
+def products(tf32: bool) -> None:
+    InterpreterBuilder.create_dot = emulated_dot(tf32)
 
 
 def bf16_backward() -> None:
