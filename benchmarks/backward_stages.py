@@ -6,8 +6,8 @@ launch, then compared launch by launch.
     python benchmarks/backward_stages.py run cpu OP B T DTYPE OUT.pt      # the interpreter (minutes)
     python benchmarks/backward_stages.py compare GPU.pt CPU.pt            # argument by argument
 
-OP gdn / kda (gate, l2norm and beta sigmoid in the op, KDA's bounded gate), K = V = 128, H = 2,
-HV = 4; inputs made on the CPU from fixed seeds, so both runs see the same numbers. The interpreter's
+OP gdn / kda (tests.helpers.gated_case: gate, l2norm and beta sigmoid in the op, KDA's bounded
+gate, K = V = 128, H = 2, HV = 4); inputs made on the CPU from fixed seeds, so both runs see the same numbers. The interpreter's
 backward rounds as the GPU's (bf16 operands, tf32 for float32 ones: tests/interpreter_emulation.py); the
 forward differs (Gluon on Hopper, Triton in the interpreter), so the backward's inputs agree to
 bf16 rounding; a kernel whose outputs drift further than its inputs is the suspect. Lines whose
@@ -27,7 +27,7 @@ import torch  # noqa: E402
 def run(device, op, B, T, dtype, out):
     from fastla.backends.triton import chunk_channel_backward, chunk_delta_backward, chunk_training
     from fastla.core.dispatch import use_tier
-    from tests.helpers import OPS, as_leaves, call_chunk, forward_backward, make_inputs
+    from tests.helpers import OPS, as_leaves, call_chunk, forward_backward, gated_case
 
     chunk_training.ENABLED = True
     if device == "cpu":
@@ -59,25 +59,16 @@ def run(device, op, B, T, dtype, out):
     for module in (chunk_delta_backward, chunk_channel_backward):
         module.launcher = recording(module.launcher)
     spec = OPS[op]
-    t = make_inputs(spec, B=B, T=T, H=2, HV=4, K=128, V=128, dtype=dtype, seed=1)
-    gen = torch.Generator().manual_seed(2)
-    t["g"] = torch.randn(t["g"].shape, generator=gen)
-    t["beta"] = torch.randn(t["beta"].shape, generator=gen).to(dtype)
-    t["A_log"] = torch.randn(4, generator=gen) * 0.5
-    t["dt_bias"] = torch.randn(4 if op == "gdn" else 4 * 128, generator=gen)
-    do = torch.randn(B, T, 4, 128, generator=gen)
-    dh = torch.randn(B, 4, 128, 128, generator=gen)
-    t, do, dh = {n: x.to(device) for n, x in t.items()}, do.to(device), dh.to(device)
-    opts = dict(output_final_state=True, use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True,
-                use_beta_sigmoid_in_kernel=True)
-    if op == "kda":
-        opts.update(safe_gate=True, lower_bound=-5.0)
+    t, extra, opts = gated_case(op, B=B, T=T, dtype=dtype, device=device, seed=1)
+    gen = torch.Generator().manual_seed(3)
+    do = torch.randn(B, T, 4, 128, generator=gen).to(device)
+    dh = torch.randn(B, 4, 128, 128, generator=gen).to(device)
 
     def fast(x, **kw):
         with use_tier("triton", strict=True):
             return call_chunk(spec, x, **kw)
 
-    o, ht, grads = forward_backward(fast, as_leaves(t), do, dh, **opts)
+    o, ht, grads = forward_backward(fast, as_leaves({**t, **extra}), do, dh, output_final_state=True, **opts)
     saved["grads"] = {n: g.detach().float().cpu() for n, g in grads.items()}
     saved["grads"]["o"] = o.detach().float().cpu()
     torch.save(saved, out)

@@ -3,7 +3,7 @@ fp64 reference and the torch tier's (fp32) against the same, under launch switch
 precision loss from a compile's: ``python benchmarks/backward_variants.py OP B T DTYPE TWIN SAVE [IN_OP]``
 (OP gdn / kda / gla / simple_gla / lightning, DTYPE bfloat16 / float32, TWIN 0: no length-specialized
 twin kernels, SAVE 0: the backward recomputes the chunk states, IN_OP 0: no gate / l2norm / beta
-sigmoid in the op). K = V = 128, H = 2, HV = 4 (where the op has GVA). ``FP32_STATES=1`` in the
+sigmoid in the op, which only GDN and KDA have: tests.helpers.gated_case). K = V = 128, H = 2, HV = 4 (where the op has GVA). ``FP32_STATES=1`` in the
 environment: the stored chunk states and their gradients in float32; ``DEVICE=cpu``: the Triton
 interpreter on the CPU (~2 min at T = 400), with ``TF32=1`` its float32 products' operands rounded
 to tf32 as the GPU's are, with ``BF16=1`` the backward's products on bf16 operands and its states in
@@ -18,7 +18,7 @@ if dev == 'cpu':
     interpreter_emulation.products(tf32=os.environ.get('TF32') == '1')
 from fastla.backends.triton import chunk_delta_backward, chunk_training as ct, launch
 from fastla.core.dispatch import use_tier
-from tests.helpers import OPS, make_inputs, as_leaves, call_chunk, call_reference, forward_backward, rel_rms
+from tests.helpers import OPS, gated_case, make_inputs, as_leaves, call_chunk, call_reference, forward_backward, rel_rms
 ct.ENABLED = True
 if dev == 'cpu' and os.environ.get('BF16') == '1':
     interpreter_emulation.bf16_backward()
@@ -33,15 +33,13 @@ chunk_delta_backward.FP32_STATES = os.environ.get("FP32_STATES") == "1"
 if not twin:
     launch.length_specialized = lambda fn: fn
 s = OPS[op]
-t = make_inputs(s, B=B, T=T, H=2, HV=4 if s.gva else None, K=128, V=128, dtype=dt, device=dev, seed=1)
 o = dict(output_final_state=True)
 ex = {}
-if inop:
-    t['g'] = torch.randn_like(t['g'], dtype=torch.float32); t['beta'] = torch.randn_like(t['beta'])
-    ex = dict(A_log=torch.randn(4, device=dev) * 0.5, dt_bias=torch.randn(4 if op == 'gdn' else 512, device=dev))
-    o.update(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
-    if op == 'kda':
-        o.update(safe_gate=True, lower_bound=-5.0)
+if inop and op in ('gdn', 'kda'):
+    t, ex, opts = gated_case(op, B=B, T=T, dtype=dt, device=dev, seed=1)
+    o.update(opts)
+else:
+    t = make_inputs(s, B=B, T=T, H=2, HV=4 if s.gva else None, K=128, V=128, dtype=dt, device=dev, seed=1)
 torch.manual_seed(0)
 do = torch.randn(t['v'].shape, device=dev); dh = torch.randn(B, t['v'].shape[2], 128, 128, device=dev)
 def f(x, **k):

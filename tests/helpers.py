@@ -126,6 +126,31 @@ def on_device(t: dict, device) -> dict:
     return {n: x.to(device) if isinstance(x, torch.Tensor) else x for n, x in t.items()}
 
 
+def gated_case(op: str, B=2, T=400, K=128, dtype=torch.bfloat16, device="cpu", lengths=None, seed=None):
+    """GDN or KDA with every activation in the op: the gate from A_log / dt_bias (KDA's bounded, with
+    safe_gate), q/k l2norm, beta from logits through the sigmoid, GVA (H = 2, HV = 4), K = V;
+    ``lengths``: a varlen batch of those sequences. ``(tensors, extra (A_log, dt_bias), options)``,
+    made on the CPU from ``seed`` (fresh when None) and moved to ``device``, so a GPU run and an
+    interpreter run with one seed see the same numbers."""
+    seed = seed if seed is not None else torch.randint(0, 2**31, ()).item()
+    if lengths:
+        B, T = 1, sum(lengths)
+    t = make_inputs(OPS[op], B=B, T=T, H=2, HV=4, K=K, V=K, dtype=dtype, N=len(lengths) if lengths else None,
+                    seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    t["g"] = torch.randn(t["g"].shape, generator=gen)
+    t["beta"] = torch.randn(t["beta"].shape, generator=gen).to(dtype)
+    extra = dict(A_log=torch.randn(4, generator=gen) * 0.5,
+                 dt_bias=torch.randn(4 if op == "gdn" else 4 * K, generator=gen))
+    opts = dict(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+    if op == "kda":
+        opts.update(safe_gate=True, lower_bound=-5.0)
+    if lengths:
+        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
+        opts.update(cu_seqlens=cu.to(device), cu_seqlens_cpu=cu)
+    return on_device(t, device), on_device(extra, device), opts
+
+
 def strided_inputs(t: dict) -> dict:
     """Every tensor of ``t`` as a strided view (``strided``), the values unchanged."""
     out = {n: strided(x) if isinstance(x, torch.Tensor) else x for n, x in t.items()}

@@ -10,7 +10,8 @@ from fastla.core import dispatch
 from fastla.core.dispatch import use_tier
 from fastla.core.validation import build_problem
 from tests.helpers import (
-    KERNEL_DEVICES, OPS, as_leaves, assert_close, call_chunk, call_reference, forward_backward, make_inputs,
+    KERNEL_DEVICES, OPS, as_leaves, assert_close, call_chunk, call_reference, forward_backward, gated_case,
+    make_inputs,
 )
 
 SPEC = OPS["gdn"]
@@ -111,26 +112,11 @@ def test_served_where_it_can(device, monkeypatch):
     assert "chunk_size" in dict(dispatch.explain("chunk_kda", pk))["triton"]
 
 
-def check_bf16(op, device, lengths=None, B=2, T=400, K=128):
-    """bf16 inputs with the gate (KDA: bounded, safe_gate), l2norm and beta sigmoid in the op and
-    GVA (``lengths``: varlen): every gradient against the fp64 reference within FLA-level error (its
-    bf16 forward is ~4e-3 off)."""
-    spec = OPS[op]
-    if lengths:
-        B, T = 1, sum(lengths)
-    t = make_inputs(spec, B=B, T=T, H=2, HV=4, K=K, V=K, dtype=torch.bfloat16, device=device,
-                    N=len(lengths) if lengths else None)
-    t["g"] = torch.randn_like(t["g"], dtype=torch.float32)
-    t["beta"] = torch.randn_like(t["beta"])
-    extra = dict(A_log=torch.randn(4, device=device) * 0.5,
-                 dt_bias=torch.randn(4 if op == "gdn" else 4 * K, device=device))
-    opts = dict(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
-    if op == "kda":
-        opts.update(safe_gate=True, lower_bound=-5.0)
-    if lengths:
-        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
-        opts.update(cu_seqlens=cu.to(device), cu_seqlens_cpu=cu)
-    check(t, extra, tol=1e-2, grad_tol=2e-2, spec=spec, **opts)
+def check_bf16(op, device, lengths=None, T=400, K=128):
+    """bf16 inputs, every activation in the op (tests.helpers.gated_case): every gradient against
+    the fp64 reference within FLA-level error (its bf16 forward is ~4e-3 off)."""
+    t, extra, opts = gated_case(op, T=T, K=K, device=device, lengths=lengths)
+    check(t, extra, tol=1e-2, grad_tol=2e-2, spec=OPS[op], **opts)
 
 
 @pytest.mark.gpu
