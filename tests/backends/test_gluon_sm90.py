@@ -77,6 +77,10 @@ SCAN_VARIANTS = {
     "gla-bv32": dict(GK=True, DELTA=False, L2NORM=False),
     "dual-gla-bv64": dict(DUAL=True, BV=64, GK=True, DELTA=False, L2NORM=False),
     "dual-gla-bv64-summary": dict(DUAL=True, BV=64, SEG=1, GK=True, DELTA=False, L2NORM=False),
+    # the state in registers (chunk_delta_regs_sm90.py: transposed products, 64 columns a program)
+    "regs": dict(REGS=True, BV=64),
+    "regs-replay-varlen": dict(REGS=True, BV=64, SEG=2, VARLEN=True),
+    "regs-k64-v-first-raw-beta": dict(REGS=True, BV=64, K=64, V=64, SK=1, SV=64, BETA=1, L2NORM=False),
 }
 
 
@@ -86,6 +90,7 @@ def _child_scan(name: str, folder: str) -> None:
     from fastla.backends.gluon.chunk_delta_sm90 import _scan_sm90_kernel
     from fastla.backends.gluon.chunk_delta_dual_sm90 import CHAIN_REGS, LOADER_REGS, _scan_dual_sm90_kernel
     from fastla.backends.gluon.chunk_delta_ws_sm90 import PREP_REGS, _scan_ws_sm90_kernel
+    from fastla.backends.gluon import chunk_delta_regs_sm90 as regs
 
     consts = dict(H=16, HV=64, K=128, V=128, BV=32, SK=128, SV=1, HAS_H0=True, STORE_FINAL=True, L2NORM=True,
                   VARLEN=False, SEG=0, BETA=2, STORE_STATES=False, STAGES=2, WARPGROUPS=1, GK=False, DELTA=True)
@@ -94,6 +99,11 @@ def _child_scan(name: str, folder: str) -> None:
         kern = _scan_ws_sm90_kernel
         del consts["WARPGROUPS"], consts["STAGES"], consts["GK"], consts["DELTA"]
         consts["PREP_NREG"] = PREP_REGS
+    elif consts.pop("REGS", False):
+        kern = regs._scan_regs_sm90_kernel
+        for n in ("WARPGROUPS", "GK", "DELTA", "BV", "STORE_STATES"):
+            del consts[n]
+        consts["LOADER_NREG"] = regs.LOADER_REGS
     elif consts.pop("DUAL", False):
         kern = _scan_dual_sm90_kernel
         del consts["WARPGROUPS"]
@@ -101,7 +111,7 @@ def _child_scan(name: str, folder: str) -> None:
     else:
         kern = _scan_sm90_kernel
     tile = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
-    box_v = consts["BV"] // 2 if kern is _scan_dual_sm90_kernel else consts["BV"]     # the dual chains' tiles
+    box_v = consts["BV"] // 2 if kern is _scan_dual_sm90_kernel else consts.get("BV", regs.BV_REGS.value)   # (dual: chains')
     vtile = gl.NVMMASharedLayout.get_default_for([64, box_v], gl.bfloat16)
     names = kern.arg_names
     sig = {}
@@ -116,8 +126,9 @@ def _child_scan(name: str, folder: str) -> None:
 
 
 # Spills allowed by name (bytes of stack): the two 64-column chains at 224 + 248 registers keep
-# the values computed before the partitions fork on the stack (reloaded once, one in the loop)
-SCAN_SPILLS = {"dual-bv128": 64}
+# the values computed before the partitions fork on the stack (reloaded once, one in the loop);
+# the state-in-registers replay keeps two words there
+SCAN_SPILLS = {"dual-bv128": 64, "regs-replay-varlen": 8}
 
 
 @pytest.mark.parametrize("name", list(SCAN_VARIANTS))
@@ -127,7 +138,7 @@ def test_gdn_scan_compiles_for_sm90(name, tmp_path):
     assert (res["utmastg"] > 0) != ("summary" in name), res        # the output's TMA store (a summary has none)
     assert res["LOCAL"] <= SCAN_SPILLS.get(name, 0) and res["STACK"] <= SCAN_SPILLS.get(name, 0), f"spills: {res}"
     assert res["shared_bytes"] <= 227 * 1024, res
-    assert (res["setmaxnreg"] > 0) == name.startswith(("ws-", "dual-")), res   # the partitions' register split
+    assert (res["setmaxnreg"] > 0) == name.startswith(("ws-", "dual-", "regs")), res   # the partitions' registers
 
 
 DECODE_VARIANTS = {

@@ -38,16 +38,18 @@ def bf16_inputs(**kw):
 
 
 @pytest.fixture(params=[(32, ""), (64, ""), (128, ""), (32, "ws"), (64, "ws"), (32, "dual"), (64, "dual"),
-                        (128, "dual")],
-                ids=["bv32", "bv64", "bv128", "ws-bv32", "ws-bv64", "dual-bv32", "dual-bv64", "dual-bv128"])
+                        (128, "dual"), (64, "regs")],
+                ids=["bv32", "bv64", "bv128", "ws-bv32", "ws-bv64", "dual-bv32", "dual-bv64", "dual-bv128", "regs"])
 def block_v(request, monkeypatch):
-    """The scan's tile width, the warp-specialized scan (chunk_delta_ws_sm90.py) and the two-chain
-    scan (chunk_delta_dual_sm90.py) at their widths."""
+    """The scan's tile width, the warp-specialized scan (chunk_delta_ws_sm90.py), the two-chain
+    scan (chunk_delta_dual_sm90.py) at their widths, and the state-in-registers scan
+    (chunk_delta_regs_sm90.py; its segment summaries on the two-chain scan)."""
     from fastla.backends.gluon import chunk_delta as gluon_chunk
     width, kernel = request.param
     monkeypatch.setattr(gluon_chunk, "SCAN_BLOCK_V", width)
     monkeypatch.setattr(gluon_chunk, "SCAN_SPECIALIZED", kernel == "ws")
-    monkeypatch.setattr(gluon_chunk, "SCAN_DUAL", kernel == "dual")
+    monkeypatch.setattr(gluon_chunk, "SCAN_DUAL", kernel in ("dual", "regs"))
+    monkeypatch.setattr(gluon_chunk, "SCAN_REGS", kernel == "regs")
     return width
 
 
@@ -61,13 +63,14 @@ def test_head_dims(K, V):
     check(bf16_inputs(B=1, T=300, H=1, HV=2, K=K, V=V))
 
 
-@pytest.mark.parametrize("block_v_64", [32, 64, "dual-64"])
+@pytest.mark.parametrize("block_v_64", [32, 64, "dual-64", "regs-64"])
 def test_head_dims_64_all_widths(block_v_64, monkeypatch):
     """K = V = 64 at both widths that divide V (the plan alone picks 32 at these few lanes), and
-    64 on the two-chain scan."""
+    64 on the two-chain and the state-in-registers scans."""
     from fastla.backends.gluon import chunk_delta as gluon_chunk
+    monkeypatch.setattr(gluon_chunk, "SCAN_REGS", block_v_64 == "regs-64")
     monkeypatch.setattr(gluon_chunk, "SCAN_DUAL", block_v_64 == "dual-64")
-    monkeypatch.setattr(gluon_chunk, "SCAN_BLOCK_V", 64 if block_v_64 == "dual-64" else block_v_64)
+    monkeypatch.setattr(gluon_chunk, "SCAN_BLOCK_V", block_v_64 if isinstance(block_v_64, int) else 64)
     check(bf16_inputs(B=1, T=300, H=1, HV=2, K=64, V=64))
 
 
@@ -212,11 +215,18 @@ def test_sm90_inverse_matches_triton(case, monkeypatch):
     _compare_prologue_kernel(monkeypatch, sm90, "launch", "GDN_INVERSE_SM90", dict(G=1e-5, P=1e-2), shape, opts)
 
 
-def test_no_initial_state_and_strong_decay():
+@pytest.fixture(params=[False, True], ids=["default-scan", "regs"])
+def regs_scan(request, monkeypatch):
+    """The shipped scan choice, and the state-in-registers scan where it serves (SCAN_REGS)."""
+    from fastla.backends.gluon import chunk_delta as gluon_chunk
+    monkeypatch.setattr(gluon_chunk, "SCAN_REGS", request.param)
+
+
+def test_no_initial_state_and_strong_decay(regs_scan):
     check(bf16_inputs(B=2, T=200, H=1, HV=2, K=128, V=128, h0=False, strength=30.0))
 
 
-def test_everything_in_op():
+def test_everything_in_op(regs_scan):
     torch.manual_seed(0)
     B, T, H, HV, K, V = 1, 200, 2, 4, 128, 128
     t = dict(q=torch.randn(B, T, H, K), k=torch.randn(B, T, H, K), v=torch.randn(B, T, HV, V),
@@ -235,7 +245,7 @@ def test_everything_in_op():
 
 
 @pytest.mark.parametrize("in_place", [False, True], ids=["copies", "strided-tma"])
-def test_strided_and_misaligned_inputs(in_place, monkeypatch):
+def test_strided_and_misaligned_inputs(in_place, regs_scan, monkeypatch):
     """q, k, v split from one projection (the layout models pass), a strided gate, beta and state,
     then a contiguous q at a 2-byte offset: the Gluon tier serves them (through dense, 16-byte
     aligned copies, or with STRIDED_TMA the split q, k, v read in place) with the contiguous

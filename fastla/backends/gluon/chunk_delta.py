@@ -36,6 +36,11 @@ SCAN_DUAL = True
 # file at 384 threads): a lower cap leaves room on each SM for other kernels' programs (sweeps)
 SCAN_MAXNREG = None
 DUAL_WIDTHS = {False: (32, 64, 128), True: (64,)}       # by GK
+# The state in registers (chunk_delta_regs_sm90.py: every product transposed so that the state and
+# the step's intermediates are wgmma operands in registers, no shared-memory round trips; 64 columns
+# a program, one warpgroup and a loader warp) for GDN's whole sequences and segment replays without
+# chunk states. Off: not yet run on a GPU (sweep variant gluon-regs forces it where it serves)
+SCAN_REGS = False
 # The segment summary pass (sequence parallelism) on the two-chain scan too (its SEG 1: the V + K
 # columns from [0 | I], no queries, scores nor output) instead of the Triton scan: 1x32k HV8 442 ->
 # 327 us, 1x32k HV16 778 -> 557 (docs/notes/gdn-prefill.md, v12). False: the Triton summary (A/B)
@@ -214,12 +219,22 @@ def in_place_views(p: Problem) -> tuple[str, ...]:
     return tuple(n for n in ("q", "k", "v") if not getattr(p, n).is_contiguous() and row_stride(getattr(p, n)))
 
 
+def regs_scan_serves(p: Problem, seg: int, chunk_states: bool) -> bool:
+    """Whether the state-in-registers scan (SCAN_REGS) runs this pass: GDN (no per-channel gate, the
+    delta rule), whole sequences or segment replays, no chunk states, 64-column value tiles."""
+    return SCAN_REGS and p.gk is None and p.delta and seg != 1 and not chunk_states and p.V % 64 == 0
+
+
 def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments, seg_state, programs: int):
     from fastla.backends.gluon.chunk_delta_sm90 import _scan_sm90_kernel
     from fastla.backends.gluon.chunk_delta_dual_sm90 import CHAIN_REGS, LOADER_REGS, _scan_dual_sm90_kernel
     from fastla.backends.gluon.chunk_delta_ws_sm90 import PREP_REGS, _scan_ws_sm90_kernel
 
     BT = BK = 64                                                            # the kernel's tile sides
+    if seg == 0 and sp.cu_seqlens is not None and not LONGEST_FIRST:
+        segments = segments[1]                                              # the sequences as given (A/B)
+    if regs_scan_serves(p, seg, sp.h_chunks is not None):
+        return _regs_scan(p, sp, seg, segments, seg_state, programs)
     if seg:
         lanes = programs * p.HV                                             # segments of (about) one length
     else:
@@ -281,8 +296,6 @@ def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments
              sp.beta, sp.rq, sp.rk, sp.gcum if sp.gcum is not None else d]
     if takes_kd:
         args.append(sp.decay if gk else d)
-    if seg == 0 and sp.cu_seqlens is not None and not LONGEST_FIRST:
-        segments = segments[1]                                              # the sequences as given (A/B)
     launcher(kernel, sp.T, sp.NT)[(programs * p.HV * (cols // BV),)](
         *args, sp.o,
         sp.h0 if sp.h0 is not None else d, sp.ht if sp.ht is not None else d,
@@ -292,6 +305,33 @@ def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments
         H=p.H, HV=p.HV, K=p.K, V=p.V, BV=BV, SK=SK, SV=SV, HAS_H0=sp.h0 is not None, STORE_FINAL=sp.ht is not None,
         L2NORM=p.use_qk_l2norm and not gk, VARLEN=sp.cu_seqlens is not None, SEG=seg, BETA=sp.beta_mode,
         STORE_STATES=h_chunks is not None, **launch,
+    )
+
+
+def _regs_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments, seg_state, programs: int):
+    """The sequence pass on the state-in-registers scan (chunk_delta_regs_sm90.py): 64 value
+    columns a program, the [64, 64] tiles of the other scans."""
+    from fastla.backends.gluon.chunk_delta_regs_sm90 import BV_REGS, LOADER_REGS, _scan_regs_sm90_kernel
+
+    BT = BK = BV = BV_REGS.value
+    rows = p.B * p.T
+    tile = _tile_layout(BT, BK)
+
+    def desc(x, width):
+        return tma_descriptor(x, rows, width, [BT, BK], tile)
+
+    SK, SV = (1, p.K) if p.state_v_first else (p.V, 1)
+    d = sp.dummy
+    launcher(_scan_regs_sm90_kernel, sp.T, sp.NT)[(programs * p.HV * (p.V // BV),)](
+        desc(sp.k, p.H * p.K), desc(sp.q, p.H * p.K), desc(sp.v, p.HV * p.V), desc(sp.inverse, p.HV * BT),
+        desc(sp.scores, p.HV * BT), desc(sp.o, p.HV * p.V),
+        sp.beta, sp.rq, sp.rk, sp.gcum, sp.o,
+        sp.h0 if sp.h0 is not None else d, sp.ht if sp.ht is not None else d,
+        sp.cu_seqlens if sp.cu_seqlens is not None else d, sp.chunk_start if sp.chunk_start is not None else d,
+        segments, seg_state, sp.T, sp.NT, rows, p.scale,
+        H=p.H, HV=p.HV, K=p.K, V=p.V, SK=SK, SV=SV, HAS_H0=sp.h0 is not None, STORE_FINAL=sp.ht is not None,
+        L2NORM=p.use_qk_l2norm, VARLEN=sp.cu_seqlens is not None, SEG=seg, BETA=sp.beta_mode, STAGES=SCAN_STAGES,
+        LOADER_NREG=LOADER_REGS, num_warps=4,
     )
 
 

@@ -42,45 +42,56 @@ LOADER_REGS = 32        # of the loader's warpgroup (chain 0 gets the rest: 128 
 
 
 @gluon.jit
-def _loader_partition(k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s,
-                      loaded, freed, bos, c_begin, n_chunks, i_h, i_hv, i_v,
-                      K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, GK: gl.constexpr,
-                      SEG: gl.constexpr, DELTA: gl.constexpr):
-    """Chunk i's tiles into stage i % STAGES once both chains have freed it (chunk i - STAGES).
-    A segment summary (SEG 1) loads no queries nor scores, and the value tiles of its identity
-    columns (past V) from column 0 of the head (read as zeros by the chains). DELTA False (the
-    plain rule): no P, and with GK no gated keys (the update reads kd)."""
+def _load_stage(k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s, loaded, freed,
+                i, bos, c_begin, i_h, i_hv, i_v, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
+                STAGES: gl.constexpr, GK: gl.constexpr, SEG: gl.constexpr, DELTA: gl.constexpr, CHAINS: gl.constexpr):
+    """Chunk i's tiles into stage i % STAGES once every chain has freed it (chunk i - STAGES), a value
+    tile of BV / CHAINS columns per chain; returns the stage. A segment summary (SEG 1) loads no
+    queries nor scores, and the value tiles of its identity columns (past V) from column 0 of the
+    head (read as zeros by the chains). DELTA False (the plain rule): no P, and with GK no gated
+    keys (the update reads kd)."""
     NK: gl.constexpr = K // BK
-    BVC: gl.constexpr = BV // 2
+    BVC: gl.constexpr = BV // CHAINS
     OUTPUT: gl.constexpr = SEG != 1
     LOAD_K: gl.constexpr = DELTA or not GK
     n_qk: gl.constexpr = (1 if OUTPUT else 0) + (1 if GK else 0) + (1 if LOAD_K else 0)
     n_sq: gl.constexpr = (1 if OUTPUT else 0) + (1 if DELTA else 0)               # A_qk and P tiles
     nbytes: gl.constexpr = (n_qk * NK * BT * BK + BT * BV + n_sq * BT * BT) * 2
-    for i in range(0, n_chunks):
-        stage = (i % STAGES).to(gl.int32)
-        mbarrier.wait(freed.index(stage), (((i // STAGES) & 1) ^ 1).to(gl.int32))
-        t0 = (bos + (c_begin + i) * BT).to(gl.int32)
-        bar = loaded.index(stage)
-        mbarrier.expect(bar, nbytes)
-        for j in gl.static_range(NK):
-            if LOAD_K:
-                tma.async_copy_global_to_shared(k_desc, [t0, i_h * K + j * BK], bar, k_s.index(stage * NK + j))
-            if OUTPUT:
-                tma.async_copy_global_to_shared(q_desc, [t0, i_h * K + j * BK], bar, q_s.index(stage * NK + j))
-            if GK:
-                tma.async_copy_global_to_shared(kd_desc, [t0, i_h * K + j * BK], bar, kd_s.index(stage * NK + j))
-        for ch in gl.static_range(2):
-            if OUTPUT:
-                col = i_hv * V + i_v * BV + ch * BVC
-            else:
-                col = i_v * BV + ch * BVC
-                col = i_hv * V + gl.where(col < V, col, 0)
-            tma.async_copy_global_to_shared(v_desc, [t0, col], bar, v_s.index(stage * 2 + ch))
-        if DELTA:
-            tma.async_copy_global_to_shared(p_desc, [t0, i_hv * BT], bar, p_s.index(stage))
+    stage = (i % STAGES).to(gl.int32)
+    mbarrier.wait(freed.index(stage), (((i // STAGES) & 1) ^ 1).to(gl.int32))
+    t0 = (bos + (c_begin + i) * BT).to(gl.int32)
+    bar = loaded.index(stage)
+    mbarrier.expect(bar, nbytes)
+    for j in gl.static_range(NK):
+        if LOAD_K:
+            tma.async_copy_global_to_shared(k_desc, [t0, i_h * K + j * BK], bar, k_s.index(stage * NK + j))
         if OUTPUT:
-            tma.async_copy_global_to_shared(a_desc, [t0, i_hv * BT], bar, a_s.index(stage))
+            tma.async_copy_global_to_shared(q_desc, [t0, i_h * K + j * BK], bar, q_s.index(stage * NK + j))
+        if GK:
+            tma.async_copy_global_to_shared(kd_desc, [t0, i_h * K + j * BK], bar, kd_s.index(stage * NK + j))
+    for ch in gl.static_range(CHAINS):
+        if OUTPUT:
+            col = i_hv * V + i_v * BV + ch * BVC
+        else:
+            col = i_v * BV + ch * BVC
+            col = i_hv * V + gl.where(col < V, col, 0)
+        tma.async_copy_global_to_shared(v_desc, [t0, col], bar, v_s.index(stage * CHAINS + ch))
+    if DELTA:
+        tma.async_copy_global_to_shared(p_desc, [t0, i_hv * BT], bar, p_s.index(stage))
+    if OUTPUT:
+        tma.async_copy_global_to_shared(a_desc, [t0, i_hv * BT], bar, a_s.index(stage))
+    return stage
+
+
+@gluon.jit
+def _loader_partition(k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s,
+                      loaded, freed, bos, c_begin, n_chunks, i_h, i_hv, i_v,
+                      K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, GK: gl.constexpr,
+                      SEG: gl.constexpr, DELTA: gl.constexpr):
+    """Every chunk's tiles, two chains' value tiles a stage (``_load_stage``)."""
+    for i in range(0, n_chunks):
+        _load_stage(k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s, loaded, freed,
+                    i, bos, c_begin, i_h, i_hv, i_v, K, V, BV, STAGES, GK, SEG, DELTA, 2)
 
 
 @gluon.jit

@@ -1,0 +1,220 @@
+"""Hopper (sm_90) chunk scan of the GDN forward with the state and the step's intermediates in registers.
+
+The same function as chunk_delta_sm90.py (its prologue, tiles and row vectors) with every product
+transposed, so that the operands that change each step are wgmma A operands held in registers
+instead of bf16 tiles written to shared memory, fenced and waited for at a barrier. A program owns
+BV = 64 value columns of one value head (the wgmma M side); its state ``S^T [BV, K]`` fp32 lives in
+registers as K / 64 accumulator halves ``[BV, 64]``. Per chunk (the tiles landed):
+    X^T = S^T k^T  and  Q^T = S^T q^T       A = S^T (bf16 registers), B = the key / query tile, permuted
+    Y^T = (v^T - X^T diag(rk e^G)) diag(beta)      v^T read from the value tile, permuted
+    V_new^T = Y^T P^T                        A = Y^T (registers)
+    S^T = e^G_last S^T + V_new^T diag(rk e^(G_last - G)) k      A = registers, B = the key tile
+    O^T = Q^T diag(scale rq e^G) + V_new^T A_qk^T                 A = V_new^T (registers)
+    O (transposed into shared memory) -> TMA store
+The per-token vectors (G, beta, 1/|k|, 1/|q|) are column vectors of the ``[BV, 64]`` accumulators.
+The only shared-memory writes of a step are the output tile's; the chain meets the loader only at
+the stage mbarriers.
+
+Grid ``(sequences or segments x HV x V / 64,)`` (chunk_delta_sm90._program); 5 warps: the chain
+(default partition, one warpgroup) and a one-warp loader (chunk_delta_dual_sm90._loader_partition,
+one value tile). Serves GDN (and the plain rule's scalar gate is not served: DELTA only), whole
+sequences (SEG 0) and segment replays (SEG 2), with h0 and the final state in either layout; the
+chunk states (``[BV, K]`` pointer offsets would spill), the segment summaries (SEG 1) and KDA's
+per-channel step stay on the two-chain and one-chain scans.
+
+Budget (K = V = 128, two stages, sm_90 compile; tests/backends/test_gluon_sm90.py): shared memory
+two stages of k, q (32 KB), v, P, A_qk (24 KB) and the output tile (8 KB): 120 KB, one program per
+SM; registers: the state 64 a thread, X^T, Q^T, V_new^T and O^T 32 each.
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
+    warpgroup_mma_wait
+
+from fastla.backends.gluon.chunk_delta_dual_sm90 import _load_stage
+from fastla.backends.gluon.chunk_delta_sm90 import BK, BT, _program
+from fastla.backends.triton.chunk_prepare import _activate_beta
+
+BV_REGS = gl.constexpr(64)      # value columns a program: the M side of the transposed products
+LOADER_REGS = 64        # registers per thread of the loader warp (setmaxnreg)
+N_VEC = gl.constexpr(4)    # per-token vectors a stage: rk e^G, beta, rk e^(G_last - G), scale rq e^G
+
+
+@gluon.jit
+def _loader_t(k_desc, q_desc, v_desc, p_desc, a_desc, k_s, q_s, v_s, p_s, a_s, vec_s, loaded, freed,
+              beta, rq, rk, gcum, bos, eos, c_begin, n_chunks, i_h, i_hv, i_v, scale, H: gl.constexpr,
+              HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, L2NORM: gl.constexpr, BETA: gl.constexpr,
+              SEG: gl.constexpr, STAGES: gl.constexpr):
+    """Each chunk's tiles by TMA, then its per-token vectors into the stage's ``vec_s`` rows
+    (zero past the sequence's end): the keys' weight in Y, rk e^G; beta (activated); the update's
+    row weights rk e^(G_last - G); the output's scale rq e^G. The stage's ``loaded`` barrier
+    completes on the TMA bytes and this warp's arrival after its stores."""
+    vec: gl.constexpr = gl.BlockedLayout([2], [32], [1], [0])
+    r = gl.arange(0, BT, layout=vec)
+    for i in range(0, n_chunks):
+        stage = _load_stage(k_desc, q_desc, k_desc, v_desc, p_desc, a_desc, k_s, q_s, k_s, v_s, p_s, a_s, loaded,
+                            freed, i, bos, c_begin, i_h, i_hv, i_v, K, V, BV_REGS, STAGES, False, SEG, True, 1)
+        t0 = bos + (c_begin + i) * BT
+        m_t = r < eos - t0
+        row = (t0 + r) * HV + i_hv
+        b_beta = _activate_beta(gl.load(beta + row, mask=m_t, other=0.0), m_t, BETA)
+        b_G = gl.load(gcum + row, mask=m_t, other=0.0)
+        b_Gl = gl.load(gcum + (gl.minimum(eos, t0 + BT) - 1) * HV + i_hv)
+        if L2NORM:
+            b_rk = gl.load(rk + (t0 + r) * H + i_h, mask=m_t, other=0.0)
+            b_rq = gl.load(rq + (t0 + r) * H + i_h, mask=m_t, other=0.0)
+        else:
+            b_rk = gl.where(m_t, 1.0, 0.0)
+            b_rq = b_rk
+        b_eg = gl.exp(b_G)
+        vec_s.index(stage * N_VEC).store(b_rk * b_eg)
+        vec_s.index(stage * N_VEC + 1).store(b_beta)
+        vec_s.index(stage * N_VEC + 2).store(gl.where(m_t, b_rk * gl.exp(b_Gl - b_G), 0.0))
+        vec_s.index(stage * N_VEC + 3).store(scale * b_rq * b_eg)
+        gl.thread_barrier()
+        mbarrier.arrive(loaded.index(stage), count=1)
+
+
+@gluon.jit
+def _initial_state_t(h0, seg_state, i_n, i_s, i_hv, o_v, o_k, p_state, accs: gl.constexpr, HV: gl.constexpr,
+                     K: gl.constexpr, V: gl.constexpr, HAS_H0: gl.constexpr, SEG: gl.constexpr):
+    """The state S^T [BV, K] fp32 a program starts from: a segment replay's recovered state
+    (``[K, V]``), h0 (at ``p_state``: its SK, SV strides), or zeros."""
+    if SEG == 2:
+        S = gl.load(seg_state + (i_s * HV + i_hv) * K * V + o_k[None, :] * V + o_v[:, None])
+    elif HAS_H0:
+        S = gl.load(h0 + (i_n * HV + i_hv) * K * V + p_state).to(gl.float32)
+    else:
+        S = gl.zeros([BV_REGS, K], gl.float32, accs)
+    return S
+
+
+@gluon.jit
+def _chunk_step_t(k_t, q_t, v_t, p_t, a_t, vec_s, vb, S, zero, b_egl, acc: gl.constexpr, accs: gl.constexpr):
+    """One chunk's transposed products, its tiles landed (keys and queries ``[BT, K]``, values, P
+    and A_qk, the per-token vectors at vec_s rows vb ..). Returns the new state S^T [BV, K] and
+    the output O^T [BV, BT] (fp32). Each product is one wgmma op over its whole K: an accumulator
+    chained from one op into the next makes ptxas wait for the first (C7517)."""
+    cols: gl.constexpr = gl.SliceLayout(0, acc)
+    dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc, k_width=2)
+    dot_s: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=accs, k_width=2)
+    # X^T = S^T k^T and Q^T = S^T q^T (wait for X^T only)
+    s_a = gl.convert_layout(S.to(gl.bfloat16), dot_a)
+    x = warpgroup_mma(s_a, k_t.permute((1, 0)), zero, use_acc=False, is_async=True)
+    qs = warpgroup_mma(s_a, q_t.permute((1, 0)), zero, use_acc=False, is_async=True)
+    x = warpgroup_mma_wait(num_outstanding=1, deps=(x,))
+    # Y^T = (v^T - X^T diag(rk e^G)) diag(beta);  V_new^T = Y^T P^T
+    b_v = v_t.permute((1, 0)).load(acc).to(gl.float32)                     # v^T [BV, BT]
+    b_y = (b_v - x * vec_s.index(vb).load(cols)[None, :]) * vec_s.index(vb + 1).load(cols)[None, :]
+    y = gl.convert_layout(b_y.to(gl.bfloat16), dot_a)
+    vn = warpgroup_mma(y, p_t.permute((1, 0)), zero, use_acc=False, is_async=True)
+    vn, qs, s_a, y = warpgroup_mma_wait(num_outstanding=0, deps=(vn, qs, s_a, y))
+    # S^T = e^G_last S^T + V_new^T diag(rk e^(G_last - G)) k;  O^T = Q^T diag(scale rq e^G) + V_new^T A_qk^T
+    vd = gl.convert_layout((vn * vec_s.index(vb + 2).load(cols)[None, :]).to(gl.bfloat16), dot_s)
+    S = warpgroup_mma(vd, k_t, S * b_egl, is_async=True)
+    va = gl.convert_layout(vn.to(gl.bfloat16), dot_a)
+    out = warpgroup_mma(va, a_t.permute((1, 0)), qs * vec_s.index(vb + 3).load(cols)[None, :], is_async=True)
+    S, out, vd, va = warpgroup_mma_wait(num_outstanding=0, deps=(S, out, vd, va))
+    return S, out
+
+
+@gluon.jit
+def _store_output_t(out, o_desc, o_s, o, t0, eos, r, o_v, i_hv, i_v, n_rows, HV: gl.constexpr, V: gl.constexpr):
+    """A chunk's output O^T [BV, BT]: a whole chunk transposed into the output tile and sent by TMA
+    (the previous chunk's store has left the tile); a sequence's partial last chunk by masked
+    stores, its tile sent past the last row (TMA writes nothing out of bounds)."""
+    whole = eos - t0 >= BT
+    tma.store_wait(0)
+    gl.thread_barrier()
+    o_s.permute((1, 0)).store(out.to(gl.bfloat16))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [gl.where(whole, t0, n_rows).to(gl.int32), i_hv * V + i_v * BV_REGS], o_s)
+    o_ptr = o + ((t0 + r) * HV + i_hv)[None, :] * V + o_v[:, None]
+    gl.store(o_ptr, out.to(o.dtype.element_ty), mask=(r < eos - t0)[None, :] & (eos - t0 < BT))
+
+
+@gluon.jit
+def _chain_t(k_s, q_s, v_s, p_s, a_s, vec_s, o_s, loaded, freed, o_desc, gcum, o, h0, ht, seg_state,
+             bos, eos, c_begin, n_chunks, is_last, i_n, i_s, i_hv, i_v, n_rows, HV: gl.constexpr,
+             K: gl.constexpr, V: gl.constexpr, SK: gl.constexpr, SV: gl.constexpr, HAS_H0: gl.constexpr,
+             STORE_FINAL: gl.constexpr, SEG: gl.constexpr, STAGES: gl.constexpr):
+    """The program's 64 columns, chunk by chunk (one warpgroup); the chunk's e^G_last is the one
+    value it loads itself (a chunk ahead)."""
+    acc: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+    accs: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, K, 16])
+    r = gl.arange(0, BT, layout=gl.SliceLayout(0, acc))                   # chunk rows (tokens): columns here
+    o_k = gl.arange(0, K, layout=gl.SliceLayout(0, accs))                 # key columns of the state
+    o_v = i_v * BV_REGS + gl.arange(0, BV_REGS, layout=gl.SliceLayout(1, acc))      # value rows
+    o_vs = i_v * BV_REGS + gl.arange(0, BV_REGS, layout=gl.SliceLayout(1, accs))
+    p_state = o_vs[:, None] * SV + o_k[None, :] * SK                      # [BV, K] in one head's state
+    # the stages' key and query tiles as [BT, K] (the loader's [BT, 64] boxes lie side by side:
+    # a [64, 128] tile of this swizzle is its two 64-column halves, 8 KB apart, as TMA splits it)
+    kk_s = k_s._reinterpret(gl.bfloat16, [STAGES, BT, K], k_s.layout)
+    qq_s = q_s._reinterpret(gl.bfloat16, [STAGES, BT, K], q_s.layout)
+
+    S = _initial_state_t(h0, seg_state, i_n, i_s, i_hv, o_vs, o_k, p_state, accs, HV, K, V, HAS_H0, SEG)
+    zero = gl.zeros([BV_REGS, BT], gl.float32, acc)
+    t_last = gl.minimum(eos, bos + c_begin * BT + BT) - 1
+    n_Gl = gl.load(gcum + t_last * HV + i_hv, mask=n_chunks > 0, other=0.0)
+    for i in range(0, n_chunks):
+        c = c_begin + i
+        stage = (i % STAGES).to(gl.int32)
+        t0 = bos + c * BT
+        b_egl = gl.exp(n_Gl)
+        n_Gl = gl.load(gcum + (gl.minimum(eos, t0 + 2 * BT) - 1) * HV + i_hv, mask=i + 1 < n_chunks, other=0.0)
+
+        mbarrier.wait(loaded.index(stage), ((i // STAGES) & 1).to(gl.int32))
+        S, out = _chunk_step_t(kk_s.index(stage), qq_s.index(stage), v_s.index(stage), p_s.index(stage),
+                               a_s.index(stage), vec_s, stage * N_VEC, S, zero, b_egl, acc, accs)
+        mbarrier.arrive(freed.index(stage), count=1)                        # the loader may refill the stage
+        _store_output_t(out, o_desc, o_s, o, t0, eos, r, o_v, i_hv, i_v, n_rows, HV, V)
+
+    tma.store_wait(0)
+    if STORE_FINAL:
+        gl.store(ht + (i_n * HV + i_hv) * K * V + p_state, S.to(ht.dtype.element_ty), mask=(o_vs >= 0)[:, None] & is_last)
+
+
+@gluon.jit(do_not_specialize=["T", "NT", "n_rows"])     # T = 1 would compile a variant of its own
+def _scan_regs_sm90_kernel(
+    k_desc, q_desc, v_desc, p_desc, a_desc, o_desc,
+    beta, rq, rk, gcum, o, h0, ht, cu_seqlens, chunk_start, segments, seg_state,
+    T, NT, n_rows, scale,
+    H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
+    SK: gl.constexpr, SV: gl.constexpr, HAS_H0: gl.constexpr, STORE_FINAL: gl.constexpr,
+    L2NORM: gl.constexpr, VARLEN: gl.constexpr, SEG: gl.constexpr, BETA: gl.constexpr,
+    STAGES: gl.constexpr, LOADER_NREG: gl.constexpr,
+):
+    NK: gl.constexpr = K // BK
+    i_v, i_hv, i_h, i_s, i_n, bos, eos, first_chunk, c_begin, n_chunks, is_last = _program(
+        segments, cu_seqlens, chunk_start, T, NT, H, HV, K, V, BV_REGS, VARLEN, SEG)
+
+    tile: gl.constexpr = k_desc.layout
+    k_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES * NK, BT, BK], tile)
+    q_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES * NK, BT, BK], tile)
+    p_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, BT], tile)
+    a_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, BT], tile)
+    v_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, BV_REGS], v_desc.layout)
+    vec_s = gl.allocate_shared_memory(gl.float32, [STAGES * N_VEC, BT], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    o_s = gl.allocate_shared_memory(gl.bfloat16, [BT, BV_REGS], o_desc.layout)
+    bar: gl.constexpr = mbarrier.MBarrierLayout()
+    loaded = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
+    freed = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
+    for st in gl.static_range(STAGES):
+        mbarrier.init(loaded.index(st), count=2)        # the TMA bytes' expect and the vectors' arrival
+        mbarrier.init(freed.index(st), count=1)
+    fence_async_shared()
+
+    i_hv32 = i_hv.to(gl.int32)
+    gl.warp_specialize([
+        (_chain_t, (k_s, q_s, v_s, p_s, a_s, vec_s, o_s, loaded, freed, o_desc, gcum, o, h0, ht, seg_state,
+                    bos, eos, c_begin, n_chunks, is_last, i_n, i_s, i_hv32, i_v, n_rows, HV, K, V, SK, SV, HAS_H0,
+                    STORE_FINAL, SEG, STAGES)),
+        (_loader_t, (k_desc, q_desc, v_desc, p_desc, a_desc, k_s, q_s, v_s, p_s, a_s, vec_s, loaded, freed,
+                     beta, rq, rk, gcum, bos, eos, c_begin, n_chunks, i_h.to(gl.int32), i_hv32, i_v, scale, H, HV,
+                     K, V, L2NORM, BETA, SEG, STAGES)),
+    ], [1], [LOADER_NREG])
+    for st in gl.static_range(STAGES):
+        mbarrier.invalidate(loaded.index(st))
+        mbarrier.invalidate(freed.index(st))
