@@ -81,6 +81,8 @@ SCAN_VARIANTS = {
     "regs": dict(REGS=True, BV=64),
     "regs-replay-varlen": dict(REGS=True, BV=64, SEG=2, VARLEN=True),
     "regs-k64-v-first-raw-beta": dict(REGS=True, BV=64, K=64, V=64, SK=1, SV=64, BETA=1, L2NORM=False),
+    "regs-kda": dict(REGS=True, BV=64, GK=True, L2NORM=False),
+    "regs-kda-replay-varlen": dict(REGS=True, BV=64, GK=True, L2NORM=False, SEG=2, VARLEN=True),
 }
 
 
@@ -101,7 +103,7 @@ def _child_scan(name: str, folder: str) -> None:
         consts["PREP_NREG"] = PREP_REGS
     elif consts.pop("REGS", False):
         kern = regs._scan_regs_sm90_kernel
-        for n in ("WARPGROUPS", "GK", "DELTA", "BV", "STORE_STATES"):
+        for n in ("WARPGROUPS", "DELTA", "BV", "STORE_STATES"):
             del consts[n]
         consts["LOADER_NREG"] = regs.LOADER_REGS
     elif consts.pop("DUAL", False):

@@ -31,6 +31,22 @@ def test_tile_widths(block_v, case, monkeypatch):
     check_fp64(*bf16_case(case), tier="gluon")
 
 
+@pytest.mark.parametrize("case", ["dense", "varlen", "strong-decay", "unbounded-gate", "bounded-gate",
+                                  "v-first-k64", "bounded-varlen", "bounded-k64"])
+def test_state_in_registers_scan(case, monkeypatch):
+    """The state-in-registers scan (chunk_delta_regs_sm90.py, SCAN_REGS) on every gate and layout,
+    then with segment replays (4-chunk segments; the summaries on the two-chain scan)."""
+    from fastla.backends.gluon import chunk_delta as gluon_chunk
+    from fastla.backends.triton import chunk_delta
+    monkeypatch.setattr(gluon_chunk, "SCAN_REGS", True)
+    check_fp64(*bf16_case(case), tier="gluon")
+    if case in ("varlen", "bounded-gate"):
+        original = chunk_delta.default_config
+        monkeypatch.setattr(chunk_delta, "default_config",
+                            lambda p, **kw: dataclasses.replace(original(p, **kw), segment_chunks=4))
+        check_fp64(*bf16_case(case), tier="gluon")
+
+
 @pytest.mark.parametrize("in_place", [False, True], ids=["copies", "strided-tma"])
 def test_strided_inputs(in_place, monkeypatch):
     """Strided views of every input (q, k, v, the raw gate, beta, the state, the offsets, A_log and

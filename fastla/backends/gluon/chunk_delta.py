@@ -38,8 +38,9 @@ SCAN_MAXNREG = None
 DUAL_WIDTHS = {False: (32, 64, 128), True: (64,)}       # by GK
 # The state in registers (chunk_delta_regs_sm90.py: every product transposed so that the state and
 # the step's intermediates are wgmma operands in registers, no shared-memory round trips; 64 columns
-# a program, one warpgroup and a loader warp) for GDN's whole sequences and segment replays without
-# chunk states. Off: not yet run on a GPU (sweep variant gluon-regs forces it where it serves)
+# a program, one warpgroup and a loader warp) for the delta rule's whole sequences and segment
+# replays without chunk states, GDN and KDA. Off: not yet run on a GPU (sweep variants gluon-regs,
+# regs)
 SCAN_REGS = False
 # The segment summary pass (sequence parallelism) on the two-chain scan too (its SEG 1: the V + K
 # columns from [0 | I], no queries, scores nor output) instead of the Triton scan: 1x32k HV8 442 ->
@@ -220,9 +221,9 @@ def in_place_views(p: Problem) -> tuple[str, ...]:
 
 
 def regs_scan_serves(p: Problem, seg: int, chunk_states: bool) -> bool:
-    """Whether the state-in-registers scan (SCAN_REGS) runs this pass: GDN (no per-channel gate, the
-    delta rule), whole sequences or segment replays, no chunk states, 64-column value tiles."""
-    return SCAN_REGS and p.gk is None and p.delta and seg != 1 and not chunk_states and p.V % 64 == 0
+    """Whether the state-in-registers scan (SCAN_REGS) runs this pass: the delta rule (GDN, KDA),
+    whole sequences or segment replays, no chunk states, 64-column value tiles."""
+    return SCAN_REGS and p.delta and seg != 1 and not chunk_states and p.V % 64 == 0
 
 
 def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments, seg_state, programs: int):
@@ -322,16 +323,19 @@ def _regs_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments, se
 
     SK, SV = (1, p.K) if p.state_v_first else (p.V, 1)
     d = sp.dummy
+    gk = sp.kd is not None                              # KDA: gated keys and queries per value head, kd
+    qk_width = (p.HV if gk else p.H) * p.K
+    k = desc(sp.k, qk_width)
     launcher(_scan_regs_sm90_kernel, sp.T, sp.NT)[(programs * p.HV * (p.V // BV),)](
-        desc(sp.k, p.H * p.K), desc(sp.q, p.H * p.K), desc(sp.v, p.HV * p.V), desc(sp.inverse, p.HV * BT),
-        desc(sp.scores, p.HV * BT), desc(sp.o, p.HV * p.V),
-        sp.beta, sp.rq, sp.rk, sp.gcum, sp.o,
+        k, desc(sp.q, qk_width), desc(sp.kd, qk_width) if gk else k, desc(sp.v, p.HV * p.V),
+        desc(sp.inverse, p.HV * BT), desc(sp.scores, p.HV * BT), desc(sp.o, p.HV * p.V),
+        sp.beta, sp.rq, sp.rk, sp.gcum if sp.gcum is not None else d, sp.decay if gk else d, sp.o,
         sp.h0 if sp.h0 is not None else d, sp.ht if sp.ht is not None else d,
         sp.cu_seqlens if sp.cu_seqlens is not None else d, sp.chunk_start if sp.chunk_start is not None else d,
         segments, seg_state, sp.T, sp.NT, rows, p.scale,
         H=p.H, HV=p.HV, K=p.K, V=p.V, SK=SK, SV=SV, HAS_H0=sp.h0 is not None, STORE_FINAL=sp.ht is not None,
-        L2NORM=p.use_qk_l2norm, VARLEN=sp.cu_seqlens is not None, SEG=seg, BETA=sp.beta_mode, STAGES=SCAN_STAGES,
-        LOADER_NREG=LOADER_REGS, num_warps=4,
+        L2NORM=p.use_qk_l2norm and not gk, VARLEN=sp.cu_seqlens is not None, SEG=seg, BETA=sp.beta_mode,
+        STAGES=SCAN_STAGES, GK=gk, LOADER_NREG=LOADER_REGS, num_warps=4,
     )
 
 

@@ -39,40 +39,48 @@ from fastla.backends.triton.chunk_prepare import _activate_beta
 
 BV_REGS = gl.constexpr(64)      # value columns a program: the M side of the transposed products
 LOADER_REGS = 64        # registers per thread of the loader warp (setmaxnreg)
-N_VEC = gl.constexpr(4)    # per-token vectors a stage: rk e^G, beta, rk e^(G_last - G), scale rq e^G
+N_VEC = gl.constexpr(4)    # per-token vectors a stage: rk e^G, beta, rk e^(G_last - G), scale rq e^G (GDN)
 
 
 @gluon.jit
-def _loader_t(k_desc, q_desc, v_desc, p_desc, a_desc, k_s, q_s, v_s, p_s, a_s, vec_s, loaded, freed,
-              beta, rq, rk, gcum, bos, eos, c_begin, n_chunks, i_h, i_hv, i_v, scale, H: gl.constexpr,
-              HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, L2NORM: gl.constexpr, BETA: gl.constexpr,
-              SEG: gl.constexpr, STAGES: gl.constexpr):
+def _loader_t(k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s,
+              loaded, freed, beta, rq, rk, gcum, decay, bos, eos, c_begin, n_chunks, first_chunk, i_h, i_hv, i_v,
+              scale, H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, L2NORM: gl.constexpr,
+              BETA: gl.constexpr, SEG: gl.constexpr, STAGES: gl.constexpr, GK: gl.constexpr):
     """Each chunk's tiles by TMA, then its per-token vectors into the stage's ``vec_s`` rows
     (zero past the sequence's end): the keys' weight in Y, rk e^G; beta (activated); the update's
-    row weights rk e^(G_last - G); the output's scale rq e^G. The stage's ``loaded`` barrier
-    completes on the TMA bytes and this warp's arrival after its stores."""
+    row weights rk e^(G_last - G); the output's scale rq e^G. GK (KDA: the gates are in the
+    prologue's tiles): beta, and the rows' mask in the third row; the chunk's decays e^G_last
+    [K] into ``dec_s``. The stage's ``loaded`` barrier completes on the TMA bytes and this warp's
+    arrival after its stores."""
     vec: gl.constexpr = gl.BlockedLayout([2], [32], [1], [0])
     r = gl.arange(0, BT, layout=vec)
+    o_k = gl.arange(0, K, layout=gl.BlockedLayout([K // 32], [32], [1], [0]))
     for i in range(0, n_chunks):
-        stage = _load_stage(k_desc, q_desc, k_desc, v_desc, p_desc, a_desc, k_s, q_s, k_s, v_s, p_s, a_s, loaded,
-                            freed, i, bos, c_begin, i_h, i_hv, i_v, K, V, BV_REGS, STAGES, False, SEG, True, 1)
+        stage = _load_stage(k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s, loaded,
+                            freed, i, bos, c_begin, i_h, i_hv, i_v, K, V, BV_REGS, STAGES, GK, SEG, True, 1)
         t0 = bos + (c_begin + i) * BT
         m_t = r < eos - t0
         row = (t0 + r) * HV + i_hv
         b_beta = _activate_beta(gl.load(beta + row, mask=m_t, other=0.0), m_t, BETA)
-        b_G = gl.load(gcum + row, mask=m_t, other=0.0)
-        b_Gl = gl.load(gcum + (gl.minimum(eos, t0 + BT) - 1) * HV + i_hv)
-        if L2NORM:
-            b_rk = gl.load(rk + (t0 + r) * H + i_h, mask=m_t, other=0.0)
-            b_rq = gl.load(rq + (t0 + r) * H + i_h, mask=m_t, other=0.0)
+        if GK:
+            vec_s.index(stage * N_VEC + 1).store(b_beta)
+            vec_s.index(stage * N_VEC + 2).store(gl.where(m_t, 1.0, 0.0))
+            dec_s.index(stage).store(gl.load(decay + ((first_chunk + c_begin + i) * HV + i_hv) * K + o_k))
         else:
-            b_rk = gl.where(m_t, 1.0, 0.0)
-            b_rq = b_rk
-        b_eg = gl.exp(b_G)
-        vec_s.index(stage * N_VEC).store(b_rk * b_eg)
-        vec_s.index(stage * N_VEC + 1).store(b_beta)
-        vec_s.index(stage * N_VEC + 2).store(gl.where(m_t, b_rk * gl.exp(b_Gl - b_G), 0.0))
-        vec_s.index(stage * N_VEC + 3).store(scale * b_rq * b_eg)
+            b_G = gl.load(gcum + row, mask=m_t, other=0.0)
+            b_Gl = gl.load(gcum + (gl.minimum(eos, t0 + BT) - 1) * HV + i_hv)
+            if L2NORM:
+                b_rk = gl.load(rk + (t0 + r) * H + i_h, mask=m_t, other=0.0)
+                b_rq = gl.load(rq + (t0 + r) * H + i_h, mask=m_t, other=0.0)
+            else:
+                b_rk = gl.where(m_t, 1.0, 0.0)
+                b_rq = b_rk
+            b_eg = gl.exp(b_G)
+            vec_s.index(stage * N_VEC).store(b_rk * b_eg)
+            vec_s.index(stage * N_VEC + 1).store(b_beta)
+            vec_s.index(stage * N_VEC + 2).store(gl.where(m_t, b_rk * gl.exp(b_Gl - b_G), 0.0))
+            vec_s.index(stage * N_VEC + 3).store(scale * b_rq * b_eg)
         gl.thread_barrier()
         mbarrier.arrive(loaded.index(stage), count=1)
 
@@ -92,11 +100,15 @@ def _initial_state_t(h0, seg_state, i_n, i_s, i_hv, o_v, o_k, p_state, accs: gl.
 
 
 @gluon.jit
-def _chunk_step_t(k_t, q_t, v_t, p_t, a_t, vec_s, vb, S, zero, b_egl, acc: gl.constexpr, accs: gl.constexpr):
+def _chunk_step_t(k_t, q_t, kd_t, v_t, p_t, a_t, vec_s, vb, dec_t, S, zero, b_egl, acc: gl.constexpr,
+                  accs: gl.constexpr, GK: gl.constexpr):
     """One chunk's transposed products, its tiles landed (keys and queries ``[BT, K]``, values, P
     and A_qk, the per-token vectors at vec_s rows vb ..). Returns the new state S^T [BV, K] and
     the output O^T [BV, BT] (fp32). Each product is one wgmma op over its whole K: an accumulator
-    chained from one op into the next makes ptxas wait for the first (C7517)."""
+    chained from one op into the next makes ptxas wait for the first (C7517). GK (KDA): the
+    keys and queries are the gated kg and qg, the update reads kd and the decays ``dec_t`` [K]:
+    Y^T = (v^T - S^T kg^T) diag(beta), S^T = S^T diag(e^G_last) + V_new^T diag(mask) kd,
+    O^T = S^T qg^T + V_new^T diag(mask) A_qk^T."""
     cols: gl.constexpr = gl.SliceLayout(0, acc)
     dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc, k_width=2)
     dot_s: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=accs, k_width=2)
@@ -107,15 +119,24 @@ def _chunk_step_t(k_t, q_t, v_t, p_t, a_t, vec_s, vb, S, zero, b_egl, acc: gl.co
     x = warpgroup_mma_wait(num_outstanding=1, deps=(x,))
     # Y^T = (v^T - X^T diag(rk e^G)) diag(beta);  V_new^T = Y^T P^T
     b_v = v_t.permute((1, 0)).load(acc).to(gl.float32)                     # v^T [BV, BT]
-    b_y = (b_v - x * vec_s.index(vb).load(cols)[None, :]) * vec_s.index(vb + 1).load(cols)[None, :]
+    if GK:
+        b_y = (b_v - x) * vec_s.index(vb + 1).load(cols)[None, :]
+    else:
+        b_y = (b_v - x * vec_s.index(vb).load(cols)[None, :]) * vec_s.index(vb + 1).load(cols)[None, :]
     y = gl.convert_layout(b_y.to(gl.bfloat16), dot_a)
     vn = warpgroup_mma(y, p_t.permute((1, 0)), zero, use_acc=False, is_async=True)
     vn, qs, s_a, y = warpgroup_mma_wait(num_outstanding=0, deps=(vn, qs, s_a, y))
     # S^T = e^G_last S^T + V_new^T diag(rk e^(G_last - G)) k;  O^T = Q^T diag(scale rq e^G) + V_new^T A_qk^T
-    vd = gl.convert_layout((vn * vec_s.index(vb + 2).load(cols)[None, :]).to(gl.bfloat16), dot_s)
-    S = warpgroup_mma(vd, k_t, S * b_egl, is_async=True)
-    va = gl.convert_layout(vn.to(gl.bfloat16), dot_a)
-    out = warpgroup_mma(va, a_t.permute((1, 0)), qs * vec_s.index(vb + 3).load(cols)[None, :], is_async=True)
+    vm = vn * vec_s.index(vb + 2).load(cols)[None, :]          # GDN: rows weighted; GK: rows masked
+    vd = gl.convert_layout(vm.to(gl.bfloat16), dot_s)
+    if GK:
+        S = warpgroup_mma(vd, kd_t, S * dec_t.load(gl.SliceLayout(0, accs))[None, :], is_async=True)
+        va = gl.convert_layout(vm.to(gl.bfloat16), dot_a)
+        out = warpgroup_mma(va, a_t.permute((1, 0)), qs, is_async=True)
+    else:
+        S = warpgroup_mma(vd, k_t, S * b_egl, is_async=True)
+        va = gl.convert_layout(vn.to(gl.bfloat16), dot_a)
+        out = warpgroup_mma(va, a_t.permute((1, 0)), qs * vec_s.index(vb + 3).load(cols)[None, :], is_async=True)
     S, out, vd, va = warpgroup_mma_wait(num_outstanding=0, deps=(S, out, vd, va))
     return S, out
 
@@ -136,12 +157,12 @@ def _store_output_t(out, o_desc, o_s, o, t0, eos, r, o_v, i_hv, i_v, n_rows, HV:
 
 
 @gluon.jit
-def _chain_t(k_s, q_s, v_s, p_s, a_s, vec_s, o_s, loaded, freed, o_desc, gcum, o, h0, ht, seg_state,
+def _chain_t(k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s, loaded, freed, o_desc, gcum, o, h0, ht, seg_state,
              bos, eos, c_begin, n_chunks, is_last, i_n, i_s, i_hv, i_v, n_rows, HV: gl.constexpr,
              K: gl.constexpr, V: gl.constexpr, SK: gl.constexpr, SV: gl.constexpr, HAS_H0: gl.constexpr,
-             STORE_FINAL: gl.constexpr, SEG: gl.constexpr, STAGES: gl.constexpr):
-    """The program's 64 columns, chunk by chunk (one warpgroup); the chunk's e^G_last is the one
-    value it loads itself (a chunk ahead)."""
+             STORE_FINAL: gl.constexpr, SEG: gl.constexpr, STAGES: gl.constexpr, GK: gl.constexpr):
+    """The program's 64 columns, chunk by chunk (one warpgroup); GDN's e^G_last is the one value
+    it loads itself (a chunk ahead)."""
     acc: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     accs: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, K, 16])
     r = gl.arange(0, BT, layout=gl.SliceLayout(0, acc))                   # chunk rows (tokens): columns here
@@ -153,21 +174,26 @@ def _chain_t(k_s, q_s, v_s, p_s, a_s, vec_s, o_s, loaded, freed, o_desc, gcum, o
     # a [64, 128] tile of this swizzle is its two 64-column halves, 8 KB apart, as TMA splits it)
     kk_s = k_s._reinterpret(gl.bfloat16, [STAGES, BT, K], k_s.layout)
     qq_s = q_s._reinterpret(gl.bfloat16, [STAGES, BT, K], q_s.layout)
+    kkd_s = kd_s._reinterpret(gl.bfloat16, [STAGES, BT, K], kd_s.layout)
 
     S = _initial_state_t(h0, seg_state, i_n, i_s, i_hv, o_vs, o_k, p_state, accs, HV, K, V, HAS_H0, SEG)
     zero = gl.zeros([BV_REGS, BT], gl.float32, acc)
     t_last = gl.minimum(eos, bos + c_begin * BT + BT) - 1
-    n_Gl = gl.load(gcum + t_last * HV + i_hv, mask=n_chunks > 0, other=0.0)
+    n_Gl = 0.0
+    if not GK:
+        n_Gl = gl.load(gcum + t_last * HV + i_hv, mask=n_chunks > 0, other=0.0)
     for i in range(0, n_chunks):
         c = c_begin + i
         stage = (i % STAGES).to(gl.int32)
         t0 = bos + c * BT
         b_egl = gl.exp(n_Gl)
-        n_Gl = gl.load(gcum + (gl.minimum(eos, t0 + 2 * BT) - 1) * HV + i_hv, mask=i + 1 < n_chunks, other=0.0)
+        if not GK:
+            n_Gl = gl.load(gcum + (gl.minimum(eos, t0 + 2 * BT) - 1) * HV + i_hv, mask=i + 1 < n_chunks, other=0.0)
 
         mbarrier.wait(loaded.index(stage), ((i // STAGES) & 1).to(gl.int32))
-        S, out = _chunk_step_t(kk_s.index(stage), qq_s.index(stage), v_s.index(stage), p_s.index(stage),
-                               a_s.index(stage), vec_s, stage * N_VEC, S, zero, b_egl, acc, accs)
+        S, out = _chunk_step_t(kk_s.index(stage), qq_s.index(stage), kkd_s.index(stage), v_s.index(stage),
+                               p_s.index(stage), a_s.index(stage), vec_s, stage * N_VEC, dec_s.index(stage), S, zero,
+                               b_egl, acc, accs, GK)
         mbarrier.arrive(freed.index(stage), count=1)                        # the loader may refill the stage
         _store_output_t(out, o_desc, o_s, o, t0, eos, r, o_v, i_hv, i_v, n_rows, HV, V)
 
@@ -178,13 +204,13 @@ def _chain_t(k_s, q_s, v_s, p_s, a_s, vec_s, o_s, loaded, freed, o_desc, gcum, o
 
 @gluon.jit(do_not_specialize=["T", "NT", "n_rows"])     # T = 1 would compile a variant of its own
 def _scan_regs_sm90_kernel(
-    k_desc, q_desc, v_desc, p_desc, a_desc, o_desc,
-    beta, rq, rk, gcum, o, h0, ht, cu_seqlens, chunk_start, segments, seg_state,
+    k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, o_desc,
+    beta, rq, rk, gcum, decay, o, h0, ht, cu_seqlens, chunk_start, segments, seg_state,
     T, NT, n_rows, scale,
     H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
     SK: gl.constexpr, SV: gl.constexpr, HAS_H0: gl.constexpr, STORE_FINAL: gl.constexpr,
     L2NORM: gl.constexpr, VARLEN: gl.constexpr, SEG: gl.constexpr, BETA: gl.constexpr,
-    STAGES: gl.constexpr, LOADER_NREG: gl.constexpr,
+    STAGES: gl.constexpr, GK: gl.constexpr, LOADER_NREG: gl.constexpr,
 ):
     NK: gl.constexpr = K // BK
     i_v, i_hv, i_h, i_s, i_n, bos, eos, first_chunk, c_begin, n_chunks, is_last = _program(
@@ -196,7 +222,14 @@ def _scan_regs_sm90_kernel(
     p_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, BT], tile)
     a_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, BT], tile)
     v_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, BV_REGS], v_desc.layout)
-    vec_s = gl.allocate_shared_memory(gl.float32, [STAGES * N_VEC, BT], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    vec_s = gl.allocate_shared_memory(gl.float32, [STAGES * N_VEC, BT], plain)
+    if GK:                                  # the gated keys' kd tiles and the chunks' decays
+        kd_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES * NK, BT, BK], tile)
+        dec_s = gl.allocate_shared_memory(gl.float32, [STAGES, K], plain)
+    else:
+        kd_s = k_s
+        dec_s = vec_s
     o_s = gl.allocate_shared_memory(gl.bfloat16, [BT, BV_REGS], o_desc.layout)
     bar: gl.constexpr = mbarrier.MBarrierLayout()
     loaded = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
@@ -207,13 +240,14 @@ def _scan_regs_sm90_kernel(
     fence_async_shared()
 
     i_hv32 = i_hv.to(gl.int32)
+    i_h32 = i_hv32 if GK else i_h.to(gl.int32)                           # the column block of k, q (and kd)
     gl.warp_specialize([
-        (_chain_t, (k_s, q_s, v_s, p_s, a_s, vec_s, o_s, loaded, freed, o_desc, gcum, o, h0, ht, seg_state,
-                    bos, eos, c_begin, n_chunks, is_last, i_n, i_s, i_hv32, i_v, n_rows, HV, K, V, SK, SV, HAS_H0,
-                    STORE_FINAL, SEG, STAGES)),
-        (_loader_t, (k_desc, q_desc, v_desc, p_desc, a_desc, k_s, q_s, v_s, p_s, a_s, vec_s, loaded, freed,
-                     beta, rq, rk, gcum, bos, eos, c_begin, n_chunks, i_h.to(gl.int32), i_hv32, i_v, scale, H, HV,
-                     K, V, L2NORM, BETA, SEG, STAGES)),
+        (_chain_t, (k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s, loaded, freed, o_desc, gcum, o, h0, ht,
+                    seg_state, bos, eos, c_begin, n_chunks, is_last, i_n, i_s, i_hv32, i_v, n_rows, HV, K, V, SK, SV,
+                    HAS_H0, STORE_FINAL, SEG, STAGES, GK)),
+        (_loader_t, (k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s,
+                     loaded, freed, beta, rq, rk, gcum, decay, bos, eos, c_begin, n_chunks, first_chunk, i_h32,
+                     i_hv32, i_v, scale, H, HV, K, V, L2NORM, BETA, SEG, STAGES, GK)),
     ], [1], [LOADER_NREG])
     for st in gl.static_range(STAGES):
         mbarrier.invalidate(loaded.index(st))
