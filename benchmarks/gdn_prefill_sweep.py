@@ -68,8 +68,9 @@ VARIANTS = {
     "gluon-inv-vpp1": dict(inverse_heads=1),
     "gluon-inv-vpp2": dict(inverse_heads=2),
     "gluon-given-order": dict(LONGEST_FIRST=False),    # whole varlen sequences scanned in the given order
-    "gluon-regs": dict(SCAN_REGS=True),   # the state-in-registers scan (chunk_delta_regs_sm90.py) where it serves
-    "gluon-regs-noseg": dict(SCAN_REGS=True, segment_chunks=0),
+    "gluon-regs": dict(SCAN_REGS=True, REGS_CHAINS=1),    # the state-in-registers scan (chunk_delta_regs_
+    "gluon-regs2": dict(SCAN_REGS=True, REGS_CHAINS=2),   # sm90.py) wherever it serves: one, two chains a program
+    "gluon-no-regs": dict(SCAN_REGS=False),               # the two-chain scan everywhere (before v26)
     "bv16": dict(scan_block_v=16, scan_stages=2, scan_warps=4),
     "bv32s2": dict(scan_block_v=32, scan_stages=2, scan_warps=4),
     "bv32s3": dict(scan_block_v=32, scan_stages=3, scan_warps=4),

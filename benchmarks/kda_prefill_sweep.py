@@ -42,7 +42,9 @@ VARIANTS = {
     "prep-triton": dict(sm90_prologue=False),     # the Gluon tier with the Triton prologue
     "dual": dict(scan_dual=True, scan_bv=64),      # the two-chain sm_90 scan at 64 columns (2 x 32)
     "dual-bv32": dict(scan_dual=True, scan_bv=32),
-    "regs": dict(scan_regs=True),                  # the state-in-registers scan (chunk_delta_regs_sm90.py)
+    "regs": dict(scan_regs=True, regs_chains=1),   # the state-in-registers scan (chunk_delta_regs_sm90.py)
+    "regs2": dict(scan_regs=True, regs_chains=2),  # forced: one, two chains a program
+    "no-regs": dict(scan_regs=False),              # the two-chain scan (before v26)
     "bv32-gluon": dict(scan_bv=32),                # the plain sm_90 scan at 32 columns
     "sm90-r168": dict(sm90_maxnreg=168),           # the sm_90 prologue capped (three programs per SM)
     "sm90-uncapped": dict(sm90_maxnreg=None),
@@ -126,6 +128,7 @@ def main() -> int:
             gluon_chunk.SCAN_BLOCK_V = over.pop("scan_bv", None)
             gluon_chunk.LONGEST_FIRST = over.pop("longest_first", True)
             gluon_chunk.SCAN_REGS = over.pop("scan_regs", default_regs)
+            gluon_chunk.REGS_CHAINS = over.pop("regs_chains", None)
             chunk_delta.default_config = config_with(original, over)
             try:
                 with use_tier(args.tier, strict=True), torch.no_grad():
@@ -145,6 +148,7 @@ def main() -> int:
                 gluon_chunk.SCAN_DUAL, gluon_chunk.SCAN_BLOCK_V = default_dual, None
                 gluon_chunk.LONGEST_FIRST = True
                 gluon_chunk.SCAN_REGS = default_regs
+                gluon_chunk.REGS_CHAINS = None
             prep = sum(v for k, v in split.items() if any(w in k for w in ("prepare", "prologue", "inverse", "wide", "list")))
             scan = sum(v for k, v in split.items() if "scan" in k)
             rows.append(dict(shape=shape, variant=name, tier=args.tier, gate=args.gate, us=us, prepare_us=prep, scan_us=scan, kernels=split,

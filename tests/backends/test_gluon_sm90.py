@@ -83,6 +83,8 @@ SCAN_VARIANTS = {
     "regs-k64-v-first-raw-beta": dict(REGS=True, BV=64, K=64, V=64, SK=1, SV=64, BETA=1, L2NORM=False),
     "regs-kda": dict(REGS=True, BV=64, GK=True, L2NORM=False),
     "regs-kda-replay-varlen": dict(REGS=True, BV=64, GK=True, L2NORM=False, SEG=2, VARLEN=True),
+    "regs2": dict(REGS=True, BV=128),
+    "regs2-kda": dict(REGS=True, BV=128, GK=True, L2NORM=False),
 }
 
 
@@ -103,9 +105,9 @@ def _child_scan(name: str, folder: str) -> None:
         consts["PREP_NREG"] = PREP_REGS
     elif consts.pop("REGS", False):
         kern = regs._scan_regs_sm90_kernel
+        consts.update(CHAINS=consts["BV"] // 64, CHAIN_NREG=regs.CHAIN_REGS, LOADER_NREG=regs.LOADER_REGS)
         for n in ("WARPGROUPS", "DELTA", "BV", "STORE_STATES"):
             del consts[n]
-        consts["LOADER_NREG"] = regs.LOADER_REGS
     elif consts.pop("DUAL", False):
         kern = _scan_dual_sm90_kernel
         del consts["WARPGROUPS"]
@@ -129,8 +131,10 @@ def _child_scan(name: str, folder: str) -> None:
 
 # Spills allowed by name (bytes of stack): the two 64-column chains at 224 + 248 registers keep
 # the values computed before the partitions fork on the stack (reloaded once, one in the loop);
-# the state-in-registers replay keeps two words there
-SCAN_SPILLS = {"dual-bv128": 64, "regs-replay-varlen": 8}
+# the state-in-registers scan keeps two words there (replay) and with two chains the final store's
+# pointers (chains at 224 + 232 registers, the loader's warpgroup at 48): stored before the loop,
+# reloaded after it
+SCAN_SPILLS = {"dual-bv128": 64, "regs-replay-varlen": 8, "regs2": 72, "regs2-kda": 24}
 
 
 @pytest.mark.parametrize("name", list(SCAN_VARIANTS))
@@ -249,15 +253,18 @@ def test_launcher_builds_descriptors(monkeypatch):
     """The host side of the Gluon scan on the CPU, up to the launch: TMA descriptors of the shapes
     and boxes the kernel expects, the row count for the output's store, and the tile plan (64
     columns at 1x32k HV64; 32 whenever chunk states are stored; 128 on two warpgroups, eight
-    warps, at 4x8k HV32), on the plain kernel, the warp-specialized one, then the two-chain one."""
+    warps, at 4x8k HV32), on the plain kernel, the warp-specialized one, then the two-chain one;
+    last the state-in-registers scan where its plan takes it (one chain a program at 1x32k HV64,
+    two at 4x8k HV32, GDN and KDA)."""
     import torch
 
     from fastla.backends.gluon import chunk_delta as gluon_chunk
-    from fastla.backends.gluon import chunk_delta_dual_sm90, chunk_delta_sm90, chunk_delta_ws_sm90
+    from fastla.backends.gluon import chunk_delta_dual_sm90, chunk_delta_regs_sm90, chunk_delta_sm90, chunk_delta_ws_sm90
     from fastla.backends.triton import chunk_delta
     from fastla.core.validation import build_problem
 
     launches = []
+    monkeypatch.setattr(gluon_chunk, "SCAN_REGS", False)                 # (until the last part)
 
     class Recorder:
         def __init__(self, name):
@@ -274,6 +281,8 @@ def test_launcher_builds_descriptors(monkeypatch):
     dual_names = chunk_delta_dual_sm90._scan_dual_sm90_kernel.arg_names
     assert dual_names == [n for n in names if n not in ("WARPGROUPS", "DELTA")] + ["CHAIN_NREG", "LOADER_NREG", "DELTA"]
     monkeypatch.setattr(chunk_delta_dual_sm90, "_scan_dual_sm90_kernel", Recorder("dual"))
+    regs_names = chunk_delta_regs_sm90._scan_regs_sm90_kernel.arg_names
+    monkeypatch.setattr(chunk_delta_regs_sm90, "_scan_regs_sm90_kernel", Recorder("regs"))
     monkeypatch.setattr(gluon_chunk, "SCAN_DUAL", False)                 # the plain kernel first
     B, T, H, HV, K, V = 1, 32768, 16, 64, 128, 128
     bf = dict(dtype=torch.bfloat16)
@@ -361,6 +370,34 @@ def test_launcher_builds_descriptors(monkeypatch):
     assert k_desc is kd_desc and kd_desc.base is sp.kd and p_desc.base is a_desc.base is sp.scores
     assert args[dual_names.index("beta")] is sp.scores
 
+    # the state in registers (chunk_delta_regs_sm90.py), where regs_chains plans it: KDA at 4x8k
+    # H32 (two chains, 128 programs), GDN at 4x8k HV32 (two) and 1x32k HV64 (one chain, 128 programs)
+    monkeypatch.setattr(gluon_chunk, "SCAN_REGS", True)
+    p = build_problem("chunk_gated_delta_rule", q=q, k=k, v=v, g=g, beta=beta, delta=True, gva=True)
+    sp = chunk_delta.SequencePass(qg, kg, v, beta, 1, scratch, scratch, g, g, None, v, None, None, None, None, None,
+                                  T, 128, g, kd, decay)
+    gluon_chunk._sequence_scan(p, sp, 0, g, g, B)
+    grid, args, kw = launches[-1]
+    assert kw["kernel"] == "regs" and kw["GK"] is True and kw["CHAINS"] == 2 and grid == (B * HV,)
+    assert [d.base for d in args[:3]] == [kg, qg, kd] and args[regs_names.index("decay")] is decay
+    assert all(d.block_shape == [64, 64] for d in args[:7]) and kw["num_warps"] == 4
+    sp = chunk_delta.SequencePass(q, k, v, beta, 1, scratch, scratch, g, g, g, v, None, None, None, None, None,
+                                  T, 128, g)
+    gluon_chunk._sequence_scan(p, sp, 0, g, g, B)
+    grid, args, kw = launches[-1]
+    assert kw["kernel"] == "regs" and kw["GK"] is False and kw["CHAINS"] == 2 and args[2] is args[0]
+    B, T, HV = 1, 32768, 64
+    q, k, v = torch.empty(B, T, H, K, **bf), torch.empty(B, T, H, K, **bf), torch.empty(B, T, HV, V, **bf)
+    g, beta = torch.empty(B, T, HV), torch.empty(B, T, HV)
+    p = build_problem("chunk_gated_delta_rule", q=q, k=k, v=v, g=g, beta=beta, delta=True, gva=True)
+    scratch = torch.empty(B, T, HV, 64, **bf)
+    sp = chunk_delta.SequencePass(q, k, v, beta, 1, scratch, scratch, g, g, g, v, None, None, None, None, None,
+                                  T, 512, g)
+    gluon_chunk._sequence_scan(p, sp, 0, g, g, B)
+    grid, args, kw = launches[-1]
+    assert kw["kernel"] == "regs" and kw["CHAINS"] == 1 and grid == (HV * V // 64,)
+    assert args[regs_names.index("n_rows")] == B * T and kw["L2NORM"] is p.use_qk_l2norm
+
 
 def test_plan_on_sm90():
     """The sm_90 tier's plan: its split gain (1x8k HV16 splits, unlike the Triton tier's plan) and
@@ -391,6 +428,29 @@ def test_scan_tile_plan():
     assert scan_tile(32, 128, 132) == (32, 1)              # 1x32k HV32
     assert scan_tile(64, 96, 132) == (32, 1)               # only 32 divides V = 96
     assert scan_tile(64, 64, 132) == (32, 1) and scan_tile(132, 64, 132) == (64, 1)     # K = V = 64
+
+
+def test_regs_chains_plan(monkeypatch):
+    """Where the state-in-registers scan runs (chunk_delta.regs_chains), on the H100-measured
+    shapes: one chain when its 64-column programs fill half a wave to one, two beyond one wave,
+    the two-chain scan for fewer lanes, segment replays, chunk states and summaries."""
+    from types import SimpleNamespace
+
+    from fastla.backends.gluon import chunk_delta as gluon_chunk
+    p = SimpleNamespace(delta=True, V=128)
+    plan = gluon_chunk.regs_chains
+    assert plan(p, 0, False, 64, 132) == 1                 # 1x32k HV64: 128 programs, one wave
+    assert plan(p, 0, False, 128, 132) == 2                # 4x8k HV32: two chains, one wave of 128
+    assert plan(p, 0, False, 16, 132) == 0                 # 1x8k HV16: the two-chain scan's 32 columns
+    assert plan(p, 2, False, 64, 132) == 0 and plan(p, 1, False, 64, 132) == 0     # replays, summaries
+    assert plan(p, 0, True, 64, 132) == 0                  # chunk states stored
+    assert plan(SimpleNamespace(delta=False, V=128), 0, False, 64, 132) == 0      # the plain rule
+    assert plan(SimpleNamespace(delta=True, V=64), 0, False, 300, 132) == 1       # two chains need V % 128
+    assert plan(SimpleNamespace(delta=True, V=96), 0, False, 64, 132) == 0
+    monkeypatch.setattr(gluon_chunk, "REGS_CHAINS", 2)     # forced (tests, sweeps): wherever it serves
+    assert plan(p, 2, False, 4, 132) == 2 and plan(SimpleNamespace(delta=True, V=64), 0, False, 4, 132) == 1
+    monkeypatch.setattr(gluon_chunk, "SCAN_REGS", False)
+    assert plan(p, 0, False, 64, 132) == 0
 
 
 @pytest.mark.parametrize("kernel", ["dual", "plain", "ws"])

@@ -38,8 +38,9 @@ def bf16_inputs(**kw):
 
 
 @pytest.fixture(params=[(32, ""), (64, ""), (128, ""), (32, "ws"), (64, "ws"), (32, "dual"), (64, "dual"),
-                        (128, "dual"), (64, "regs")],
-                ids=["bv32", "bv64", "bv128", "ws-bv32", "ws-bv64", "dual-bv32", "dual-bv64", "dual-bv128", "regs"])
+                        (128, "dual"), (64, "regs"), (128, "regs")],
+                ids=["bv32", "bv64", "bv128", "ws-bv32", "ws-bv64", "dual-bv32", "dual-bv64", "dual-bv128", "regs",
+                     "regs2"])
 def block_v(request, monkeypatch):
     """The scan's tile width, the warp-specialized scan (chunk_delta_ws_sm90.py), the two-chain
     scan (chunk_delta_dual_sm90.py) at their widths, and the state-in-registers scan
@@ -50,6 +51,7 @@ def block_v(request, monkeypatch):
     monkeypatch.setattr(gluon_chunk, "SCAN_SPECIALIZED", kernel == "ws")
     monkeypatch.setattr(gluon_chunk, "SCAN_DUAL", kernel in ("dual", "regs"))
     monkeypatch.setattr(gluon_chunk, "SCAN_REGS", kernel == "regs")
+    monkeypatch.setattr(gluon_chunk, "REGS_CHAINS", 2 if kernel == "regs" and width == 128 else 1)
     return width
 
 
@@ -69,6 +71,7 @@ def test_head_dims_64_all_widths(block_v_64, monkeypatch):
     64 on the two-chain and the state-in-registers scans."""
     from fastla.backends.gluon import chunk_delta as gluon_chunk
     monkeypatch.setattr(gluon_chunk, "SCAN_REGS", block_v_64 == "regs-64")
+    monkeypatch.setattr(gluon_chunk, "REGS_CHAINS", 1)
     monkeypatch.setattr(gluon_chunk, "SCAN_DUAL", block_v_64 == "dual-64")
     monkeypatch.setattr(gluon_chunk, "SCAN_BLOCK_V", block_v_64 if isinstance(block_v_64, int) else 64)
     check(bf16_inputs(B=1, T=300, H=1, HV=2, K=64, V=64))
@@ -215,11 +218,13 @@ def test_sm90_inverse_matches_triton(case, monkeypatch):
     _compare_prologue_kernel(monkeypatch, sm90, "launch", "GDN_INVERSE_SM90", dict(G=1e-5, P=1e-2), shape, opts)
 
 
-@pytest.fixture(params=[False, True], ids=["default-scan", "regs"])
+@pytest.fixture(params=[0, 1, 2], ids=["two-chain", "regs", "regs2"])
 def regs_scan(request, monkeypatch):
-    """The shipped scan choice, and the state-in-registers scan where it serves (SCAN_REGS)."""
+    """The two-chain scan, and the state-in-registers scan wherever it serves (SCAN_REGS), one and
+    two chains a program (forced: the plan gives these few-lane shapes the two-chain scan)."""
     from fastla.backends.gluon import chunk_delta as gluon_chunk
-    monkeypatch.setattr(gluon_chunk, "SCAN_REGS", request.param)
+    monkeypatch.setattr(gluon_chunk, "SCAN_REGS", request.param > 0)
+    monkeypatch.setattr(gluon_chunk, "REGS_CHAINS", max(request.param, 1))
 
 
 def test_no_initial_state_and_strong_decay(regs_scan):

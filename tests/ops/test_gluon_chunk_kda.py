@@ -31,14 +31,17 @@ def test_tile_widths(block_v, case, monkeypatch):
     check_fp64(*bf16_case(case), tier="gluon")
 
 
+@pytest.mark.parametrize("chains", [1, 2])
 @pytest.mark.parametrize("case", ["dense", "varlen", "strong-decay", "unbounded-gate", "bounded-gate",
                                   "v-first-k64", "bounded-varlen", "bounded-k64"])
-def test_state_in_registers_scan(case, monkeypatch):
+def test_state_in_registers_scan(case, chains, monkeypatch):
     """The state-in-registers scan (chunk_delta_regs_sm90.py, SCAN_REGS) on every gate and layout,
-    then with segment replays (4-chunk segments; the summaries on the two-chain scan)."""
+    one and two chains a program (two: V = 128 only; K = V = 64 runs one), then with segment
+    replays (4-chunk segments; the summaries on the two-chain scan)."""
     from fastla.backends.gluon import chunk_delta as gluon_chunk
     from fastla.backends.triton import chunk_delta
     monkeypatch.setattr(gluon_chunk, "SCAN_REGS", True)
+    monkeypatch.setattr(gluon_chunk, "REGS_CHAINS", chains)
     check_fp64(*bf16_case(case), tier="gluon")
     if case in ("varlen", "bounded-gate"):
         original = chunk_delta.default_config

@@ -37,11 +37,15 @@ SCAN_DUAL = True
 SCAN_MAXNREG = None
 DUAL_WIDTHS = {False: (32, 64, 128), True: (64,)}       # by GK
 # The state in registers (chunk_delta_regs_sm90.py: every product transposed so that the state and
-# the step's intermediates are wgmma operands in registers, no shared-memory round trips; 64 columns
-# a program, one warpgroup and a loader warp) for the delta rule's whole sequences and segment
-# replays without chunk states, GDN and KDA. Off: not yet run on a GPU (sweep variants gluon-regs,
-# regs)
-SCAN_REGS = False
+# the step's intermediates are wgmma operands in registers, no shared-memory round trips; one or two
+# 64-column chains a program and a loader warp) for the delta rule's whole sequences (GDN, KDA)
+# without chunk states, where ``regs_chains`` plans it. Measured on an H100 against the two-chain
+# scan (docs/notes/gdn-prefill.md v26, scan us): one chain where its programs fill one wave (1x32k
+# HV64 941 -> 906, KDA 1x8k H64 320 -> 300), two where they would take more (4x8k HV32 H8 385 ->
+# 348, varlen 9x16k HV64 415 -> 381, KDA 2x16k H64 1264 -> 1126); fewer lanes stay on the
+# two-chain scan's narrower tiles. False: the two-chain scan everywhere (A/B)
+SCAN_REGS = True
+REGS_CHAINS = None          # chains a program: None, the plan; 1 or 2 forced wherever it serves (sweeps, tests)
 # The segment summary pass (sequence parallelism) on the two-chain scan too (its SEG 1: the V + K
 # columns from [0 | I], no queries, scores nor output) instead of the Triton scan: 1x32k HV8 442 ->
 # 327 us, 1x32k HV16 778 -> 557 (docs/notes/gdn-prefill.md, v12). False: the Triton summary (A/B)
@@ -220,10 +224,21 @@ def in_place_views(p: Problem) -> tuple[str, ...]:
     return tuple(n for n in ("q", "k", "v") if not getattr(p, n).is_contiguous() and row_stride(getattr(p, n)))
 
 
-def regs_scan_serves(p: Problem, seg: int, chunk_states: bool) -> bool:
-    """Whether the state-in-registers scan (SCAN_REGS) runs this pass: the delta rule (GDN, KDA),
-    whole sequences or segment replays, no chunk states, 64-column value tiles."""
-    return SCAN_REGS and p.delta and seg != 1 and not chunk_states and p.V % 64 == 0
+def regs_chains(p: Problem, seg: int, chunk_states: bool, lanes: float, sms: int) -> int:
+    """Chains a program of the state-in-registers scan for this pass, 0 where the two-chain scan
+    runs it. It serves the delta rule (GDN, KDA) without chunk states, whole sequences or (forced)
+    segment replays, V a multiple of 64 (128 for two chains). The plan (REGS_CHAINS None), for
+    whole sequences: one chain when its 64-column programs (``lanes`` x V / 64) fill between half
+    an SM wave and one; two when they would take more than one wave; else 0 (few lanes: the
+    two-chain scan's 32-column tiles, and segment replays, whose split its cost model planned)."""
+    if not (SCAN_REGS and p.delta and seg != 1 and not chunk_states and p.V % 64 == 0):
+        return 0
+    if REGS_CHAINS:
+        return REGS_CHAINS if p.V % (64 * REGS_CHAINS) == 0 else 1
+    programs = lanes * p.V / 64
+    if seg or programs < sms / 2:
+        return 0
+    return 2 if programs > sms and p.V % 128 == 0 else 1
 
 
 def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments, seg_state, programs: int):
@@ -234,13 +249,14 @@ def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments
     BT = BK = 64                                                            # the kernel's tile sides
     if seg == 0 and sp.cu_seqlens is not None and not LONGEST_FIRST:
         segments = segments[1]                                              # the sequences as given (A/B)
-    if regs_scan_serves(p, seg, sp.h_chunks is not None):
-        return _regs_scan(p, sp, seg, segments, seg_state, programs)
     if seg:
         lanes = programs * p.HV                                             # segments of (about) one length
     else:
         counts = triton_chunk._chunk_counts(p)
         lanes = p.HV * sum(counts) / max(max(counts), 1)
+    chains = regs_chains(p, seg, sp.h_chunks is not None, lanes, sm_count(p.device))
+    if chains:
+        return _regs_scan(p, sp, seg, segments, seg_state, programs, chains)
     gk = sp.kd is not None
     h_chunks = None if seg == 1 else sp.h_chunks                            # (a summary stores no chunk states)
     cols = p.V + p.K if seg == 1 else p.V                                   # a summary's V + K columns
@@ -309,12 +325,13 @@ def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments
     )
 
 
-def _regs_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments, seg_state, programs: int):
+def _regs_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments, seg_state, programs: int, chains: int):
     """The sequence pass on the state-in-registers scan (chunk_delta_regs_sm90.py): 64 value
-    columns a program, the [64, 64] tiles of the other scans."""
-    from fastla.backends.gluon.chunk_delta_regs_sm90 import BV_REGS, LOADER_REGS, _scan_regs_sm90_kernel
+    columns a chain, ``chains`` a program, the [64, 64] tiles of the other scans."""
+    from fastla.backends.gluon.chunk_delta_regs_sm90 import BV_REGS, CHAIN_REGS, LOADER_REGS, _scan_regs_sm90_kernel
 
-    BT = BK = BV = BV_REGS.value
+    BT = BK = BV_REGS.value
+    BV = BT * chains
     rows = p.B * p.T
     tile = _tile_layout(BT, BK)
 
@@ -335,7 +352,7 @@ def _regs_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments, se
         segments, seg_state, sp.T, sp.NT, rows, p.scale,
         H=p.H, HV=p.HV, K=p.K, V=p.V, SK=SK, SV=SV, HAS_H0=sp.h0 is not None, STORE_FINAL=sp.ht is not None,
         L2NORM=p.use_qk_l2norm and not gk, VARLEN=sp.cu_seqlens is not None, SEG=seg, BETA=sp.beta_mode,
-        STAGES=SCAN_STAGES, GK=gk, LOADER_NREG=LOADER_REGS, num_warps=4,
+        STAGES=SCAN_STAGES, GK=gk, CHAINS=chains, CHAIN_NREG=CHAIN_REGS, LOADER_NREG=LOADER_REGS, num_warps=4,
     )
 
 

@@ -37,8 +37,9 @@ from fastla.backends.gluon.chunk_delta_dual_sm90 import _load_stage
 from fastla.backends.gluon.chunk_delta_sm90 import BK, BT, _program
 from fastla.backends.triton.chunk_prepare import _activate_beta
 
-BV_REGS = gl.constexpr(64)      # value columns a program: the M side of the transposed products
-LOADER_REGS = 64        # registers per thread of the loader warp (setmaxnreg)
+BV_REGS = gl.constexpr(64)      # value columns a chain: the M side of the transposed products
+LOADER_REGS = 48        # registers per thread of the loader warp (setmaxnreg)
+CHAIN_REGS = 232        # of the second chain with CHAINS = 2 (the first gets the rest)
 N_VEC = gl.constexpr(4)    # per-token vectors a stage: rk e^G, beta, rk e^(G_last - G), scale rq e^G (GDN)
 
 
@@ -46,19 +47,20 @@ N_VEC = gl.constexpr(4)    # per-token vectors a stage: rk e^G, beta, rk e^(G_la
 def _loader_t(k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s,
               loaded, freed, beta, rq, rk, gcum, decay, bos, eos, c_begin, n_chunks, first_chunk, i_h, i_hv, i_v,
               scale, H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, L2NORM: gl.constexpr,
-              BETA: gl.constexpr, SEG: gl.constexpr, STAGES: gl.constexpr, GK: gl.constexpr):
+              BETA: gl.constexpr, SEG: gl.constexpr, STAGES: gl.constexpr, GK: gl.constexpr, CHAINS: gl.constexpr):
     """Each chunk's tiles by TMA, then its per-token vectors into the stage's ``vec_s`` rows
     (zero past the sequence's end): the keys' weight in Y, rk e^G; beta (activated); the update's
     row weights rk e^(G_last - G); the output's scale rq e^G. GK (KDA: the gates are in the
     prologue's tiles): beta, and the rows' mask in the third row; the chunk's decays e^G_last
-    [K] into ``dec_s``. The stage's ``loaded`` barrier completes on the TMA bytes and this warp's
-    arrival after its stores."""
+    [K] into ``dec_s``. The chains share the vectors (one value head); each has its value tile. The
+    stage's ``loaded`` barrier completes on the TMA bytes and this warp's arrival after its stores."""
     vec: gl.constexpr = gl.BlockedLayout([2], [32], [1], [0])
     r = gl.arange(0, BT, layout=vec)
     o_k = gl.arange(0, K, layout=gl.BlockedLayout([K // 32], [32], [1], [0]))
     for i in range(0, n_chunks):
         stage = _load_stage(k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s, loaded,
-                            freed, i, bos, c_begin, i_h, i_hv, i_v, K, V, BV_REGS, STAGES, GK, SEG, True, 1)
+                            freed, i, bos, c_begin, i_h, i_hv, i_v, K, V, BV_REGS * CHAINS, STAGES, GK, SEG, True,
+                            CHAINS)
         t0 = bos + (c_begin + i) * BT
         m_t = r < eos - t0
         row = (t0 + r) * HV + i_hv
@@ -100,7 +102,7 @@ def _initial_state_t(h0, seg_state, i_n, i_s, i_hv, o_v, o_k, p_state, accs: gl.
 
 
 @gluon.jit
-def _chunk_step_t(k_t, q_t, kd_t, v_t, p_t, a_t, vec_s, vb, dec_t, S, zero, b_egl, acc: gl.constexpr,
+def _chunk_step_t(k_t, q_t, kd_t, v_t, p_t, a_t, vec_s, vb, dec_t, S, b_egl, acc: gl.constexpr,
                   accs: gl.constexpr, GK: gl.constexpr):
     """One chunk's transposed products, its tiles landed (keys and queries ``[BT, K]``, values, P
     and A_qk, the per-token vectors at vec_s rows vb ..). Returns the new state S^T [BV, K] and
@@ -112,6 +114,7 @@ def _chunk_step_t(k_t, q_t, kd_t, v_t, p_t, a_t, vec_s, vb, dec_t, S, zero, b_eg
     cols: gl.constexpr = gl.SliceLayout(0, acc)
     dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc, k_width=2)
     dot_s: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=accs, k_width=2)
+    zero = gl.zeros([BV_REGS, BT], gl.float32, acc)                 # (made here: not held across the loop)
     # X^T = S^T k^T and Q^T = S^T q^T (wait for X^T only)
     s_a = gl.convert_layout(S.to(gl.bfloat16), dot_a)
     x = warpgroup_mma(s_a, k_t.permute((1, 0)), zero, use_acc=False, is_async=True)
@@ -157,12 +160,14 @@ def _store_output_t(out, o_desc, o_s, o, t0, eos, r, o_v, i_hv, i_v, n_rows, HV:
 
 
 @gluon.jit
-def _chain_t(k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s, loaded, freed, o_desc, gcum, o, h0, ht, seg_state,
-             bos, eos, c_begin, n_chunks, is_last, i_n, i_s, i_hv, i_v, n_rows, HV: gl.constexpr,
+def _chain_t(CH: gl.constexpr, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s, loaded, freed, o_desc, gcum, o, h0,
+             ht, seg_state, bos, eos, c_begin, n_chunks, is_last, i_n, i_s, i_hv, i_v, n_rows, HV: gl.constexpr,
              K: gl.constexpr, V: gl.constexpr, SK: gl.constexpr, SV: gl.constexpr, HAS_H0: gl.constexpr,
-             STORE_FINAL: gl.constexpr, SEG: gl.constexpr, STAGES: gl.constexpr, GK: gl.constexpr):
-    """The program's 64 columns, chunk by chunk (one warpgroup); GDN's e^G_last is the one value
-    it loads itself (a chunk ahead)."""
+             STORE_FINAL: gl.constexpr, SEG: gl.constexpr, STAGES: gl.constexpr, GK: gl.constexpr,
+             CHAINS: gl.constexpr):
+    """Chain CH: the 64 columns of value tile CHAINS i_v + CH, chunk by chunk (one warpgroup); GDN's
+    e^G_last is the one value it loads itself (a chunk ahead)."""
+    i_v = i_v * CHAINS + CH
     acc: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     accs: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, K, 16])
     r = gl.arange(0, BT, layout=gl.SliceLayout(0, acc))                   # chunk rows (tokens): columns here
@@ -177,7 +182,6 @@ def _chain_t(k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s, loaded, freed, o_
     kkd_s = kd_s._reinterpret(gl.bfloat16, [STAGES, BT, K], kd_s.layout)
 
     S = _initial_state_t(h0, seg_state, i_n, i_s, i_hv, o_vs, o_k, p_state, accs, HV, K, V, HAS_H0, SEG)
-    zero = gl.zeros([BV_REGS, BT], gl.float32, acc)
     t_last = gl.minimum(eos, bos + c_begin * BT + BT) - 1
     n_Gl = 0.0
     if not GK:
@@ -191,11 +195,11 @@ def _chain_t(k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s, loaded, freed, o_
             n_Gl = gl.load(gcum + (gl.minimum(eos, t0 + 2 * BT) - 1) * HV + i_hv, mask=i + 1 < n_chunks, other=0.0)
 
         mbarrier.wait(loaded.index(stage), ((i // STAGES) & 1).to(gl.int32))
-        S, out = _chunk_step_t(kk_s.index(stage), qq_s.index(stage), kkd_s.index(stage), v_s.index(stage),
-                               p_s.index(stage), a_s.index(stage), vec_s, stage * N_VEC, dec_s.index(stage), S, zero,
-                               b_egl, acc, accs, GK)
+        S, out = _chunk_step_t(kk_s.index(stage), qq_s.index(stage), kkd_s.index(stage), v_s.index(stage * CHAINS + CH),
+                               p_s.index(stage), a_s.index(stage), vec_s, stage * N_VEC, dec_s.index(stage), S, b_egl,
+                               acc, accs, GK)
         mbarrier.arrive(freed.index(stage), count=1)                        # the loader may refill the stage
-        _store_output_t(out, o_desc, o_s, o, t0, eos, r, o_v, i_hv, i_v, n_rows, HV, V)
+        _store_output_t(out, o_desc, o_s.index(CH), o, t0, eos, r, o_v, i_hv, i_v, n_rows, HV, V)
 
     tma.store_wait(0)
     if STORE_FINAL:
@@ -210,18 +214,19 @@ def _scan_regs_sm90_kernel(
     H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
     SK: gl.constexpr, SV: gl.constexpr, HAS_H0: gl.constexpr, STORE_FINAL: gl.constexpr,
     L2NORM: gl.constexpr, VARLEN: gl.constexpr, SEG: gl.constexpr, BETA: gl.constexpr,
-    STAGES: gl.constexpr, GK: gl.constexpr, LOADER_NREG: gl.constexpr,
+    STAGES: gl.constexpr, GK: gl.constexpr, CHAINS: gl.constexpr, CHAIN_NREG: gl.constexpr,
+    LOADER_NREG: gl.constexpr,
 ):
     NK: gl.constexpr = K // BK
     i_v, i_hv, i_h, i_s, i_n, bos, eos, first_chunk, c_begin, n_chunks, is_last = _program(
-        segments, cu_seqlens, chunk_start, T, NT, H, HV, K, V, BV_REGS, VARLEN, SEG)
+        segments, cu_seqlens, chunk_start, T, NT, H, HV, K, V, BV_REGS * CHAINS, VARLEN, SEG)
 
     tile: gl.constexpr = k_desc.layout
     k_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES * NK, BT, BK], tile)
     q_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES * NK, BT, BK], tile)
     p_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, BT], tile)
     a_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, BT], tile)
-    v_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, BV_REGS], v_desc.layout)
+    v_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES * CHAINS, BT, BV_REGS], v_desc.layout)
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     vec_s = gl.allocate_shared_memory(gl.float32, [STAGES * N_VEC, BT], plain)
     if GK:                                  # the gated keys' kd tiles and the chunks' decays
@@ -230,25 +235,38 @@ def _scan_regs_sm90_kernel(
     else:
         kd_s = k_s
         dec_s = vec_s
-    o_s = gl.allocate_shared_memory(gl.bfloat16, [BT, BV_REGS], o_desc.layout)
+    o_s = gl.allocate_shared_memory(gl.bfloat16, [CHAINS, BT, BV_REGS], o_desc.layout)
     bar: gl.constexpr = mbarrier.MBarrierLayout()
     loaded = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
     freed = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
     for st in gl.static_range(STAGES):
         mbarrier.init(loaded.index(st), count=2)        # the TMA bytes' expect and the vectors' arrival
-        mbarrier.init(freed.index(st), count=1)
+        mbarrier.init(freed.index(st), count=CHAINS)
     fence_async_shared()
 
     i_hv32 = i_hv.to(gl.int32)
     i_h32 = i_hv32 if GK else i_h.to(gl.int32)                           # the column block of k, q (and kd)
-    gl.warp_specialize([
-        (_chain_t, (k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s, loaded, freed, o_desc, gcum, o, h0, ht,
-                    seg_state, bos, eos, c_begin, n_chunks, is_last, i_n, i_s, i_hv32, i_v, n_rows, HV, K, V, SK, SV,
-                    HAS_H0, STORE_FINAL, SEG, STAGES, GK)),
-        (_loader_t, (k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s,
-                     loaded, freed, beta, rq, rk, gcum, decay, bos, eos, c_begin, n_chunks, first_chunk, i_h32,
-                     i_hv32, i_v, scale, H, HV, K, V, L2NORM, BETA, SEG, STAGES, GK)),
-    ], [1], [LOADER_NREG])
+    if CHAINS == 2:
+        gl.warp_specialize([
+            (_chain_t, (0, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s, loaded, freed, o_desc, gcum, o, h0, ht,
+                        seg_state, bos, eos, c_begin, n_chunks, is_last, i_n, i_s, i_hv32, i_v, n_rows, HV, K, V, SK,
+                        SV, HAS_H0, STORE_FINAL, SEG, STAGES, GK, CHAINS)),
+            (_chain_t, (1, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s, loaded, freed, o_desc, gcum, o, h0, ht,
+                        seg_state, bos, eos, c_begin, n_chunks, is_last, i_n, i_s, i_hv32, i_v, n_rows, HV, K, V, SK,
+                        SV, HAS_H0, STORE_FINAL, SEG, STAGES, GK, CHAINS)),
+            (_loader_t, (k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s,
+                         loaded, freed, beta, rq, rk, gcum, decay, bos, eos, c_begin, n_chunks, first_chunk, i_h32,
+                         i_hv32, i_v, scale, H, HV, K, V, L2NORM, BETA, SEG, STAGES, GK, CHAINS)),
+        ], [4, 1], [CHAIN_NREG, LOADER_NREG])
+    else:
+        gl.warp_specialize([
+            (_chain_t, (0, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s, loaded, freed, o_desc, gcum, o, h0, ht,
+                        seg_state, bos, eos, c_begin, n_chunks, is_last, i_n, i_s, i_hv32, i_v, n_rows, HV, K, V, SK,
+                        SV, HAS_H0, STORE_FINAL, SEG, STAGES, GK, CHAINS)),
+            (_loader_t, (k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s,
+                         loaded, freed, beta, rq, rk, gcum, decay, bos, eos, c_begin, n_chunks, first_chunk, i_h32,
+                         i_hv32, i_v, scale, H, HV, K, V, L2NORM, BETA, SEG, STAGES, GK, CHAINS)),
+        ], [1], [LOADER_NREG])
     for st in gl.static_range(STAGES):
         mbarrier.invalidate(loaded.index(st))
         mbarrier.invalidate(freed.index(st))
