@@ -1,30 +1,40 @@
-"""Hopper (sm_90) chunk scan of the GDN forward with the state and the step's intermediates in registers.
+"""Hopper (sm_90) chunk scan of the GDN and KDA forwards with the state and the step's intermediates in registers.
 
 The same function as chunk_delta_sm90.py (its prologue, tiles and row vectors) with every product
 transposed, so that the operands that change each step are wgmma A operands held in registers
-instead of bf16 tiles written to shared memory, fenced and waited for at a barrier. A program owns
-BV = 64 value columns of one value head (the wgmma M side); its state ``S^T [BV, K]`` fp32 lives in
-registers as K / 64 accumulator halves ``[BV, 64]``. Per chunk (the tiles landed):
+instead of bf16 tiles written to shared memory, fenced and waited for at a barrier. A chain (one
+warpgroup) owns BV = 64 value columns of one value head (the wgmma M side); its state
+``S^T [BV, K]`` fp32 is one accumulator in registers. Per chunk (the tiles landed):
     X^T = S^T k^T  and  Q^T = S^T q^T       A = S^T (bf16 registers), B = the key / query tile, permuted
     Y^T = (v^T - X^T diag(rk e^G)) diag(beta)      v^T read from the value tile, permuted
     V_new^T = Y^T P^T                        A = Y^T (registers)
     S^T = e^G_last S^T + V_new^T diag(rk e^(G_last - G)) k      A = registers, B = the key tile
     O^T = Q^T diag(scale rq e^G) + V_new^T A_qk^T                 A = V_new^T (registers)
     O (transposed into shared memory) -> TMA store
-The per-token vectors (G, beta, 1/|k|, 1/|q|) are column vectors of the ``[BV, 64]`` accumulators.
-The only shared-memory writes of a step are the output tile's; the chain meets the loader only at
-the stage mbarriers.
+GK (KDA): kg, qg and kd tiles per value head; Y^T = (v^T - S^T kg^T) diag(beta), S^T = S^T
+diag(e^G_last) + V_new^T diag(mask) kd, O^T = S^T qg^T + V_new^T diag(mask) A_qk^T. Each product
+is one wgmma op over its whole K (the keys' two [64, 64] TMA boxes read as one [64, K] tile): an
+accumulator chained from one op into the next makes ptxas wait for the first (C7517). The
+per-token vectors are column vectors here (16 registers a thread each), so the loader computes
+them into shared memory and the chain loads each where it is used; the only shared-memory writes
+of a chain's step are its output tile's, and it meets the loader only at the stage mbarriers.
 
-Grid ``(sequences or segments x HV x V / 64,)`` (chunk_delta_sm90._program); 5 warps: the chain
-(default partition, one warpgroup) and a one-warp loader (chunk_delta_dual_sm90._loader_partition,
-one value tile). Serves GDN (and the plain rule's scalar gate is not served: DELTA only), whole
-sequences (SEG 0) and segment replays (SEG 2), with h0 and the final state in either layout; the
-chunk states (``[BV, K]`` pointer offsets would spill), the segment summaries (SEG 1) and KDA's
-per-channel step stay on the two-chain and one-chain scans.
+Grid ``(sequences or segments x HV x V / (64 CHAINS),)`` (chunk_delta_sm90._program); CHAINS
+chains (4 warps each: the default partition and, with two, a worker) and a one-warp loader
+(chunk_delta_dual_sm90._load_stage: the chunk's tiles, one value tile a chain; then the per-token
+vectors: rk e^G, beta, rk e^(G_last - G), scale rq e^G, or with GK beta, the rows' mask and the
+chunk's decays [K]). Two chains share the chunk's key, query, P and A_qk tiles and its vectors.
+Serves the delta rule (GDN, KDA), whole sequences (SEG 0) and segment replays (SEG 2), with h0 and
+the final state in either layout; the chunk states (a ``[BV, K]`` pointer tile spills), the
+segment summaries (SEG 1) and the plain rule stay on the two-chain and one-chain scans
+(gluon/chunk_delta.regs_chains plans which).
 
-Budget (K = V = 128, two stages, sm_90 compile; tests/backends/test_gluon_sm90.py): shared memory
-two stages of k, q (32 KB), v, P, A_qk (24 KB) and the output tile (8 KB): 120 KB, one program per
-SM; registers: the state 64 a thread, X^T, Q^T, V_new^T and O^T 32 each.
+Budget (K = V = 128, two stages, sm_90 compile; tests/backends/test_gluon_sm90.py): one chain 255
+registers, no spill, 125 KB of shared memory (GDN; KDA's kd tiles: 155 KB); two chains at 224 +
+232 registers, the loader's warpgroup at 48 (the final store's pointers spill outside the loops),
+150 / 184 KB; one program per SM. Measured (docs/notes/gdn-prefill.md v26): 1x32k HV64 scan 945.5
+-> 783.8 us on the H200 (one chain); on an H100 up to 11% off with two chains where the lanes
+need more than one wave of 64-column programs.
 """
 from __future__ import annotations
 
