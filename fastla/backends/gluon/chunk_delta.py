@@ -42,8 +42,9 @@ DUAL_WIDTHS = {False: (32, 64, 128), True: (64,)}       # by GK
 # without chunk states, where ``regs_chains`` plans it. Measured on an H100 against the two-chain
 # scan (docs/notes/gdn-prefill.md v26, scan us): one chain where its programs fill one wave (1x32k
 # HV64 941 -> 906, KDA 1x8k H64 320 -> 300), two where they would take more (4x8k HV32 H8 385 ->
-# 348, varlen 9x16k HV64 415 -> 381, KDA 2x16k H64 1264 -> 1126); fewer lanes stay on the
-# two-chain scan's narrower tiles. False: the two-chain scan everywhere (A/B)
+# 348, varlen 9x16k HV64 415 -> 381, KDA 2x16k H64 1264 -> 1126; on the H200 1x32k HV64 945.5 ->
+# 783.8); fewer lanes stay on the two-chain scan's narrower tiles. False: the two-chain scan
+# everywhere (A/B)
 SCAN_REGS = True
 REGS_CHAINS = None          # chains a program: None, the plan; 1 or 2 forced wherever it serves (sweeps, tests)
 # The segment summary pass (sequence parallelism) on the two-chain scan too (its SEG 1: the V + K
@@ -224,6 +225,11 @@ def in_place_views(p: Problem) -> tuple[str, ...]:
     return tuple(n for n in ("q", "k", "v") if not getattr(p, n).is_contiguous() and row_stride(getattr(p, n)))
 
 
+def _or_dummy(sp: triton_chunk.SequencePass, *tensors):
+    """The tensors a scan launch takes, the pass's dummy standing in for those absent."""
+    return [sp.dummy if x is None else x for x in tensors]
+
+
 def regs_chains(p: Problem, seg: int, chunk_states: bool, lanes: float, sms: int) -> int:
     """Chains a program of the state-in-registers scan for this pass, 0 where the two-chain scan
     runs it. It serves the delta rule (GDN, KDA) without chunk states, whole sequences or (forced)
@@ -254,10 +260,13 @@ def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments
     else:
         counts = triton_chunk._chunk_counts(p)
         lanes = p.HV * sum(counts) / max(max(counts), 1)
+    gk = sp.kd is not None
+    if gk and SCAN_STAGES != 2:
+        raise ValueError(f"SCAN_STAGES = {SCAN_STAGES}: KDA's scans run two stages (a third needs more than the "
+                         "227 KB of shared memory at 64 columns)")
     chains = regs_chains(p, seg, sp.h_chunks is not None, lanes, sm_count(p.device))
     if chains:
         return _regs_scan(p, sp, seg, segments, seg_state, programs, chains)
-    gk = sp.kd is not None
     h_chunks = None if seg == 1 else sp.h_chunks                            # (a summary stores no chunk states)
     cols = p.V + p.K if seg == 1 else p.V                                   # a summary's V + K columns
     table = GK_WIDTHS if gk else STEP_US
@@ -269,9 +278,6 @@ def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments
         if SCAN_BLOCK_V not in widths or p.V % SCAN_BLOCK_V:
             raise ValueError(f"SCAN_BLOCK_V = {SCAN_BLOCK_V}: one of {list(widths)} dividing V = {p.V}")
         BV, warpgroups = SCAN_BLOCK_V, WARPGROUPS[SCAN_BLOCK_V]
-    if gk and SCAN_STAGES != 2:
-        raise ValueError(f"SCAN_STAGES = {SCAN_STAGES}: KDA's scan runs two stages (a third needs more than the "
-                         "227 KB of shared memory at 64 columns)")
     warpgroups = SCAN_WARPGROUPS or warpgroups
     if h_chunks is not None:
         BV, warpgroups = 32, 1          # storing the chunk states spills at 64 columns (448 B, sm_90 compile)
@@ -287,7 +293,6 @@ def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments
         return tma_descriptor(x, rows, width, block, layout)
 
     SK, SV = (1, p.K) if p.state_v_first else (p.V, 1)
-    d = sp.dummy
     if dual:
         kernel, launch = _scan_dual_sm90_kernel, dict(STAGES=SCAN_STAGES, CHAIN_NREG=CHAIN_REGS,
                                                       LOADER_NREG=LOADER_REGS, num_warps=4)
@@ -310,14 +315,12 @@ def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments
         launch.update(GK=gk, DELTA=p.delta)
     args += [desc(sp.v, p.HV * p.V, [BT, box_v], vtile), desc(sp.inverse, p.HV * BT, [BT, BT], tile),
              desc(sp.scores, p.HV * BT, [BT, BT], tile), desc(sp.o, p.HV * p.V, [BT, box_v], vtile),
-             sp.beta, sp.rq, sp.rk, sp.gcum if sp.gcum is not None else d]
+             sp.beta, sp.rq, sp.rk, *_or_dummy(sp, sp.gcum)]
     if takes_kd:
-        args.append(sp.decay if gk else d)
+        args += _or_dummy(sp, sp.decay if gk else None)
     launcher(kernel, sp.T, sp.NT)[(programs * p.HV * (cols // BV),)](
         *args, sp.o,
-        sp.h0 if sp.h0 is not None else d, sp.ht if sp.ht is not None else d,
-        h_chunks if h_chunks is not None else d,
-        sp.cu_seqlens if sp.cu_seqlens is not None else d, sp.chunk_start if sp.chunk_start is not None else d,
+        *_or_dummy(sp, sp.h0, sp.ht, h_chunks, sp.cu_seqlens, sp.chunk_start),
         segments, seg_state, sp.T, sp.NT, rows, p.scale,
         H=p.H, HV=p.HV, K=p.K, V=p.V, BV=BV, SK=SK, SV=SV, HAS_H0=sp.h0 is not None, STORE_FINAL=sp.ht is not None,
         L2NORM=p.use_qk_l2norm and not gk, VARLEN=sp.cu_seqlens is not None, SEG=seg, BETA=sp.beta_mode,
@@ -339,16 +342,14 @@ def _regs_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments, se
         return tma_descriptor(x, rows, width, [BT, BK], tile)
 
     SK, SV = (1, p.K) if p.state_v_first else (p.V, 1)
-    d = sp.dummy
     gk = sp.kd is not None                              # KDA: gated keys and queries per value head, kd
     qk_width = (p.HV if gk else p.H) * p.K
     k = desc(sp.k, qk_width)
     launcher(_scan_regs_sm90_kernel, sp.T, sp.NT)[(programs * p.HV * (p.V // BV),)](
         k, desc(sp.q, qk_width), desc(sp.kd, qk_width) if gk else k, desc(sp.v, p.HV * p.V),
         desc(sp.inverse, p.HV * BT), desc(sp.scores, p.HV * BT), desc(sp.o, p.HV * p.V),
-        sp.beta, sp.rq, sp.rk, sp.gcum if sp.gcum is not None else d, sp.decay if gk else d, sp.o,
-        sp.h0 if sp.h0 is not None else d, sp.ht if sp.ht is not None else d,
-        sp.cu_seqlens if sp.cu_seqlens is not None else d, sp.chunk_start if sp.chunk_start is not None else d,
+        sp.beta, sp.rq, sp.rk, *_or_dummy(sp, sp.gcum, sp.decay if gk else None), sp.o,
+        *_or_dummy(sp, sp.h0, sp.ht, sp.cu_seqlens, sp.chunk_start),
         segments, seg_state, sp.T, sp.NT, rows, p.scale,
         H=p.H, HV=p.HV, K=p.K, V=p.V, SK=SK, SV=SV, HAS_H0=sp.h0 is not None, STORE_FINAL=sp.ht is not None,
         L2NORM=p.use_qk_l2norm and not gk, VARLEN=sp.cu_seqlens is not None, SEG=seg, BETA=sp.beta_mode,
