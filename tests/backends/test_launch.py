@@ -105,6 +105,48 @@ def test_cached_launch_passes_triton_arguments(monkeypatch):
     assert len(through_triton) == 4
 
 
+def test_build_over_shared_memory_rebuilt_with_fewer_stages(monkeypatch):
+    """A first launch that Triton refuses for shared memory is built again one stage fewer at a time
+    (the first that fits is kept under the original key: later launches skip the refused builds);
+    one refused at one stage, or for another resource, raises."""
+    from triton.runtime.errors import OutOfResources
+    from triton.runtime.jit import JITFunction
+
+    from fastla.backends.triton import launch
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(launch, "current_stream", lambda device: 1234)
+    compiled, builds = _Compiled(), []
+
+    class Triton:                                   # fits at ``fits`` stages or fewer
+        fits, resource = 2, "shared memory"
+
+        def __getitem__(self, grid):
+            def run(*a, num_stages=launch.DEFAULT_STAGES, **k):
+                builds.append(num_stages)
+                if num_stages > self.fits:
+                    raise OutOfResources(1000 * num_stages, 1000 * self.fits, self.resource)
+                return compiled
+            return run
+
+    launcher = Launcher(JITFunction(_body_with_default))
+    launcher.fn = triton = Triton()
+    x = torch.zeros(8)
+    for _ in range(2):
+        launcher[(5,)](x, 7, B=2, num_warps=4, num_stages=4)
+    assert builds == [4, 3, 2] and len(compiled.launches) == 1
+    launcher[(5,)](x, 7, B=3)                       # Triton's default stages (3), then 2
+    assert builds[3:] == [3, 2]
+    triton.fits = 0
+    with pytest.raises(OutOfResources):
+        launcher[(5,)](x, 7, B=4, num_stages=2)
+    assert builds[5:] == [2, 1]
+    triton.fits, triton.resource = 1, "tensor memory"
+    with pytest.raises(OutOfResources):
+        launcher[(5,)](x, 7, B=5, num_stages=2)
+    assert builds[7:] == [2]
+
+
 def test_hooks_off_by_default_on_when_added():
     """Triton 3.6 always has a (usually empty) chain of launch hooks; only a non-empty one sends
     launches through Triton (which calls the hooks)."""

@@ -20,11 +20,21 @@ callable grid, or a runtime argument passed by keyword, every launch goes throug
 pass (fastla/core/compile_ahead.py: a first call's kernels compiled side by side) a launch whose key
 is not cached submits its compile and launches nothing.
 ``tests/backends/test_launch.py`` checks the key against Triton's own specialization.
+
+A build that needs more shared memory than the GPU has (Triton refuses it at its first launch) is
+rebuilt with one pipeline stage fewer, down to one, before anything launches: fp32 inputs at
+K = V = 128 double the Triton scan's tiles (its three-stage build then needs 296 KB, KDA's
+two-stage one 311 KB, against Hopper's 227 KB), and GPUs before Hopper have less (164 KB on the
+A100). Stages change the schedule of the loads, not the result; each rebuild is logged
+(logger ``fastla``, INFO) and kept under the original key.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 from triton import knobs
+from triton.runtime.errors import OutOfResources
 from triton.runtime.jit import JITFunction
 
 from fastla.core import compile_ahead
@@ -34,6 +44,8 @@ _I32 = (-(2 ** 31), 2 ** 31)
 _Tensor = torch.Tensor
 CACHED = True       # False: every launch through Triton (benchmarks/gdn_host_overhead.py compares)
 _LAUNCHERS: dict[tuple[int, bool], "Launcher"] = {}
+DEFAULT_STAGES = 3  # Triton's num_stages on NVIDIA GPUs when a launch does not name it
+logger = logging.getLogger("fastla")
 
 
 def launcher(fn, T: int | None = None, NT: int | None = None) -> "Launcher":
@@ -141,11 +153,11 @@ class Launcher:
                 or not self._runtime.isdisjoint(kwargs)):
             if rec is not None:
                 rec.unplanned("a launch went through Triton's own launcher")
-            return self.fn[grid](*args, **kwargs)
+            return self.through_triton(grid, args, kwargs)
         key = self.key(args, kwargs)
         compiled = self._cache.get(key)
         if compiled is None:
-            compiled = self.fn[grid](*args, **kwargs)
+            compiled = self.through_triton(grid, args, kwargs)
             self._cache[key] = compiled
             if rec is not None:
                 rec.launches.append((compiled, grid, self.arguments(args, kwargs)))
@@ -155,6 +167,21 @@ class Launcher:
         if rec is not None:
             rec.launches.append((compiled, grid, values))
         return compiled
+
+    def through_triton(self, grid, args, kwargs):
+        """Launch through Triton (compiling as needed); a build over the GPU's shared memory is
+        rebuilt with one stage fewer, down to one (the module's docstring)."""
+        while True:
+            try:
+                return self.fn[grid](*args, **kwargs)
+            except OutOfResources as exc:
+                stages = kwargs.get("num_stages", DEFAULT_STAGES)
+                if exc.name != "shared memory" or stages <= 1:
+                    raise
+                logger.info("fastla: %s at %d stages needs %d bytes of shared memory (the GPU has %d): "
+                            "built at %d", getattr(self.fn, "__name__", self.fn), stages, exc.required,
+                            exc.limit, stages - 1)
+                kwargs = dict(kwargs, num_stages=stages - 1)
 
     def arguments(self, args, kwargs) -> list:
         """Every parameter's value in order, as Triton passes them to a compiled kernel's launcher:
