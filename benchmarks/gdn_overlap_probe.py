@@ -9,11 +9,13 @@ previous call (the same inputs, so the same values, at the same addresses in the
 the times are what an overlapped pipeline could reach before any synchronization between the two;
 the outputs are not checked here.
 
-    python benchmarks/gdn_overlap_probe.py [--out DIR] [--shapes NAME,..] [--regs 128,..]
+    python benchmarks/gdn_overlap_probe.py [--out DIR] [--shapes NAME,..] [--regs 128,..|none] [--chains 1,2]
 
 Variants per shape: ``serial`` (as shipped), ``serial-rN`` (the scan at N registers a thread, the
 chains' split CHAIN_REGS = N + 40), ``overlap-rN`` (that scan, the prologue beside it) and
-``overlap`` (the shipped scan, the prologue beside it: no room, a control).
+``overlap`` (the shipped scan, the prologue beside it: no room, a control); ``serial-cN`` and
+``overlap-cN``: the state-in-registers scan forced to N chains a program (REGS_CHAINS), whose
+64-column programs leave SMs idle at the mid-lane shapes (v27 of docs/notes/gdn-prefill.md).
 """
 from __future__ import annotations
 
@@ -68,23 +70,27 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--shapes", default=SHAPES)
-    ap.add_argument("--regs", default="128")
+    ap.add_argument("--regs", default="128", help="register caps of the two-chain scan ('none': no such variants)")
+    ap.add_argument("--chains", default="", help="chains of the state-in-registers scan, forced (e.g. 1,2)")
     args = ap.parse_args()
     _side.append(torch.cuda.Stream())
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_op
     except Exception:
         fla_op = None
-    variants = [("serial", None, False), ("overlap", None, True)]
-    for r in (int(x) for x in args.regs.split(",")):
-        variants += [(f"serial-r{r}", r, False), (f"overlap-r{r}", r, True)]
+    variants = [("serial", None, None, False), ("overlap", None, None, True)]
+    for r in (int(x) for x in args.regs.split(",") if x != "none"):
+        variants += [(f"serial-r{r}", r, None, False), (f"overlap-r{r}", r, None, True)]
+    for c in (int(x) for x in args.chains.split(",") if x):
+        variants += [(f"serial-c{c}", None, c, False), (f"overlap-c{c}", None, c, True)]
     chain_regs = dual.CHAIN_REGS
     rows = []
     for shape in args.shapes.split(","):
         kw = call_kwargs(make_inputs(get_config(shape), "cuda"))
         fla_us = 1e3 * do_bench_cudagraph(lambda: fla_op(**kw), rep=100) if fla_op else None
-        for name, regs, overlap in variants:
+        for name, regs, chains, overlap in variants:
             gluon_chunk.SCAN_MAXNREG = regs
+            gluon_chunk.REGS_CHAINS = chains
             dual.CHAIN_REGS = regs + 40 if regs else chain_regs
             chunk_delta.run = _overlapped if overlap else _run
             try:
@@ -100,6 +106,7 @@ def main() -> int:
             finally:
                 chunk_delta.run = _run
                 gluon_chunk.SCAN_MAXNREG = None
+                gluon_chunk.REGS_CHAINS = None
                 dual.CHAIN_REGS = chain_regs
             rows.append(dict(shape=shape, variant=name, us=us, kernels=split, fla_us=fla_us))
             print(f"{shape:26s} {name:14s} {us:8.1f} us  FLA {fla_us or 0:8.1f} ({(fla_us or 0) / us:4.2f}x) | "

@@ -71,6 +71,9 @@ VARIANTS = {
     "gluon-regs": dict(SCAN_REGS=True, REGS_CHAINS=1),    # the state-in-registers scan (chunk_delta_regs_
     "gluon-regs2": dict(SCAN_REGS=True, REGS_CHAINS=2),   # sm90.py) wherever it serves: one, two chains a program
     "gluon-no-regs": dict(SCAN_REGS=False),               # the two-chain scan everywhere (before v26)
+    "gluon-no-pipe": dict(PIPELINE=False),   # GDN's prologue pieces under the scan (v27): off, forced pieces
+    "gluon-pipe2": dict(PIPELINE_PIECES=2),
+    "gluon-pipe8": dict(PIPELINE_PIECES=8),
     "gluon-s3-plan": dict(SCAN_STAGES=3),   # three stages in flight on the shipped plan (regs: 184 KB, two chains 216)
     "bv16": dict(scan_block_v=16, scan_stages=2, scan_warps=4),
     "bv32s2": dict(scan_block_v=32, scan_stages=2, scan_warps=4),

@@ -453,6 +453,61 @@ def test_regs_chains_plan(monkeypatch):
     assert plan(p, 0, False, 64, 132) == 0
 
 
+def test_pipeline_plan_and_pieces(monkeypatch):
+    """GDN's pipeline (chunk_delta.pipeline_pieces, _run_pipelined) on the CPU, kernels recorded:
+    the plan takes one dense sequence whose one-chain programs fill at most half the SMs, four
+    pieces of at least 16 chunks, none where segments are planned, for a batch, offsets, GVA
+    beyond half a wave, a missing gate or beta, or chunk states. Each piece launches its inverse,
+    scores and a one-chain scan of its rows, from the previous piece's final state (fp32), the
+    last into the call's final state."""
+    import torch
+
+    from fastla.backends.gluon import chunk_delta as gluon_chunk
+    from fastla.backends.gluon import chunk_inverse_sm90, chunk_scores_sm90
+    from fastla.core.validation import build_problem
+
+    def problem(B=1, T=4096 + 30, H=16, HV=32, g=True, beta=True, **opts):
+        bf = dict(dtype=torch.bfloat16)
+        return build_problem("chunk_gated_delta_rule", q=torch.empty(B, T, H, 128, **bf),
+                             k=torch.empty(B, T, H, 128, **bf), v=torch.empty(B, T, HV, 128, **bf),
+                             g=torch.empty(B, T, HV) if g else None, beta=torch.empty(B, T, HV) if beta else None,
+                             delta=True, gva=True, **opts)
+
+    def pieces(p):
+        return gluon_chunk.pipeline_pieces(p, gluon_chunk.plan(p))
+
+    assert pieces(problem()) == 4                                       # h16-hv32/1x4096: 64 programs
+    assert pieces(problem(T=2048)) == 2 and pieces(problem(T=1024)) == 1
+    assert pieces(problem(HV=64)) == 1                                  # 128 programs: no idle SMs
+    assert pieces(problem(B=2)) == 1 and pieces(problem(g=False)) == 1 and pieces(problem(beta=False)) == 1
+    assert pieces(problem(return_intermediate_states=True)) == 1
+    assert pieces(problem(H=2, HV=8, T=32768)) == 1                     # segments planned
+    cu = torch.tensor([0, 2000, 4126])
+    assert pieces(problem(cu_seqlens=cu, cu_seqlens_cpu=cu)) == 1
+    monkeypatch.setattr(gluon_chunk, "PIPELINE_PIECES", 3)
+    assert pieces(problem(T=1024)) == 3 and pieces(problem(HV=64)) == 1
+
+    calls = []
+    monkeypatch.setattr(chunk_inverse_sm90, "launch", lambda p, *a: calls.append(("inverse", p.T)))
+    monkeypatch.setattr(chunk_scores_sm90, "launch", lambda p, *a: calls.append(("scores", p.T)))
+
+    def scan(p, sp, seg, segments, seg_state, programs, chains):
+        calls.append(("scan", p.T, chains, seg, sp.o.data_ptr(), sp.h0, sp.ht))
+
+    monkeypatch.setattr(gluon_chunk, "_regs_scan", scan)
+    p = problem(initial_state=torch.zeros(1, 32, 128, 128), output_final_state=True)
+    o, ht = gluon_chunk._run_pipelined(p, gluon_chunk.plan(p), 3)
+    rows = [21 * 64, 22 * 64, 4126 - 43 * 64]                           # 65 chunks in three pieces
+    assert [c[:2] for c in calls] == [(kind, n) for n in rows for kind in ("inverse", "scores", "scan")]
+    scans = [c for c in calls if c[0] == "scan"]
+    row_bytes = 32 * 128 * 2
+    assert [c[4] - o.data_ptr() for c in scans] == [0, rows[0] * row_bytes, (rows[0] + rows[1]) * row_bytes]
+    assert all(c[2] == 1 and c[3] == 0 for c in scans)                  # one chain, whole (sub)sequences
+    assert scans[0][5] is p.initial_state
+    assert scans[1][5] is scans[0][6] and scans[2][5] is scans[1][6] and scans[2][6] is ht
+    assert ht.dtype == torch.float32 and o.shape == (1, 4126, 32, 128)
+
+
 @pytest.mark.parametrize("kernel", ["dual", "plain", "ws"])
 def test_scan_profile_markers_match_the_kernels(kernel):
     """benchmarks/gdn_scan_profile.py instruments a copy of each Gluon scan at marker lines: every

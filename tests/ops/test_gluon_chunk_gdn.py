@@ -313,3 +313,44 @@ def test_gluon_serves_by_default():
     problem = build_problem("chunk_gated_delta_rule", q=t["q"], k=t["k"], v=t["v"], g=t["g"], beta=t["beta"],
                             delta=True, gva=True)
     assert dict(dispatch.explain("chunk_gated_delta_rule", problem))["gluon"] is None
+
+
+@pytest.mark.parametrize("pieces", [2, 5])
+@pytest.mark.parametrize("v_first", [False, True])
+def test_pipeline_pieces(pieces, v_first, monkeypatch):
+    """GDN's pipeline (chunk_delta._run_pipelined: each piece's prologue on a side stream, its scan
+    after the piece's event, the state carried between pieces): the output and final state equal
+    the unpipelined call's on the same one-chain scan bit for bit, within the fp64 check, and two
+    runs agree (a missing wait would read a piece's P or scores before they are written)."""
+    from fastla.backends.gluon import chunk_delta as gluon_chunk
+    t = bf16_inputs(B=1, T=64 * 9 + 30, H=2, HV=8, K=128, V=128, v_first=v_first)
+    opts = dict(output_final_state=True, state_v_first=v_first)
+    monkeypatch.setattr(gluon_chunk, "REGS_CHAINS", 1)
+    monkeypatch.setattr(gluon_chunk, "PIPELINE_PIECES", 1)
+    whole = on("gluon", call_chunk, SPEC, t, **opts)
+    monkeypatch.setattr(gluon_chunk, "PIPELINE_PIECES", pieces)
+    check(t, state_v_first=v_first)
+    piped = on("gluon", call_chunk, SPEC, t, **opts)
+    for name, a, b in zip(("o", "final_state"), whole, piped):
+        assert torch.equal(a, b), f"{name}: pipelined differs from whole ({(a.float() - b.float()).abs().max()})"
+
+
+def test_pipeline_in_a_graph(monkeypatch):
+    """The pipeline captured in a CUDA graph (the side stream forked and joined inside the capture)
+    replays to the eager call's output, on new inputs copied into the captured ones."""
+    from fastla.backends.gluon import chunk_delta as gluon_chunk
+    monkeypatch.setattr(gluon_chunk, "PIPELINE_PIECES", 3)
+    t = bf16_inputs(B=1, T=64 * 8, H=2, HV=8, K=128, V=128)
+    u = bf16_inputs(B=1, T=64 * 8, H=2, HV=8, K=128, V=128)
+    want = on("gluon", call_chunk, SPEC, u, output_final_state=True)
+    graph = torch.cuda.CUDAGraph()
+    with use_tier("gluon", strict=True), torch.no_grad():
+        call_chunk(SPEC, t, output_final_state=True)
+        with torch.cuda.graph(graph):
+            out = call_chunk(SPEC, t, output_final_state=True)
+    for name in t:
+        t[name].copy_(u[name])
+    graph.replay()
+    torch.cuda.synchronize()
+    for name, a, b in zip(("o", "final_state"), want, out):
+        assert torch.equal(a, b), name

@@ -290,3 +290,27 @@ def test_tables_used_in_a_graph_capture_are_never_evicted():
         tables.get(i, lambda: torch.zeros(1))
     assert tables.cached("captured") and tables.get("captured", lambda: None) is kept
     assert len(tables.cache) == 4 and not tables.cached(0)
+
+
+@pytest.mark.parametrize("v_first", [False, True])
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_pieces_carry_the_state(v_first, device):
+    """A sequence run as pieces of whole chunks (chunk_delta.run_in_pieces: the sm_90 tier's GDN
+    pipeline cuts it so), each piece starting from the previous one's final state: the whole call's
+    output and final state, in both state layouts, with and without an initial state; the last
+    piece ends mid-chunk."""
+    from fastla.backends.triton import chunk_delta
+    from fastla.core.validation import build_problem
+
+    for h0 in (True, False):
+        t = make_inputs(SPEC, B=1, T=200, H=2, HV=4, K=32, V=32, h0=h0, v_first=v_first, device=device)
+        problem = build_problem("chunk_gated_delta_rule", **t, delta=True, gva=True, output_final_state=True,
+                                state_v_first=v_first)
+        with use_tier("triton", strict=True), torch.no_grad():
+            whole_o, whole_ht = chunk_delta.run(problem)
+            for pieces in (2, 3):
+                cuts = chunk_delta.piece_cuts(problem.T, pieces)
+                assert cuts[0] == 0 and cuts[-1] == 200 and all(c % 64 == 0 for c in cuts[:-1])
+                o, ht = chunk_delta.run_in_pieces(problem, cuts, lambda sub, out: chunk_delta.run(sub, out=out))
+                assert_close("o", o, whole_o, 1e-6)
+                assert_close("final_state", ht, whole_ht, 1e-6)

@@ -35,6 +35,13 @@ def test_lengths_and_gva(T, device):
     check(make_inputs(SPEC, B=2, T=T, H=1, HV=2, K=32, V=16, device=device))
 
 
+@gpu
+def test_fp32_head_dims_128():
+    """fp32 inputs at K = V = 128 on the GPU: the scan's fp32 tiles need 311 KB of shared memory at
+    its two stages, more than Hopper's 227 KB; the launcher builds it at one (launch.py)."""
+    check(make_inputs(SPEC, B=1, T=70, H=1, K=128, V=128, device="cuda"))
+
+
 @pytest.mark.parametrize("strength", [1e-3, 100.0])
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_decay_strength(strength, device):

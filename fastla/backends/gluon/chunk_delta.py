@@ -47,6 +47,18 @@ DUAL_WIDTHS = {False: (32, 64, 128), True: (64,)}       # by GK
 # everywhere (A/B)
 SCAN_REGS = True
 REGS_CHAINS = None          # chains a program: None, the plan; 1 or 2 forced wherever it serves (sweeps, tests)
+# GDN's prologue under the scan (``pipeline_pieces``, ``_run_pipelined``): where the one-chain scan's
+# 64-column programs take at most half the SMs (one sequence, HV <= 32 at V = 128), the sequence
+# runs as pieces of whole chunks, each piece's inverse and scores kernels on a side stream and its
+# scan on the caller's, the state carried between pieces: a piece's prologue runs on the idle SMs
+# under the previous piece's scan. Probe on an H100 (benchmarks/gdn_overlap_probe.py, v27 of
+# docs/notes/gdn-prefill.md: the whole prologue beside the one-chain scan, unsynchronized):
+# h16-hv32/1x8192 277.7 -> 213.5 us, 1x32768 1074.5 -> 954.2. PIPELINE_PIECES forces the pieces
+# (sweeps, tests; 1: off)
+PIPELINE = True
+PIPELINE_PIECES = None
+PIECES = 4                  # pieces of the plan, each at least PIECE_CHUNKS chunks
+PIECE_CHUNKS = 16
 # The segment summary pass (sequence parallelism) on the two-chain scan too (its SEG 1: the V + K
 # columns from [0 | I], no queries, scores nor output) instead of the Triton scan: 1x32k HV8 442 ->
 # 327 us, 1x32k HV16 778 -> 557 (docs/notes/gdn-prefill.md, v12). False: the Triton summary (A/B)
@@ -247,7 +259,8 @@ def regs_chains(p: Problem, seg: int, chunk_states: bool, lanes: float, sms: int
     return 2 if programs > sms and p.V % 128 == 0 else 1
 
 
-def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments, seg_state, programs: int):
+def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments, seg_state, programs: int,
+                   chains: int | None = None):
     from fastla.backends.gluon.chunk_delta_sm90 import _scan_sm90_kernel
     from fastla.backends.gluon.chunk_delta_dual_sm90 import CHAIN_REGS, LOADER_REGS, _scan_dual_sm90_kernel
     from fastla.backends.gluon.chunk_delta_ws_sm90 import PREP_REGS, _scan_ws_sm90_kernel
@@ -264,7 +277,8 @@ def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments
     if gk and SCAN_STAGES != 2:
         raise ValueError(f"SCAN_STAGES = {SCAN_STAGES}: KDA's scans run two stages (a third needs more than the "
                          "227 KB of shared memory at 64 columns)")
-    chains = regs_chains(p, seg, sp.h_chunks is not None, lanes, sm_count(p.device))
+    if chains is None:                                                      # (a pipeline's pieces: one)
+        chains = regs_chains(p, seg, sp.h_chunks is not None, lanes, sm_count(p.device))
     if chains:
         return _regs_scan(p, sp, seg, segments, seg_state, programs, chains)
     h_chunks = None if seg == 1 else sp.h_chunks                            # (a summary stores no chunk states)
@@ -376,8 +390,81 @@ def run(p: Problem):
             kernels["gdn_scores"] = gdn_scores.launch
         if GDN_INVERSE_SM90 and p.delta:           # (the plain rule's G: the Triton gate cumsum)
             kernels["gdn_inverse"] = gdn_inverse.launch
+    pieces = pipeline_pieces(p, config) if len(kernels) == 2 else 1
+    if pieces > 1:
+        return _run_pipelined(p, config, pieces)
     return triton_chunk.run(p, config, sequence_scan=_sequence_scan, summaries=summaries_sm90(p), dense=False,
                             **kernels)
+
+
+def pipeline_pieces(p: Problem, config: triton_chunk.ChunkConfig) -> int:
+    """Pieces of GDN's pipeline (PIPELINE, ``_run_pipelined``) for ``p``, 1 for none: one dense
+    sequence on the one-chain state-in-registers scan whose programs (HV x V / 64) take at most
+    half the SMs, with no segments planned (their summaries run their own prologue-free pass), a
+    gate and beta given (their stand-ins would be filled on the caller's stream), no chunk states;
+    PIECES pieces of at least PIECE_CHUNKS chunks (PIPELINE_PIECES: forced where it serves)."""
+    if not (PIPELINE and SCAN_REGS and p.delta and p.gk is None and p.g is not None and p.beta is not None):
+        return 1
+    if p.B != 1 or p.cu_seqlens is not None or p.return_intermediate_states or p.pool is not None or p.V % 64:
+        return 1
+    chunks = triton_chunk.cdiv(p.T, triton_chunk.BT)
+    if triton_chunk._segments(p, config, (chunks,)) or p.HV * p.V // 64 > sm_count(p.device) // 2:
+        return 1
+    pieces = PIPELINE_PIECES or min(PIECES, chunks // PIECE_CHUNKS)
+    return max(1, min(pieces, chunks))
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def _run_pipelined(p: Problem, config: triton_chunk.ChunkConfig, pieces: int):
+    """GDN's forward as ``pieces`` pieces (triton_chunk.run_in_pieces): each piece's inverse and
+    scores kernels on a side stream (one per device, joined to the caller's at the start and the
+    end of the call), its one-chain scan on the caller's stream after an event the piece's scores
+    record; the tensors the side stream touches are held until the join. Outputs are the
+    unpipelined call's, bit for bit (the same kernels and state). Not planned (core/call_plan.py
+    replays one stream): each call takes the full path."""
+    from fastla.backends.gluon import chunk_inverse_sm90 as gdn_inverse
+    from fastla.backends.gluon import chunk_scores_sm90 as gdn_scores
+    from fastla.core import call_plan
+
+    rec = call_plan.recording()
+    if rec is not None:
+        rec.unplanned("GDN's pipeline runs its prologue on a side stream")
+    cuda = p.device.type == "cuda"
+    main = torch.cuda.current_stream(p.device) if cuda else None
+    side = _SIDE_STREAMS.setdefault(p.device, torch.cuda.Stream(p.device)) if cuda else None
+    held = []
+
+    def on_side(launch, ready=None):
+        def run_side(*args):
+            held.append(args)
+            if side is None:
+                return launch(*args)
+            with torch.cuda.stream(side):
+                launch(*args)
+                if ready is not None:
+                    ready.record(side)
+        return run_side
+
+    def run_piece(sub, out):
+        ready = torch.cuda.Event() if cuda else None
+
+        def scan(*args):
+            if ready is not None:
+                main.wait_event(ready)
+            return _sequence_scan(*args, chains=1)
+
+        return triton_chunk.run(sub, config, sequence_scan=scan, dense=False, out=out,
+                                gdn_inverse=on_side(gdn_inverse.launch), gdn_scores=on_side(gdn_scores.launch, ready))
+
+    if side is not None:
+        side.wait_stream(main)
+    result = triton_chunk.run_in_pieces(p, triton_chunk.piece_cuts(p.T, pieces), run_piece)
+    if side is not None:
+        main.wait_stream(side)
+    held.clear()
+    return result
 
 
 @functools.lru_cache(maxsize=None)

@@ -475,6 +475,34 @@ def dense_inputs(p: Problem, align: int = 1, in_place: tuple[str, ...] = ()) -> 
     return dataclasses.replace(p, **changed) if changed else p
 
 
+def piece_cuts(T: int, pieces: int) -> list[int]:
+    """Token offsets cutting one sequence of T tokens into ``pieces`` runs of whole chunks (as equal
+    as chunks allow; the last ends at T)."""
+    NT = cdiv(T, BT)
+    return [min(T, (i * NT // pieces) * BT) for i in range(pieces)] + [T]
+
+
+def run_in_pieces(p: Problem, cuts: list[int], run_piece) -> tuple:
+    """The forward of one dense sequence (B = 1, no offsets) as consecutive pieces ``[cuts[i],
+    cuts[i + 1])``: ``run_piece(sub, out)`` runs the sub-problem ``sub`` (the piece's q, k, v, gate
+    and beta views, its initial state the previous piece's final state, in fp32) writing ``out``
+    (the piece's rows of the output) and returns run's ``(o, final state)``. The chunks' math is
+    the whole call's, the state carried between pieces through memory in fp32 as the scans keep it:
+    the same output and final state. Returns ``(o, final state)``."""
+    if p.B != 1 or p.cu_seqlens is not None or p.return_intermediate_states or p.pool is not None:
+        raise ValueError("run_in_pieces: one dense sequence without chunk states or a state pool")
+    o = call_plan.empty((1, p.T, p.HV, p.V), p.o_dtype, p.device)
+    state = p.initial_state
+    for i, (t0, t1) in enumerate(zip(cuts[:-1], cuts[1:])):
+        last = i == len(cuts) - 2
+        cut = {n: getattr(p, n)[:, t0:t1] for n in ("q", "k", "v", "g", "gk", "gv", "beta")
+               if getattr(p, n) is not None}
+        sub = dataclasses.replace(p, **cut, T=t1 - t0, initial_state=state,
+                                  output_final_state=p.output_final_state if last else True)
+        _, state = run_piece(sub, o[:, t0:t1])
+    return o, state
+
+
 @dataclass(frozen=True)
 class SequencePass:
     """What a sequence pass of the scan (whole sequences, or segment replays) reads and writes,
@@ -503,7 +531,7 @@ class SequencePass:
 
 
 def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, kda_prologue=None, summaries=False,
-        gdn_scores=None, gdn_inverse=None, dense: bool = True):
+        gdn_scores=None, gdn_inverse=None, dense: bool = True, out: torch.Tensor | None = None):
     """The chunked forward. ``sequence_scan(p, SequencePass, seg, segments, seg_state, programs)``,
     when given, launches the sequence passes (seg 0 or 2; seg 0's ``segments`` are varlen's
     sequence orders, _varlen_index) instead of the Triton scan; it must
@@ -512,7 +540,8 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, kda_p
     given, runs KDA's prologue instead of chunk_prepare_kda.launch (same arguments less q, k and
     the launch shape); ``gdn_scores`` and ``gdn_inverse``, GDN's scores and inverse kernels instead
     of chunk_prepare.launch_scores and chunk_prepare.launch (same arguments and outputs).
-    ``dense`` False: the caller has already passed ``p`` through dense_inputs for its kernels."""
+    ``dense`` False: the caller has already passed ``p`` through dense_inputs for its kernels.
+    ``out``: the output's buffer ([B, T, HV, V], contiguous, ``p.o_dtype``) instead of a new one."""
     if dense:
         p = dense_inputs(p)
     config = config or default_config(p)
@@ -577,7 +606,7 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, kda_p
         if total:
             (gdn_scores or chunk_prepare.launch_scores)(p, q, k, total, tables, gcum, scores, rq, rk, dot, config)
 
-    o = call_plan.empty((B, T, HV, V), p.o_dtype, dev)
+    o = out if out is not None else call_plan.empty((B, T, HV, V), p.o_dtype, dev)
     state_shape = (HV, V, K) if p.state_v_first else (HV, K, V)
     SK, SV = (1, K) if p.state_v_first else (V, 1)
     ht = call_plan.empty((N, *state_shape), torch.float32, dev) if p.output_final_state else None
