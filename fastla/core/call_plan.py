@@ -26,6 +26,12 @@ and constants, or when the result holds anything but those, views of them and No
 Plain launch arguments (ints, floats, constexprs) are kept as recorded: the full path derives
 them from the signature.
 
+A call may put some launches on a second stream (GDN's pipeline, backends/gluon/chunk_delta.py)
+through ``fork``, ``record_event``, ``wait_event`` and ``join`` below: each does its stream
+operation and a recording notes it in order with the launches, which note the stream they ran on;
+a replay runs those launches on that (persistent) stream, the others on the caller's, and the
+same stream operations in the same order, with events of the plan's own.
+
 Replay runs the kept value checks, allocates (the result's tensors, and one workspace for all
 scratch), fills each launch's recorded arguments with the new call's addresses, calls each
 compiled kernel's C launcher directly (``launch.direct_launch``; TMA maps encoded once per slot and
@@ -170,17 +176,75 @@ def _full_path_only() -> bool:
 
 class _Recording:
     def __init__(self):
-        self.launches = []          # (compiled kernel, grid, argument values)
+        self.launches = []          # (compiled kernel, grid, argument values, stream), or a _StreamStep
         self.allocations = {}       # id -> (tensor, fill value or None), in allocation order
         self.constants = {}         # id -> tensor
         self.checks = []            # (value check, ids of its tensors, constants)
         self.copies = []            # (id of the input, id of its dense copy), in call order
+        self.views = []             # (view, the tensor it views), noted by ``note_view``
         self.paused = 0
         self.why_not = None
 
     def unplanned(self, why: str) -> None:
         if self.why_not is None:
             self.why_not = why
+
+
+class _StreamStep:
+    """A stream operation between launches: ``fork`` (``side`` waits for the caller's stream),
+    ``record`` (``event`` recorded on ``side``), ``wait`` (the caller's stream waits for
+    ``event``) or ``join`` (the caller's stream waits for ``side``)."""
+
+    def __init__(self, kind: str, side=None, event=None):
+        self.kind, self.side, self.event = kind, side, event
+
+    def __call__(self, event=None):
+        main = torch.cuda.current_stream(self.side.device if self.side is not None else None)
+        if self.kind == "fork":
+            self.side.wait_stream(main)
+        elif self.kind == "record":
+            event.record(self.side)
+        elif self.kind == "wait":
+            main.wait_event(event)
+        else:
+            main.wait_stream(self.side)
+
+
+def _stream_step(kind: str, side, event=None) -> None:
+    step = _StreamStep(kind, side, event)
+    step(event)
+    rec = recording()
+    if rec is not None:
+        rec.launches.append(step)
+
+
+def note_view(view: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """``view`` (a view of ``base`` made inside the call: a piece's rows) for a recording: a launch
+    argument over it is replayed at the new call's ``base`` plus the same byte offset. Returns it."""
+    rec = recording()
+    if rec is not None:
+        rec.views.append((view, base))
+    return view
+
+
+def fork(side: torch.cuda.Stream) -> None:
+    """``side`` waits for the caller's stream (noted by a recording)."""
+    _stream_step("fork", side)
+
+
+def record_event(event: torch.cuda.Event, side: torch.cuda.Stream) -> None:
+    """``event`` recorded on ``side`` (noted by a recording)."""
+    _stream_step("record", side, event)
+
+
+def wait_event(event: torch.cuda.Event, side: torch.cuda.Stream) -> None:
+    """The caller's stream waits for ``event`` (recorded on ``side``; noted by a recording)."""
+    _stream_step("wait", side, event)
+
+
+def join(side: torch.cuda.Stream) -> None:
+    """The caller's stream waits for ``side`` (noted by a recording)."""
+    _stream_step("join", side)
 
 
 def recording() -> _Recording | None:
@@ -358,20 +422,42 @@ class _Plan:
                 self.allocations.append(offset)
                 offset += -(-t.numel() * t.element_size() // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
         self.workspace = offset
+        # noted views: (their base's slot, byte offset), bases resolved in the order noted
+        views: dict = {}
+        for view, base in rec.views:
+            at = (sources[id(base)], 0) if id(base) in sources else views.get(id(base))
+            if at is not None:
+                views[id(view)] = (at[0], at[1] + view.data_ptr() - base.data_ptr())
         self.device = None
-        self.launches = [self._launch(launch, compiled, grid, values, rec.constants, sources)
-                         for compiled, grid, values in rec.launches]
-        self.kernels = [getattr(compiled, "name", "?") for compiled, _, _ in rec.launches]
+        # the recorded launches and stream steps in order; a launch on a side stream of a fork
+        # keeps that stream, the rest take the caller's at each replay (None); each recorded event
+        # gets one of the plan's own
+        sides = {step.side.cuda_stream for step in rec.launches if isinstance(step, _StreamStep)}
+        events: dict = {}
+        self.launches = []
+        for step in rec.launches:
+            if isinstance(step, _StreamStep):
+                event = step.event and events.setdefault(id(step.event), torch.cuda.Event())
+                self.launches.append((step, event))
+                continue
+            compiled, grid, values, stream = step
+            self.launches.append(self._launch(launch, compiled, grid, values, rec.constants, sources, views,
+                                              stream if stream in sides else None))
+        self.kernels = [getattr(step[0], "name", "?") for step in rec.launches if not isinstance(step, _StreamStep)]
         if self.device is None:
             raise _Unplanned("no CUDA tensor among the launch arguments")
         self.stream = launch.current_stream
         self.current_device = torch.cuda.current_device()          # whose stream Launcher launches on
         self.encoded = {}                   # (launch, argument position, address) -> encoded TMA map
 
-    def _launch(self, launch, compiled, grid, values, constants, sources):
-        """One launch as (function, argument template, slots, where the stream goes, TMA metadata):
-        the compiled kernel's C launcher with descriptors expanded (``launch.direct_launch``),
-        or else ``launch.run_compiled``. A slot is (position, source slot, descriptor fields)."""
+    def _launch(self, launch, compiled, grid, values, constants, sources, views, side):
+        """One launch as (function, argument template, slots, where the stream goes, its side
+        stream or None): the compiled kernel's C launcher with descriptors expanded
+        (``launch.direct_launch``), or else ``launch.run_compiled``. A slot is (position, source
+        slot, descriptor fields, byte offset: a noted view's)."""
+        def source(x):
+            return (sources[id(x)], 0) if id(x) in sources else views.get(id(x))
+
         grid = (tuple(grid) + (1, 1))[:3]
         direct = launch.direct_launch(compiled)
         if direct is None:
@@ -387,18 +473,20 @@ class _Plan:
         for pos, v in enumerate(values):
             at = offset + pos if offset is not None else len(template)
             if isinstance(v, _Tensor) and id(v) not in constants:
-                if id(v) not in sources:
+                src = source(v)
+                if src is None:
                     raise _Unplanned(f"launch argument {pos} is a tensor the plan cannot rebuild")
-                slots.append((at, sources[id(v)], None))
+                slots.append((at, src[0], None, src[1]))
                 self.device = v.device if _on_device(v) else self.device
                 v = None
             elif hasattr(v, "block_shape") and hasattr(v, "base"):          # a TMA descriptor
-                if id(v.base) not in sources:
+                src = source(v.base)
+                if src is None:
                     raise _Unplanned(f"launch argument {pos} is a TMA descriptor over an unknown tensor")
                 if direct is not None and pos not in metas:
                     raise _Unplanned(f"launch argument {pos} is a descriptor the C launcher does not expand")
                 fields = {n: x for n, x in vars(v).items() if n != "base"}
-                slots.append((at, sources[id(v.base)], (v.__class__, fields, metas.get(pos, _GENERIC))))
+                slots.append((at, src[0], (v.__class__, fields, metas.get(pos, _GENERIC)), src[1]))
                 if pos in metas:                                # [map, *shape, *strides]: the map per call
                     template += [None, *launch.descriptor_arguments(v, metas[pos])[1:]]
                     continue
@@ -407,7 +495,7 @@ class _Plan:
                 template.append(v)
             else:
                 template[at] = v
-        return fn, template, slots, stream_at
+        return fn, template, slots, stream_at, side
 
     @staticmethod
     def _result_spec(result, sources, allocs, n_in):
@@ -464,11 +552,16 @@ class _Plan:
             addresses.append(_Address(t.data_ptr()))
         stream = self.stream(self.current_device)
         calls = [(_Tensor.copy_, (tensors[c], tensors[i])) for i, c in self.copies]   # (torch's current stream)
-        for i, (fn, template, slots, stream_at) in enumerate(self.launches):
+        for i, step in enumerate(self.launches):
+            if step[0].__class__ is _StreamStep:
+                calls.append((step[0], (step[1],)))
+                continue
+            fn, template, slots, stream_at, side = step
             values = template.copy()
-            values[stream_at] = stream
-            for at, src, desc in slots:
-                values[at] = addresses[src] if desc is None else self._descriptor(i, at, addresses[src], desc)
+            values[stream_at] = stream if side is None else side
+            for at, src, desc, offset in slots:
+                address = _Address(addresses[src] + offset) if offset else addresses[src]
+                values[at] = address if desc is None else self._descriptor(i, at, address, desc)
             calls.append((fn, values))
         return tensors, calls, workspace
 

@@ -89,7 +89,7 @@ def test_replays_match_the_full_path():
 
 @gpu
 @pytest.mark.parametrize("case", ["gdn", "gdn-split", "gdn-varlen", "kda", "kda-varlen", "gdn-decode", "gdn-pool",
-                                  "gdn-stream-pool", "gdn-varlen-strided", "kda-strided"])
+                                  "gdn-stream-pool", "gdn-varlen-strided", "kda-strided", "gdn-pipelined"])
 def test_replay_equals_full_path_on_gpu(case, monkeypatch):
     """On the GPU: a replayed call's output and final state (or pool) equal the full path's bit for
     bit (same kernels, same inputs); the outputs are poisoned first. The strided cases build their
@@ -100,7 +100,8 @@ def test_replay_equals_full_path_on_gpu(case, monkeypatch):
     key = {"gdn": "gdn-gluon", "gdn-split": "gdn-gluon-split-states", "gdn-varlen": "gdn-gluon-varlen-gate",
            "kda": "kda-gluon-safe-gate", "kda-varlen": "kda-gluon-given-gate-varlen", "gdn-decode": "gdn-decode",
            "gdn-pool": "gdn-verify-pool", "gdn-stream-pool": "gdn-decode-bf16-pool",
-           "gdn-varlen-strided": "gdn-gluon-varlen-gate", "kda-strided": "kda-gluon-safe-gate"}[case]
+           "gdn-varlen-strided": "gdn-gluon-varlen-gate", "kda-strided": "kda-gluon-safe-gate",
+           "gdn-pipelined": "gdn-gluon-pipelined"}[case]
     op, make, _ = named[key]
 
     def on_gpu(kw):

@@ -419,50 +419,46 @@ _SIDE_STREAMS: dict = {}
 
 def _run_pipelined(p: Problem, config: triton_chunk.ChunkConfig, pieces: int):
     """GDN's forward as ``pieces`` pieces (triton_chunk.run_in_pieces): each piece's inverse and
-    scores kernels on a side stream (one per device, joined to the caller's at the start and the
-    end of the call), its one-chain scan on the caller's stream after an event the piece's scores
-    record; the tensors the side stream touches are held until the join. Outputs are the
-    unpipelined call's, bit for bit (the same kernels and state). Not planned (core/call_plan.py
-    replays one stream): each call takes the full path."""
+    scores kernels on a side stream (one per device, forked from the caller's at the start of the
+    call and joined at its end), its one-chain scan on the caller's stream after an event the
+    piece's scores record. The tensors the side stream touches are held until the join (after it,
+    the allocator's reuse of their memory is ordered after the side stream's work). Outputs are
+    the unpipelined call's, bit for bit (the same kernels and state). The stream steps go through
+    call_plan (fork, record_event, wait_event, join), so a call plan replays them."""
     from fastla.backends.gluon import chunk_inverse_sm90 as gdn_inverse
     from fastla.backends.gluon import chunk_scores_sm90 as gdn_scores
     from fastla.core import call_plan
 
-    rec = call_plan.recording()
-    if rec is not None:
-        rec.unplanned("GDN's pipeline runs its prologue on a side stream")
-    cuda = p.device.type == "cuda"
-    main = torch.cuda.current_stream(p.device) if cuda else None
-    side = _SIDE_STREAMS.setdefault(p.device, torch.cuda.Stream(p.device)) if cuda else None
+    side = _SIDE_STREAMS.setdefault(p.device, torch.cuda.Stream(p.device)) if p.device.type == "cuda" else None
     held = []
 
     def on_side(launch, ready=None):
         def run_side(*args):
             held.append(args)
-            if side is None:
+            if side is None:                                # (the CPU host stub: one stream)
                 return launch(*args)
             with torch.cuda.stream(side):
                 launch(*args)
-                if ready is not None:
-                    ready.record(side)
+            if ready is not None:
+                call_plan.record_event(ready, side)
         return run_side
 
     def run_piece(sub, out):
-        ready = torch.cuda.Event() if cuda else None
+        ready = torch.cuda.Event() if side is not None else None
 
         def scan(*args):
             if ready is not None:
-                main.wait_event(ready)
+                call_plan.wait_event(ready, side)
             return _sequence_scan(*args, chains=1)
 
         return triton_chunk.run(sub, config, sequence_scan=scan, dense=False, out=out,
                                 gdn_inverse=on_side(gdn_inverse.launch), gdn_scores=on_side(gdn_scores.launch, ready))
 
     if side is not None:
-        side.wait_stream(main)
+        call_plan.fork(side)
     result = triton_chunk.run_in_pieces(p, triton_chunk.piece_cuts(p.T, pieces), run_piece)
     if side is not None:
-        main.wait_stream(side)
+        call_plan.join(side)
     held.clear()
     return result
 

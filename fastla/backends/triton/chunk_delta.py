@@ -495,11 +495,11 @@ def run_in_pieces(p: Problem, cuts: list[int], run_piece) -> tuple:
     state = p.initial_state
     for i, (t0, t1) in enumerate(zip(cuts[:-1], cuts[1:])):
         last = i == len(cuts) - 2
-        cut = {n: getattr(p, n)[:, t0:t1] for n in ("q", "k", "v", "g", "gk", "gv", "beta")
-               if getattr(p, n) is not None}
+        cut = {n: call_plan.note_view(getattr(p, n)[:, t0:t1], getattr(p, n))
+               for n in ("q", "k", "v", "g", "gk", "gv", "beta") if getattr(p, n) is not None}
         sub = dataclasses.replace(p, **cut, T=t1 - t0, initial_state=state,
                                   output_final_state=p.output_final_state if last else True)
-        _, state = run_piece(sub, o[:, t0:t1])
+        _, state = run_piece(sub, call_plan.note_view(o[:, t0:t1], o))
     return o, state
 
 

@@ -160,12 +160,13 @@ class Launcher:
             compiled = self.through_triton(grid, args, kwargs)
             self._cache[key] = compiled
             if rec is not None:
-                rec.launches.append((compiled, grid, self.arguments(args, kwargs)))
+                rec.launches.append((compiled, grid, self.arguments(args, kwargs), current_stream(key[-1])))
             return compiled
         values = self.arguments(args, kwargs)
-        run_compiled(compiled, (tuple(grid) + (1, 1))[:3], current_stream(key[-1]), values)
+        stream = current_stream(key[-1])
+        run_compiled(compiled, (tuple(grid) + (1, 1))[:3], stream, values)
         if rec is not None:
-            rec.launches.append((compiled, grid, values))
+            rec.launches.append((compiled, grid, values, stream))
         return compiled
 
     def through_triton(self, grid, args, kwargs):
