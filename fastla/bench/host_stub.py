@@ -235,7 +235,8 @@ def cases():
     out += [
         ("gdn-fp16-inputs", gdn, _gdn_case(dtype=torch.float16), "triton", False),      # cast to fp32 first
         # (GDN's pipeline: two pieces, their prologues on a side stream; one stream off the GPU)
-        ("gdn-gluon-pipelined", gdn, _gdn_case(T=2078, H=2, HV=32, h0=True, output_final_state=True), "gluon", True),
+        ("gdn-gluon-pipelined", gdn, _gdn_case(T=8192 + 30, H=2, HV=32, h0=True, output_final_state=True), "gluon",
+         True),
         ("gdn-no-gate-no-beta", gdn, _gdn_case(g=None, beta=None, use_qk_l2norm_in_kernel=True), "gluon", True),
         ("gdn-decode", gdn_decode, _gdn_case(T=1, h0=True, output_final_state=True, use_qk_l2norm_in_kernel=True),
          "triton", True),

@@ -455,8 +455,8 @@ def test_regs_chains_plan(monkeypatch):
 
 def test_pipeline_plan_and_pieces(monkeypatch):
     """GDN's pipeline (chunk_delta.pipeline_pieces, _run_pipelined) on the CPU, kernels recorded:
-    the plan takes one dense sequence whose one-chain programs fill at most half the SMs, four
-    pieces of at least 16 chunks, none where segments are planned, for a batch, offsets, GVA
+    the plan takes one dense sequence whose one-chain programs fill at most half the SMs, up to four
+    pieces of at least 64 chunks (two at 8k tokens, four at 32k), none where segments are planned, for a batch, offsets, GVA
     beyond half a wave, a missing gate or beta, or chunk states. Each piece launches its inverse,
     scores and a one-chain scan of its rows, from the previous piece's final state (fp32), the
     last into the call's final state."""
@@ -476,14 +476,14 @@ def test_pipeline_plan_and_pieces(monkeypatch):
     def pieces(p):
         return gluon_chunk.pipeline_pieces(p, gluon_chunk.plan(p))
 
-    assert pieces(problem()) == 4                                       # h16-hv32/1x4096: 64 programs
-    assert pieces(problem(T=2048)) == 2 and pieces(problem(T=1024)) == 1
+    assert pieces(problem(T=32768)) == 4 and pieces(problem(T=8192)) == 2     # h16-hv32: 64 programs
+    assert pieces(problem()) == 1                                       # 65 chunks
     assert pieces(problem(HV=64)) == 1                                  # 128 programs: no idle SMs
-    assert pieces(problem(B=2)) == 1 and pieces(problem(g=False)) == 1 and pieces(problem(beta=False)) == 1
-    assert pieces(problem(return_intermediate_states=True)) == 1
+    assert pieces(problem(B=2, T=8192)) == 1 and pieces(problem(T=8192, g=False)) == 1
+    assert pieces(problem(T=8192, beta=False)) == 1 and pieces(problem(T=8192, return_intermediate_states=True)) == 1
     assert pieces(problem(H=2, HV=8, T=32768)) == 1                     # segments planned
-    cu = torch.tensor([0, 2000, 4126])
-    assert pieces(problem(cu_seqlens=cu, cu_seqlens_cpu=cu)) == 1
+    cu = torch.tensor([0, 2000, 8192])
+    assert pieces(problem(T=8192, cu_seqlens=cu, cu_seqlens_cpu=cu)) == 1
     monkeypatch.setattr(gluon_chunk, "PIPELINE_PIECES", 3)
     assert pieces(problem(T=1024)) == 3 and pieces(problem(HV=64)) == 1
 

@@ -51,14 +51,16 @@ REGS_CHAINS = None          # chains a program: None, the plan; 1 or 2 forced wh
 # 64-column programs take at most half the SMs (one sequence, HV <= 32 at V = 128), the sequence
 # runs as pieces of whole chunks, each piece's inverse and scores kernels on a side stream and its
 # scan on the caller's, the state carried between pieces: a piece's prologue runs on the idle SMs
-# under the previous piece's scan. Probe on an H100 (benchmarks/gdn_overlap_probe.py, v27 of
-# docs/notes/gdn-prefill.md: the whole prologue beside the one-chain scan, unsynchronized):
-# h16-hv32/1x8192 277.7 -> 213.5 us, 1x32768 1074.5 -> 954.2. PIPELINE_PIECES forces the pieces
-# (sweeps, tests; 1: off)
+# under the previous piece's scan. The probe's bound on an H100 (benchmarks/gdn_overlap_probe.py:
+# the whole prologue beside the one-chain scan, unsynchronized) h16-hv32/1x8192 277.7 -> 213.5 us,
+# 1x32768 1074.5 -> 954.2. Measured on an H100 (gdn_prefill_sweep.py, CUDA graph, us, against
+# PIPELINE False; docs/notes/gdn-prefill.md v27): h16-hv32/1x8192 280.2 -> 260.6 (two pieces; four
+# 265.8, eight 272.1), h8-hv32/1x8192 259.4 -> 236.4 (two), h16-hv32/1x32768 1074.7 -> 933.8 (four;
+# two 974.8, eight 946.2). PIPELINE_PIECES forces the pieces (sweeps, tests; 1: off)
 PIPELINE = True
 PIPELINE_PIECES = None
 PIECES = 4                  # pieces of the plan, each at least PIECE_CHUNKS chunks
-PIECE_CHUNKS = 16
+PIECE_CHUNKS = 64
 # The segment summary pass (sequence parallelism) on the two-chain scan too (its SEG 1: the V + K
 # columns from [0 | I], no queries, scores nor output) instead of the Triton scan: 1x32k HV8 442 ->
 # 327 us, 1x32k HV16 778 -> 557 (docs/notes/gdn-prefill.md, v12). False: the Triton summary (A/B)
