@@ -20,6 +20,8 @@
 #                                              # (FASTLA_COMPILE_AHEAD=0 / 1, fastla/core/compile_ahead.py)
 #   bash benchmarks/gpu_checks.sh regs-rows    # the registry rows whose plan moved onto the state-in-registers
 #                                              # scan without a rerun (docs/notes/gdn-prefill.md v26; ~5 min)
+#   bash benchmarks/gpu_checks.sh pipeline-rows # the GDN rows the pipeline (v27) and the state-in-registers
+#                                              # scan took since the H200 table's runs (~4 min)
 # LIMIT: seconds for each test group (420). Run from the repository
 # root with .whl/ carried (../shared/device/peer-wheels.sh); results go to $OUT when set (the device
 # tool's output folder).
@@ -73,7 +75,9 @@ case "${1:-tests}" in
       bg "${LIMIT:-420}" $(fuzz plain 0 11)
     # (tests that pick the device inline carry no gpu mark: -m "" keeps them, "not cpu" drops the
     # CPU cases of the device-parametrized ones)
-    has triton && bg "${LIMIT:-420}" tests/ops/test_triton_chunk_gdn.py tests/ops/test_triton_chunk_kda.py -m "" -k "not cpu"
+    # (one group a file: together they ran past 380 s on an H100, v27)
+    has triton && bg "${LIMIT:-420}" tests/ops/test_triton_chunk_gdn.py -m "" -k "not cpu" &&
+      bg "${LIMIT:-420}" tests/ops/test_triton_chunk_kda.py -m "" -k "not cpu"
     has large && bg "${LIMIT:-420}" tests/ops/test_large_offsets.py
     has plans && bg "${LIMIT:-420}" tests/core/test_call_plan.py tests/core/test_compile_ahead.py tests/ops/test_compile.py \
       tests/ops/test_recurrent.py
@@ -123,6 +127,10 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
   regs-rows)
     timeout 560 python3 -m fastla bench --filter gdn/h16-hv64/1x8192,gdn/h16-hv32/varlen9x16384,gdn/h8-hv32/varlen9x16384,gdn/h4-hv16/varlen9x16384,gdn/h4-hv16/4x8192,kda/h64/1x16384,kda/h64/varlen8x15193,kda/h96/1x16384,kda/h96/2x16384,kda/h96/varlen8x15193 \
       --modes fwd --quick --no-cold --out "$out" 2>&1 | tail -14
+    ;;
+  pipeline-rows)
+    timeout 560 python3 -m fastla bench --filter gdn/h16-hv32/1x8192,gdn/h16-hv32/1x32768,gdn/h8-hv32/1x8192,gdn/h8-hv32/1x32768,gdn/h16-hv64/1x8192,gdn/h16-hv32/varlen9x16384,gdn/h8-hv32/varlen9x16384,gdn/h4-hv16/varlen9x16384,gdn/h4-hv16/4x8192 \
+      --modes fwd --quick --no-cold --out "$out" 2>&1 | tail -13
     ;;
   setup) ;;
 esac
