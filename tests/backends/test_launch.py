@@ -108,7 +108,8 @@ def test_cached_launch_passes_triton_arguments(monkeypatch):
 def test_build_over_shared_memory_rebuilt_with_fewer_stages(monkeypatch):
     """A first launch that Triton refuses for shared memory is built again one stage fewer at a time
     (the first that fits is kept under the original key: later launches skip the refused builds);
-    one refused at one stage, or for another resource, raises."""
+    one refused at one stage, for another resource, or without an explicit num_stages (a Gluon
+    kernel's buffers do not depend on it), raises."""
     from triton.runtime.errors import OutOfResources
     from triton.runtime.jit import JITFunction
 
@@ -122,7 +123,7 @@ def test_build_over_shared_memory_rebuilt_with_fewer_stages(monkeypatch):
         fits, resource = 2, "shared memory"
 
         def __getitem__(self, grid):
-            def run(*a, num_stages=launch.DEFAULT_STAGES, **k):
+            def run(*a, num_stages=3, **k):
                 builds.append(num_stages)
                 if num_stages > self.fits:
                     raise OutOfResources(1000 * num_stages, 1000 * self.fits, self.resource)
@@ -135,16 +136,15 @@ def test_build_over_shared_memory_rebuilt_with_fewer_stages(monkeypatch):
     for _ in range(2):
         launcher[(5,)](x, 7, B=2, num_warps=4, num_stages=4)
     assert builds == [4, 3, 2] and len(compiled.launches) == 1
-    launcher[(5,)](x, 7, B=3)                       # Triton's default stages (3), then 2
-    assert builds[3:] == [3, 2]
-    triton.fits = 0
-    with pytest.raises(OutOfResources):
-        launcher[(5,)](x, 7, B=4, num_stages=2)
-    assert builds[5:] == [2, 1]
-    triton.fits, triton.resource = 1, "tensor memory"
-    with pytest.raises(OutOfResources):
-        launcher[(5,)](x, 7, B=5, num_stages=2)
-    assert builds[7:] == [2]
+    for constexpr, stages, fits, resource, tried in ((3, None, 2, "shared memory", [3]),     # none named
+                                                     (4, 2, 0, "shared memory", [2, 1]),
+                                                     (5, 2, 1, "tensor memory", [2])):
+        builds.clear()
+        triton.fits, triton.resource = fits, resource
+        named = {} if stages is None else {"num_stages": stages}
+        with pytest.raises(OutOfResources):
+            launcher[(5,)](x, 7, B=constexpr, **named)
+        assert builds == tried
 
 
 def test_hooks_off_by_default_on_when_added():

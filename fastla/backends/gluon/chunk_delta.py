@@ -404,11 +404,14 @@ def pipeline_pieces(p: Problem, config: triton_chunk.ChunkConfig) -> int:
     sequence on the one-chain state-in-registers scan whose programs (HV x V / 64) take at most
     half the SMs, with no segments planned (their summaries run their own prologue-free pass), a
     gate and beta given (their stand-ins would be filled on the caller's stream), no chunk states;
-    PIECES pieces of at least PIECE_CHUNKS chunks (PIPELINE_PIECES: forced where it serves)."""
+    PIECES pieces of at least PIECE_CHUNKS chunks (PIPELINE_PIECES: forced where it serves); tensors
+    on the current device."""
     if not (PIPELINE and SCAN_REGS and p.delta and p.gk is None and p.g is not None and p.beta is not None):
         return 1
     if p.B != 1 or p.cu_seqlens is not None or p.return_intermediate_states or p.pool is not None or p.V % 64:
         return 1
+    if p.device.type == "cuda" and p.device.index not in (None, torch.cuda.current_device()):
+        return 1                    # (the launches and the stream steps take the current device's streams)
     chunks = triton_chunk.cdiv(p.T, triton_chunk.BT)
     if triton_chunk._segments(p, config, (chunks,)) or p.HV * p.V // 64 > sm_count(p.device) // 2:
         return 1
@@ -416,22 +419,31 @@ def pipeline_pieces(p: Problem, config: triton_chunk.ChunkConfig) -> int:
     return max(1, min(pieces, chunks))
 
 
-_SIDE_STREAMS: dict = {}
+_SIDE_STREAMS: dict = {}         # (device, the caller's stream) -> its side stream
 
 
 def _run_pipelined(p: Problem, config: triton_chunk.ChunkConfig, pieces: int):
     """GDN's forward as ``pieces`` pieces (triton_chunk.run_in_pieces): each piece's inverse and
-    scores kernels on a side stream (one per device, forked from the caller's at the start of the
-    call and joined at its end), its one-chain scan on the caller's stream after an event the
-    piece's scores record. The tensors the side stream touches are held until the join (after it,
-    the allocator's reuse of their memory is ordered after the side stream's work). Outputs are
-    the unpipelined call's, bit for bit (the same kernels and state). The stream steps go through
-    call_plan (fork, record_event, wait_event, join), so a call plan replays them."""
+    scores kernels on a side stream (one per device and caller's stream, so that concurrent
+    callers and graph captures on other streams never share it; forked from the caller's stream at
+    the start of the call and joined at its end, also when the call raises), its one-chain scan on
+    the caller's stream after an event the piece's scores record. The tensors the side stream
+    touches are held until the join (after it, the allocator's reuse of their memory is ordered
+    after the side stream's work). Outputs equal an unpipelined call on the one-chain scan
+    (REGS_CHAINS 1) bit for bit: the same kernels and state; the plan's unpipelined call at these
+    lane counts runs the two-chain scan, which measured bit-equal too (v26, v27 sweeps). The
+    stream steps go through call_plan (fork, record_event, wait_event, join), so a plan replays
+    them."""
     from fastla.backends.gluon import chunk_inverse_sm90 as gdn_inverse
     from fastla.backends.gluon import chunk_scores_sm90 as gdn_scores
     from fastla.core import call_plan
 
-    side = _SIDE_STREAMS.setdefault(p.device, torch.cuda.Stream(p.device)) if p.device.type == "cuda" else None
+    side = None
+    if p.device.type == "cuda":
+        key = (p.device, torch.cuda.current_stream(p.device).cuda_stream)
+        side = _SIDE_STREAMS.get(key)
+        if side is None:
+            side = _SIDE_STREAMS[key] = torch.cuda.Stream(p.device)
     held = []
 
     def on_side(launch, ready=None):
@@ -458,11 +470,12 @@ def _run_pipelined(p: Problem, config: triton_chunk.ChunkConfig, pieces: int):
 
     if side is not None:
         call_plan.fork(side)
-    result = triton_chunk.run_in_pieces(p, triton_chunk.piece_cuts(p.T, pieces), run_piece)
-    if side is not None:
-        call_plan.join(side)
-    held.clear()
-    return result
+    try:
+        return triton_chunk.run_in_pieces(p, triton_chunk.piece_cuts(p.T, pieces), run_piece)
+    finally:
+        if side is not None:
+            call_plan.join(side)
+        held.clear()
 
 
 @functools.lru_cache(maxsize=None)

@@ -21,8 +21,9 @@ pass (fastla/core/compile_ahead.py: a first call's kernels compiled side by side
 is not cached submits its compile and launches nothing.
 ``tests/backends/test_launch.py`` checks the key against Triton's own specialization.
 
-A build that needs more shared memory than the GPU has (Triton refuses it at its first launch) is
-rebuilt with one pipeline stage fewer, down to one, before anything launches: fp32 inputs at
+A build that needs more shared memory than the GPU has (Triton refuses it at its first launch),
+launched with an explicit ``num_stages`` (the Triton kernels; a Gluon kernel's buffers are its own),
+is rebuilt with one pipeline stage fewer, down to one, before anything launches: fp32 inputs at
 K = V = 128 double the Triton scan's tiles (its three-stage build then needs 296 KB, KDA's
 two-stage one 311 KB, against Hopper's 227 KB), and GPUs before Hopper have less (164 KB on the
 A100). Stages change the schedule of the loads, not the result; each rebuild is logged
@@ -44,7 +45,6 @@ _I32 = (-(2 ** 31), 2 ** 31)
 _Tensor = torch.Tensor
 CACHED = True       # False: every launch through Triton (benchmarks/gdn_host_overhead.py compares)
 _LAUNCHERS: dict[tuple[int, bool], "Launcher"] = {}
-DEFAULT_STAGES = 3  # Triton's num_stages on NVIDIA GPUs when a launch does not name it
 logger = logging.getLogger("fastla")
 
 
@@ -176,11 +176,11 @@ class Launcher:
             try:
                 return self.fn[grid](*args, **kwargs)
             except OutOfResources as exc:
-                stages = kwargs.get("num_stages", DEFAULT_STAGES)
-                if exc.name != "shared memory" or stages <= 1:
+                stages = kwargs.get("num_stages")
+                if exc.name != "shared memory" or stages is None or stages <= 1:
                     raise
                 logger.info("fastla: %s at %d stages needs %d bytes of shared memory (the GPU has %d): "
-                            "built at %d", getattr(self.fn, "__name__", self.fn), stages, exc.required,
+                            "rebuilding at %d", getattr(self.fn, "__name__", self.fn), stages, exc.required,
                             exc.limit, stages - 1)
                 kwargs = dict(kwargs, num_stages=stages - 1)
 
