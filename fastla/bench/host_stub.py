@@ -206,6 +206,7 @@ def cases():
     from fastla.ops import chunk_simple_gla as simple_gla
 
     cu = torch.tensor([0, 70, 71, 200])
+    one = torch.tensor([0, 8192 + 30])                  # a packed batch of one sequence
     out = []
     for tier in ("gluon", "triton"):
         out += [
@@ -237,6 +238,8 @@ def cases():
         # (GDN's pipeline: two pieces, their prologues on a side stream; one stream off the GPU)
         ("gdn-gluon-pipelined", gdn, _gdn_case(T=8192 + 30, H=2, HV=32, h0=True, output_final_state=True), "gluon",
          True),
+        ("gdn-gluon-pipelined-offsets", gdn, _gdn_case(T=8192 + 30, H=2, HV=32, h0=True, output_final_state=True,
+                                                       cu_seqlens_cpu=one, cu_seqlens=one.clone()), "gluon", True),
         ("gdn-no-gate-no-beta", gdn, _gdn_case(g=None, beta=None, use_qk_l2norm_in_kernel=True), "gluon", True),
         ("gdn-decode", gdn_decode, _gdn_case(T=1, h0=True, output_final_state=True, use_qk_l2norm_in_kernel=True),
          "triton", True),

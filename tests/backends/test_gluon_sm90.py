@@ -455,7 +455,7 @@ def test_regs_chains_plan(monkeypatch):
 
 def test_pipeline_plan_and_pieces(monkeypatch):
     """GDN's pipeline (chunk_delta.pipeline_pieces, _run_pipelined) on the CPU, kernels recorded:
-    the plan takes one dense sequence whose one-chain programs fill at most half the SMs, up to four
+    the plan takes one sequence (or offsets [0, T] on the host) whose one-chain programs fill at most half the SMs, up to four
     pieces of at least 64 chunks (two at 8k tokens, four at 32k), none where segments are planned, for a batch, offsets, GVA
     beyond half a wave, a missing gate or beta, or chunk states. Each piece launches its inverse,
     scores and a one-chain scan of its rows, from the previous piece's final state (fp32), the
@@ -484,6 +484,8 @@ def test_pipeline_plan_and_pieces(monkeypatch):
     assert pieces(problem(H=2, HV=8, T=32768)) == 1                     # segments planned
     cu = torch.tensor([0, 2000, 8192])
     assert pieces(problem(T=8192, cu_seqlens=cu, cu_seqlens_cpu=cu)) == 1
+    one = torch.tensor([0, 8192])                                       # a packed batch of one sequence
+    assert pieces(problem(T=8192, cu_seqlens=one, cu_seqlens_cpu=one)) == 2
     monkeypatch.setattr(gluon_chunk, "PIPELINE_PIECES", 3)
     assert pieces(problem(T=1024)) == 3 and pieces(problem(HV=64)) == 1
 

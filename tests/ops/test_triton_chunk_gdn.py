@@ -297,15 +297,18 @@ def test_tables_used_in_a_graph_capture_are_never_evicted():
 def test_pieces_carry_the_state(v_first, device):
     """A sequence run as pieces of whole chunks (chunk_delta.run_in_pieces: the sm_90 tier's GDN
     pipeline cuts it so), each piece starting from the previous one's final state: the whole call's
-    output and final state, in both state layouts, with and without an initial state; the last
-    piece ends mid-chunk."""
+    output and final state, in both state layouts, with and without an initial state, and for
+    offsets [0, T] (a packed batch of one sequence: the pieces drop them); the last piece ends
+    mid-chunk."""
     from fastla.backends.triton import chunk_delta
     from fastla.core.validation import build_problem
 
-    for h0 in (True, False):
+    cu = torch.tensor([0, 200])
+    for h0, offsets in ((True, False), (False, False), (True, True)):
         t = make_inputs(SPEC, B=1, T=200, H=2, HV=4, K=32, V=32, h0=h0, v_first=v_first, device=device)
+        varlen = dict(cu_seqlens=cu.to(device), cu_seqlens_cpu=cu) if offsets else {}
         problem = build_problem("chunk_gated_delta_rule", **t, delta=True, gva=True, output_final_state=True,
-                                state_v_first=v_first)
+                                state_v_first=v_first, **varlen)
         with use_tier("triton", strict=True), torch.no_grad():
             whole_o, whole_ht = chunk_delta.run(problem)
             for pieces in (2, 3):

@@ -400,15 +400,15 @@ def run(p: Problem):
 
 
 def pipeline_pieces(p: Problem, config: triton_chunk.ChunkConfig) -> int:
-    """Pieces of GDN's pipeline (PIPELINE, ``_run_pipelined``) for ``p``, 1 for none: one dense
-    sequence on the one-chain state-in-registers scan whose programs (HV x V / 64) take at most
+    """Pieces of GDN's pipeline (PIPELINE, ``_run_pipelined``) for ``p``, 1 for none: one
+    sequence (offsets, if any, ``[0, T]`` on the host) on the one-chain state-in-registers scan whose programs (HV x V / 64) take at most
     half the SMs, with no segments planned (their summaries run their own prologue-free pass), a
     gate and beta given (their stand-ins would be filled on the caller's stream), no chunk states;
     PIECES pieces of at least PIECE_CHUNKS chunks (PIPELINE_PIECES: forced where it serves); tensors
     on the current device."""
     if not (PIPELINE and SCAN_REGS and p.delta and p.gk is None and p.g is not None and p.beta is not None):
         return 1
-    if p.B != 1 or p.cu_seqlens is not None or p.return_intermediate_states or p.pool is not None or p.V % 64:
+    if p.B != 1 or not triton_chunk.one_sequence(p) or p.return_intermediate_states or p.pool is not None or p.V % 64:
         return 1
     if p.device.type == "cuda" and p.device.index not in (None, torch.cuda.current_device()):
         return 1                    # (the launches and the stream steps take the current device's streams)

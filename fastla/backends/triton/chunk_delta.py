@@ -482,22 +482,28 @@ def piece_cuts(T: int, pieces: int) -> list[int]:
     return [min(T, (i * NT // pieces) * BT) for i in range(pieces)] + [T]
 
 
+def one_sequence(p: Problem) -> bool:
+    """Whether ``p``'s batch rows are one sequence each: no offsets, or offsets ``[0, T]`` known on
+    the host (a packed batch of one request)."""
+    return p.cu_seqlens is None or p.cu_seqlens_host == (0, p.T)
+
+
 def run_in_pieces(p: Problem, cuts: list[int], run_piece) -> tuple:
-    """The forward of one dense sequence (B = 1, no offsets) as consecutive pieces ``[cuts[i],
-    cuts[i + 1])``: ``run_piece(sub, out)`` runs the sub-problem ``sub`` (the piece's q, k, v, gate
+    """The forward of one sequence (B = 1, no offsets or offsets ``[0, T]``, which the pieces drop)
+    as consecutive pieces ``[cuts[i], cuts[i + 1])``: ``run_piece(sub, out)`` runs the sub-problem ``sub`` (the piece's q, k, v, gate
     and beta views, its initial state the previous piece's final state, in fp32) writing ``out``
     (the piece's rows of the output) and returns run's ``(o, final state)``. The chunks' math is
     the whole call's, the state carried between pieces through memory in fp32 as the scans keep it:
     the same output and final state. Returns ``(o, final state)``."""
-    if p.B != 1 or p.cu_seqlens is not None or p.return_intermediate_states or p.pool is not None:
-        raise ValueError("run_in_pieces: one dense sequence without chunk states or a state pool")
+    if p.B != 1 or not one_sequence(p) or p.return_intermediate_states or p.pool is not None:
+        raise ValueError("run_in_pieces: one sequence without chunk states or a state pool")
     o = call_plan.empty((1, p.T, p.HV, p.V), p.o_dtype, p.device)
     state = p.initial_state
     for i, (t0, t1) in enumerate(zip(cuts[:-1], cuts[1:])):
         last = i == len(cuts) - 2
         cut = {n: call_plan.note_view(getattr(p, n)[:, t0:t1], getattr(p, n))
                for n in ("q", "k", "v", "g", "gk", "gv", "beta") if getattr(p, n) is not None}
-        sub = dataclasses.replace(p, **cut, T=t1 - t0, initial_state=state,
+        sub = dataclasses.replace(p, **cut, T=t1 - t0, initial_state=state, cu_seqlens=None, cu_seqlens_host=None,
                                   output_final_state=p.output_final_state if last else True)
         _, state = run_piece(sub, call_plan.note_view(o[:, t0:t1], o))
     return o, state
