@@ -335,6 +335,23 @@ def test_pipeline_pieces(pieces, v_first, monkeypatch):
         assert torch.equal(a, b), f"{name}: pipelined differs from whole ({(a.float() - b.float()).abs().max()})"
 
 
+def test_pipeline_split_projection_and_offsets(monkeypatch):
+    """The pipeline over q, k, v split from one projection (the pieces' views of them read in place
+    by TMA, STRIDED_TMA) and over offsets [0, T] (a packed batch of one sequence: the pieces drop
+    them): the contiguous dense call's output and final state, bit for bit."""
+    from fastla.backends.gluon import chunk_delta as gluon_chunk
+    monkeypatch.setattr(gluon_chunk, "PIPELINE_PIECES", 3)
+    monkeypatch.setattr(gluon_chunk, "REGS_CHAINS", 1)
+    T = 64 * 9 + 30
+    t = bf16_inputs(B=1, T=T, H=2, HV=8, K=128, V=128)
+    want = on("gluon", call_chunk, SPEC, t, output_final_state=True)
+    cu = torch.tensor([0, T])
+    for got in (on("gluon", call_chunk, SPEC, split_views(t), output_final_state=True),
+                on("gluon", call_chunk, SPEC, t, output_final_state=True, cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu)):
+        for name, a, b in zip(("o", "final_state"), want, got):
+            assert torch.equal(a, b), name
+
+
 def test_pipeline_in_a_graph(monkeypatch):
     """The pipeline captured in a CUDA graph (the side stream forked and joined inside the capture)
     replays to the eager call's output, on new inputs copied into the captured ones."""
