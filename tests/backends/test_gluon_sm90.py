@@ -286,6 +286,16 @@ def test_launcher_builds_descriptors(monkeypatch):
     monkeypatch.setattr(gluon_chunk, "SCAN_DUAL", False)                 # the plain kernel first
     B, T, H, HV, K, V = 1, 32768, 16, 64, 128, 128
     bf = dict(dtype=torch.bfloat16)
+
+    def dense_pass(B, T, HV):
+        """GDN inputs, their problem and a whole-sequence pass whose output is v's buffer."""
+        q, k, v = torch.empty(B, T, H, K, **bf), torch.empty(B, T, H, K, **bf), torch.empty(B, T, HV, V, **bf)
+        g, beta = torch.empty(B, T, HV), torch.empty(B, T, HV)
+        p = build_problem("chunk_gated_delta_rule", q=q, k=k, v=v, g=g, beta=beta, delta=True, gva=True)
+        scratch = torch.empty(B, T, HV, 64, **bf)
+        sp = chunk_delta.SequencePass(q, k, v, beta, 1, scratch, scratch, g, g, g, v, None, None, None, None, None,
+                                      T, -(-T // 64), g)
+        return q, k, v, g, beta, p, scratch, sp
     q, k, v = torch.empty(B, T, H, K, **bf), torch.empty(B, T, H, K, **bf), torch.empty(B, T, HV, V, **bf)
     g, beta = torch.empty(B, T, HV), torch.empty(B, T, HV)
     p = build_problem("chunk_gated_delta_rule", q=q, k=k, v=v, g=g, beta=beta, delta=True, gva=True)
@@ -315,12 +325,7 @@ def test_launcher_builds_descriptors(monkeypatch):
     monkeypatch.setattr(gluon_chunk, "SCAN_SPECIALIZED", False)
 
     B, T, HV = 4, 8192, 32
-    q, k, v = torch.empty(B, T, H, K, **bf), torch.empty(B, T, H, K, **bf), torch.empty(B, T, HV, V, **bf)
-    g, beta = torch.empty(B, T, HV), torch.empty(B, T, HV)
-    p = build_problem("chunk_gated_delta_rule", q=q, k=k, v=v, g=g, beta=beta, delta=True, gva=True)
-    scratch = torch.empty(B, T, HV, 64, **bf)
-    sp = chunk_delta.SequencePass(q, k, v, beta, 1, scratch, scratch, g, g, g, v, None, None, None, None, None,
-                                  T, 128, g)
+    q, k, v, g, beta, p, scratch, sp = dense_pass(B, T, HV)
     gluon_chunk._sequence_scan(p, sp, 0, g, g, B)
     grid, args, kw = launches[-1]
     assert kw["BV"] == 128 and kw["WARPGROUPS"] == 2 and kw["num_warps"] == 8 and grid == (B * HV,)
@@ -387,12 +392,7 @@ def test_launcher_builds_descriptors(monkeypatch):
     grid, args, kw = launches[-1]
     assert kw["kernel"] == "regs" and kw["GK"] is False and kw["CHAINS"] == 2 and args[2] is args[0]
     B, T, HV = 1, 32768, 64
-    q, k, v = torch.empty(B, T, H, K, **bf), torch.empty(B, T, H, K, **bf), torch.empty(B, T, HV, V, **bf)
-    g, beta = torch.empty(B, T, HV), torch.empty(B, T, HV)
-    p = build_problem("chunk_gated_delta_rule", q=q, k=k, v=v, g=g, beta=beta, delta=True, gva=True)
-    scratch = torch.empty(B, T, HV, 64, **bf)
-    sp = chunk_delta.SequencePass(q, k, v, beta, 1, scratch, scratch, g, g, g, v, None, None, None, None, None,
-                                  T, 512, g)
+    q, k, v, g, beta, p, scratch, sp = dense_pass(B, T, HV)
     gluon_chunk._sequence_scan(p, sp, 0, g, g, B)
     grid, args, kw = launches[-1]
     assert kw["kernel"] == "regs" and kw["CHAINS"] == 1 and grid == (HV * V // 64,)
