@@ -74,6 +74,8 @@ VARIANTS = {
     "gluon-no-pipe": dict(PIPELINE=False),   # GDN's prologue pieces under the scan (v27): off, forced pieces
     "gluon-pipe2": dict(PIPELINE_PIECES=2),
     "gluon-pipe8": dict(PIPELINE_PIECES=8),
+    "gluon-all-summaries": dict(LAST_SEGMENT_SUMMARIES=True),   # summaries of last segments too (before v28)
+    "gluon-seg24": dict(segment_chunks=24),
     "gluon-s3-plan": dict(SCAN_STAGES=3),   # three stages in flight on the shipped plan (regs: 184 KB, two chains 216)
     "bv16": dict(scan_block_v=16, scan_stages=2, scan_warps=4),
     "bv32s2": dict(scan_block_v=32, scan_stages=2, scan_warps=4),
@@ -174,9 +176,12 @@ def main() -> int:
         for name in names:
             over = VARIANTS[name]
             tier = "gluon" if name.startswith("gluon") else "triton"
-            saved = {a: getattr(gluon_chunk, a) for a in (over or {}) if a.isupper()} if tier == "gluon" else {}
-            for a, value in saved.items():
-                setattr(gluon_chunk, a, over[a])
+            # (upper-case keys: constants of the sm_90 tier's module, else of the Triton driver's)
+            owner = {a: gluon_chunk if hasattr(gluon_chunk, a) else chunk_delta
+                     for a in (over or {}) if a.isupper()} if tier == "gluon" else {}
+            saved = {a: getattr(module, a) for a, module in owner.items()}
+            for a, module in owner.items():
+                setattr(module, a, over[a])
             if tier == "gluon":                    # lower-case keys: the launch plan (default_config) too
                 over = {a: x for a, x in (over or {}).items() if not a.isupper()} or None
             chunk_delta.default_config = config_with(original, over)
@@ -199,7 +204,7 @@ def main() -> int:
                 chunk_delta.default_config = original
                 chunk_prepare.INVERSE_PROGRAMS_PER_SM = programs_per_sm
                 for a, value in saved.items():
-                    setattr(gluon_chunk, a, value)
+                    setattr(owner[a], a, value)
             prep = sum(v for k, v in split.items() if "inverse" in k or "scores" in k)
             scan = sum(v for k, v in split.items() if "scan" in k)                # both tiers' scan kernels
             rows.append(dict(shape=shape, variant=name, config=config, us=us, prepare_us=prep,

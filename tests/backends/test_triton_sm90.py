@@ -88,6 +88,7 @@ KDA_PREPARE_POINTERS = {"q": "*bf16", "k": "*bf16", "g": "*bf16", "beta": "*bf16
                         "dt_bias": "*fp32", "p_out": "*bf16", "a_out": "*bf16", "kg": "*bf16", "kd": "*bf16",
                         "qg": "*bf16", "decay": "*fp32", "cu_seqlens": "*i64", "chunk_index": "*i32"}
 COMBINE_POINTERS = {"summary": "*fp32", "seg_start": "*fp32", "h0": "*fp32", "seq_segments": "*i32"}
+COMBINE_FLAGS = dict(SK=128, SV=1, HAS_H0=True, ALL_SUMMARIES=False)
 BWD_POINTERS = {
     "reverse": {"q": "*bf16", "k": "*bf16", "kd": "*bf16", "decay": "*fp32", "beta": "*fp32", "p_in": "*bf16", "a_in": "*bf16", "gcum": "*fp32",
                 "do": "*bf16", "dht": "*fp32", "dh_chunks": "*bf16", "r_out": "*fp32", "dh0": "*fp32",
@@ -158,9 +159,8 @@ GDN_KERNELS = {
     "kda-inverse": ("chunk_prepare_kda._kda_inverse_kernel",
                     {"a": "*fp32", "p_out": "*bf16", "cu_seqlens": "*i64", "chunk_index": "*i32"}, {}, 1, 1),
     # the segment combine, as the portable tier launches it and as the sm_90 tier does
-    "combine": ("chunk_delta._segment_combine_kernel", COMBINE_POINTERS, dict(BV=32, SK=128, SV=1, HAS_H0=True), 4, 1),
-    "combine-sm90": ("chunk_delta._segment_combine_kernel", COMBINE_POINTERS, dict(BV=16, SK=128, SV=1, HAS_H0=True),
-                     8, 2),
+    "combine": ("chunk_delta._segment_combine_kernel", COMBINE_POINTERS, COMBINE_FLAGS | dict(BV=32), 4, 1),
+    "combine-sm90": ("chunk_delta._segment_combine_kernel", COMBINE_POINTERS, COMBINE_FLAGS | dict(BV=16), 8, 2),
     "kda-wide-list": ("chunk_prepare_kda_wide._list_blocks_kernel",
                       {"flags": "*i32", "items": "*i32", "count": "*i32"}, {}, 4, 1),
     "kda-scan": ("chunk_delta._scan_kernel", SCAN_POINTERS,

@@ -220,13 +220,29 @@ def test_segment_heuristic():
     assert plan(8, [128]) == 16                     # 1x8k HV8: 8 and 16 tie, the longer wins (measured)
     assert plan(8, [12]) == 0                       # too short
     assert plan(8, [512]) % chunk_delta.MIN_SEGMENT_CHUNKS == 0
-    # with the sm_90 tier's summary pass (its gain): 1x8k HV16 splits, varlen 9x16k HV8 does not
+    # with the sm_90 tier's summary pass (its gain): 1x8k HV16 splits; varlen 9x16k splits its
+    # long sequences at HV8 (the short ones fill the waves: whole 110 steps, 24-chunk segments 53;
+    # no summaries of last segments), not at HV16 (110 vs 69 at 32 chunks)
     from fastla.backends.gluon.chunk_delta import SEGMENT_GAIN_SM90 as gain
     varlen = [-(-n // 64) for n in (7000, 1300, 547, 2048, 963, 271, 3063, 1, 1191)]
     assert chunk_delta.segment_length(16, 2, 4, [128], 132, gain) == 16
-    assert chunk_delta.segment_length(72, 2, 4, varlen, 132, gain) == 0
+    assert chunk_delta.segment_length(72, 2, 4, varlen, 132, gain) == 24
+    assert chunk_delta.segment_length(144, 2, 4, varlen, 132, gain) == 0
     assert chunk_delta.segment_length(8, 2, 4, [512], 132, gain) == 32
     assert chunk_delta.segment_length(32, 2, 4, [512], 132, gain) == 0    # 1x32k HV32: measured a loss
+
+
+def test_segment_cost_model_takes_waves_and_mixed_lengths():
+    """The split's cost model: list scheduling (longest first on the first free slot) is the
+    waves model on dense batches, and on mixed lengths the short programs fill beside the long."""
+    from collections import Counter
+
+    from fastla.backends.triton.chunk_delta import _makespan
+    assert _makespan(Counter({10: 264}), 264) == 10
+    assert _makespan(Counter({10: 265}), 264) == 20                 # a second wave
+    assert _makespan(Counter({110: 8, 5: 500}), 264) == 110        # under the longest
+    assert _makespan(Counter({4: 3, 3: 3, 2: 3}), 3) == 9 and _makespan(Counter({7: 1, 3: 3}), 2) == 9
+    assert _makespan(Counter({0: 4}), 2) == 0 and _makespan(Counter(), 8) == 0
 
 
 def test_varlen_sequence_orders():

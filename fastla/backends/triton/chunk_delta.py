@@ -35,7 +35,9 @@ scan at BV 32 / 4 warps about 233 registers, no spill, 111 KB of shared memory a
 """
 from __future__ import annotations
 
+import collections
 import functools
+import heapq
 import itertools
 from collections import OrderedDict
 import dataclasses
@@ -205,11 +207,12 @@ def _scan_kernel(
 def _segment_combine_kernel(
     summary, seg_start, h0, seq_segments,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    SK: tl.constexpr, SV: tl.constexpr, HAS_H0: tl.constexpr,
+    SK: tl.constexpr, SV: tl.constexpr, HAS_H0: tl.constexpr, ALL_SUMMARIES: tl.constexpr,
 ):
     """Program (sequence x value head, V tile): start states of a sequence's segments in order,
-    S_0 = h0, S_{s+1} = Phi_s S_s + E_s, from the summaries [E_s | Phi_s] (fp32, tf32 products;
-    the last segment's summary is not read: no segment starts after it)."""
+    S_0 = h0, S_{s+1} = Phi_s S_s + E_s, from the summaries [E_s | Phi_s] (fp32, tf32 products).
+    A last segment has no summary (no segment starts after it): segment s of sequence n has
+    summary s - n (each sequence before n has one last segment), or s with ``ALL_SUMMARIES``."""
     i_p = tl.program_id(0).to(tl.int64)
     i_v = tl.program_id(1)
     i_n, i_hv = i_p // HV, i_p % HV
@@ -227,7 +230,8 @@ def _segment_combine_kernel(
     for j in range(0, count - 1):
         i_s = s0 + j
         tl.store(seg_start + (i_s * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :], b_S, mask=m_h)
-        base = summary + (i_s * HV + i_hv) * K * (V + K) + o_k[:, None] * (V + K)
+        i_sum = i_s if ALL_SUMMARIES else i_s - i_n
+        base = summary + (i_sum * HV + i_hv) * K * (V + K) + o_k[:, None] * (V + K)
         b_E = tl.load(base + o_v[None, :], mask=m_h, other=0.0)                                   # [BK, BV]
         b_Phi = tl.load(base + V + o_j[None, :], mask=m_k[:, None] & (o_j < K)[None, :], other=0.0)  # [BK, BK]
         b_S = tl.dot(b_Phi, b_S, input_precision="tf32") + b_E
@@ -351,6 +355,9 @@ def _varlen_index(p: Problem):
 
 
 MIN_SEGMENT_CHUNKS = 8          # shortest segment considered
+# The summary pass over every segment, the last ones' summaries unread (before v28), instead of
+# only those that start another segment (A/B)
+LAST_SEGMENT_SUMMARIES = False
 PROGRAMS_PER_SM = 2             # scan programs resident per SM (registers and shared memory)
 # split only when the plan's predicted steps are below this fraction of the whole-sequence steps:
 # a step under a full grid costs ~1.8x one on a lightly loaded GPU (1x32k HV8: 1.18 us per step
@@ -363,46 +370,83 @@ def segment_length(lanes: int, tiles: int, summary_tiles: int, chunk_counts, sms
     """Chunks per segment for intra-card sequence parallelism, or 0 for none.
 
     Cost model in chunk-steps of one scan program, with R = PROGRAMS_PER_SM x SMs programs
-    resident: whole sequences take ceil(lanes x tiles / R) waves of the longest sequence; segments
-    of L chunks take ceil(n x summary_tiles / R) + ceil(n x tiles / R) waves of L steps (summary
-    over the V + K columns, then replay; n = segments x value heads), plus one step per segment
-    of the longest sequence for the combine (the kernel runs one fewer since v20; the count is
-    kept, so the plans measured with it stay). Ties go to the longer segment: the model counts a
-    combine as one step and the summaries' fixed costs not at all (1x8k HV 8 ties 8 and 16
-    chunks: 200 us at 8, 180 at 16, gdn_prefill_sweep-v11-small-heads.json). ``lanes`` =
-    sequences x value heads, ``sms`` the GPU's SM count; a split must cost below ``gain`` x the
-    whole sequences' steps (the summary pass's tier sets it)."""
+    resident, each pass's programs taken longest first by whichever of the R slots frees first
+    (``_makespan``): whole sequences are ``tiles`` programs a sequence and value head as long as
+    the sequence; segments of L chunks are a summary pass (``summary_tiles`` programs over the V +
+    K columns for each segment but a sequence's last, L steps each), then the replay (``tiles``
+    programs a segment, as long as it), plus one step per segment of the longest sequence for the
+    combine (the kernel runs one fewer since v20; the count is kept, so the plans measured with it
+    stay). For dense batches this is the waves model the plans were measured with (v9-v14: a pass
+    takes ceil(programs / R) waves); with mixed lengths the short sequences fill the waves beside
+    the long ones instead of each counting as long as the longest. Ties go to the longer segment:
+    the model counts a combine as one step and the summaries' fixed costs not at all (1x8k HV 8
+    ties 8 and 16 chunks: 200 us at 8, 180 at 16, gdn_prefill_sweep-v11-small-heads.json).
+    ``lanes`` = sequences x value heads, ``sms`` the GPU's SM count; a split must cost below
+    ``gain`` x the whole sequences' steps (the summary pass's tier sets it)."""
     longest = max(chunk_counts, default=0)
     resident = PROGRAMS_PER_SM * sms
     heads = lanes // max(len(chunk_counts), 1)
-    whole = -(-lanes * tiles // resident) * longest
+    per_count = collections.Counter(chunk_counts)
+    whole = _makespan(collections.Counter({c: n * heads * tiles for c, n in per_count.items()}), resident)
     best, best_cost = 0, float("inf")
     length = MIN_SEGMENT_CHUNKS
     while length < longest:
-        n = sum(-(-c // length) for c in chunk_counts) * heads
-        cost = (-(-n * summary_tiles // resident) + -(-n * tiles // resident)) * length + -(-longest // length)
-        if cost < gain * whole and cost <= best_cost:
-            best, best_cost = length, cost
+        replay, summarized = collections.Counter(), 0
+        for c, n in per_count.items():
+            full, rest = divmod(c, length)
+            replay[length] += n * full * heads * tiles
+            if rest or not full:
+                replay[rest] += n * heads * tiles          # (an empty sequence: one empty segment)
+            summarized += n * (max(1, full + (rest > 0)) - (not LAST_SEGMENT_SUMMARIES))
+        summary = collections.Counter({length: summarized * heads * summary_tiles})
+        combine = -(-longest // length)
+        # (a bound first: each pass takes at least one segment's steps and its work spread over
+        # every slot; many sequences fill the grid whole, and the list scheduling is host time)
+        work = sum(steps * n for passes in (summary, replay) for steps, n in passes.items()) / resident
+        if max(work, 2 * length) + combine < min(gain * whole, best_cost + 1):
+            cost = _makespan(summary, resident) + _makespan(replay, resident) + combine
+            if cost < gain * whole and cost <= best_cost:
+                best, best_cost = length, cost
         length += MIN_SEGMENT_CHUNKS
     return best
 
 
+def _makespan(programs: collections.Counter, slots: int) -> int:
+    """Steps until the last of ``programs`` ({steps: how many programs}) ends when each starts,
+    longest first, on whichever of ``slots`` frees first (list scheduling; the sm_90 scans dispatch
+    whole varlen sequences longest first, ``_varlen_index``)."""
+    free = [(0, slots)]                                  # (time a group of slots frees, how many)
+    for steps in sorted(programs, reverse=True):
+        left = programs[steps]
+        while left > 0:
+            t, n = heapq.heappop(free)
+            take = min(n, left)
+            heapq.heappush(free, (t + steps, take))
+            if n > take:
+                heapq.heappush(free, (t, n - take))
+            left -= take
+    return max(t for t, _ in free)
+
+
 def _segment_key(p: Problem, counts: tuple[int, ...], length: int):
-    return "segments", counts, length, p.device
+    return "segments", counts, length, LAST_SEGMENT_SUMMARIES, p.device
 
 
 def _segment_plan(p: Problem, counts: tuple[int, ...], length: int):
     """(the segment table [segments, 4] int32: sequence, first chunk, chunks, is-last; each
-    sequence's [first segment, segments] [N, 2] int32; the number of segments). An empty
-    sequence gets one empty segment, which carries its initial state to its final state."""
+    sequence's [first segment, segments] [N, 2] int32; the number of segments; the summary pass's
+    table, the rows that are not last (all rows with LAST_SEGMENT_SUMMARIES); its row count). An
+    empty sequence gets one empty segment, which carries its initial state to its final state."""
     def build():
         rows, per_seq = [], []
         for n, count in enumerate(counts):
             per_seq.append((len(rows), max(1, -(-count // length))))
             for c0 in range(0, max(count, 1), length):
                 rows.append((n, c0, min(length, count - c0), int(c0 + length >= count)))
+        summarized = rows if LAST_SEGMENT_SUMMARIES else [r for r in rows if not r[3]]
         return (torch.tensor(rows or [(0, 0, 0, 1)], dtype=torch.int32, device=p.device),
-                torch.tensor(per_seq, dtype=torch.int32, device=p.device), len(rows))
+                torch.tensor(per_seq, dtype=torch.int32, device=p.device), len(rows),
+                torch.tensor(summarized or [(0, 0, 0, 1)], dtype=torch.int32, device=p.device), len(summarized))
     return HOST_TABLES.get(_segment_key(p, counts, length), build, pin=_capturing(p))
 
 
@@ -637,18 +681,19 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, kda_p
                                 h_chunks if store_states else None, cu if varlen else None,
                                 chunk_start if varlen else None, T, NT, dummy, kd, decay)
     if length:
-        segments, seq_segments, n_seg = _segment_plan(p, counts, length)
-        summary = call_plan.empty((n_seg, HV, K, V + K), torch.float32, dev)
+        segments, seq_segments, n_seg, summarized, n_sum = _segment_plan(p, counts, length)
+        summary = call_plan.empty((n_sum, HV, K, V + K), torch.float32, dev)
         seg_start = call_plan.empty((n_seg, HV, K, V), torch.float32, dev)
         if summaries and sequence_scan is not None:
-            sequence_scan(p, seq_pass, 1, segments, summary, n_seg)
+            sequence_scan(p, seq_pass, 1, summarized, summary, n_sum)
         else:
-            launcher(_scan_kernel, T, NT)[(n_seg * HV, cdiv(V + K, BV))](*args, segments, summary, T, NT, p.scale,
+            launcher(_scan_kernel, T, NT)[(n_sum * HV, cdiv(V + K, BV))](*args, summarized, summary, T, NT, p.scale,
                                                                  BV=BV, SEG=1, STORE_STATES=False, **common)
         BVC = min(config.combine_block_v, BVF)
         launcher(_segment_combine_kernel)[(N * HV, cdiv(V, BVC))](
             summary, seg_start, h0 if h0 is not None else o, seq_segments, HV=HV, K=K, V=V, BK=BK, BV=BVC,
-            SK=SK, SV=SV, HAS_H0=h0 is not None, num_warps=config.combine_warps, num_stages=config.combine_stages)
+            SK=SK, SV=SV, HAS_H0=h0 is not None, ALL_SUMMARIES=LAST_SEGMENT_SUMMARIES,
+            num_warps=config.combine_warps, num_stages=config.combine_stages)
         if sequence_scan is not None:
             sequence_scan(p, seq_pass, 2, segments, seg_start, n_seg)
         else:
