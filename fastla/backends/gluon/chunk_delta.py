@@ -66,8 +66,12 @@ PIECE_CHUNKS = 64
 # 327 us, 1x32k HV16 778 -> 557 (docs/notes/gdn-prefill.md, v12). False: the Triton summary (A/B)
 SUMMARY_SM90 = True
 # With it, a split pays at a higher predicted cost (triton_chunk.segment_length's gain; the Triton
-# summary's is 0.4): 1x8k HV16 (model 0.44 at 16 chunks) 212 -> 182 us split; varlen 9x16k HV8
-# (0.70 at 24) 234 -> 240 at 16 chunks, so it stays whole (gdn_prefill_sweep-v14-summary.json)
+# summary's is 0.4): 1x8k HV16 (model 0.44 at 16 chunks) 212 -> 182 us split
+# (gdn_prefill_sweep-v14-summary.json). Varlen 9x16k HV8, whole in v14 (the waves model counted
+# every sequence as long as the longest, and the summary pass took every segment), splits at 24
+# chunks since v28 (model 53 / 110 steps; H100 194.5 -> 173.9 us, 218.7 with every segment's
+# summary; 16 chunks 213.5, 32 183.8); HV16 stays whole (69 / 110; 243.8 vs 340.9 split at 24,
+# gdn_prefill_sweep-v28-*-h100.json)
 SEGMENT_GAIN_SM90 = 0.5
 # The segment combine (Triton) on sm_90: 8 warps, two stages; 1x32k HV8 46 -> 38 us, 1x8k HV8
 # 22 -> 18 (gdn_prefill_sweep-v16-combine.json; outputs bit-equal); 16 value columns a program (twice
