@@ -20,8 +20,9 @@
 #                                              # (FASTLA_COMPILE_AHEAD=0 / 1, fastla/core/compile_ahead.py)
 #   bash benchmarks/gpu_checks.sh regs-rows    # the registry rows whose plan moved onto the state-in-registers
 #                                              # scan without a rerun (docs/notes/gdn-prefill.md v26; ~5 min)
-#   bash benchmarks/gpu_checks.sh pipeline-rows # the GDN rows the pipeline (v27) and the state-in-registers
-#                                              # scan took since the H200 table's runs (~4 min)
+#   bash benchmarks/gpu_checks.sh pipeline-rows # the GDN rows the pipeline (v27), the state-in-registers
+#                                              # scan and the varlen split (v28) took since the H200
+#                                              # table's runs (~4.5 min)
 # LIMIT: seconds for each test group (420). Run from the repository
 # root with .whl/ carried (../shared/device/peer-wheels.sh); results go to $OUT when set (the device
 # tool's output folder).
@@ -129,8 +130,8 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
       --modes fwd --quick --no-cold --out "$out" 2>&1 | tail -14
     ;;
   pipeline-rows)
-    timeout 560 python3 -m fastla bench --filter gdn/h16-hv32/1x8192,gdn/h16-hv32/1x32768,gdn/h8-hv32/1x8192,gdn/h8-hv32/1x32768,gdn/h16-hv64/1x8192,gdn/h16-hv32/varlen9x16384,gdn/h8-hv32/varlen9x16384,gdn/h4-hv16/varlen9x16384,gdn/h4-hv16/4x8192 \
-      --modes fwd --quick --no-cold --out "$out" 2>&1 | tail -13
+    timeout 560 python3 -m fastla bench --filter gdn/h16-hv32/1x8192,gdn/h16-hv32/1x32768,gdn/h8-hv32/1x8192,gdn/h8-hv32/1x32768,gdn/h16-hv64/1x8192,gdn/h16-hv32/varlen9x16384,gdn/h8-hv32/varlen9x16384,gdn/h4-hv16/varlen9x16384,gdn/h4-hv16/4x8192,gdn/h2-hv8/varlen9x16384 \
+      --modes fwd --quick --no-cold --out "$out" 2>&1 | tail -14
     ;;
   setup) ;;
 esac
