@@ -74,7 +74,8 @@ VARIANTS = {
     "gluon-no-pipe": dict(PIPELINE=False),   # GDN's prologue pieces under the scan (v27): off, forced pieces
     "gluon-pipe2": dict(PIPELINE_PIECES=2),
     "gluon-pipe8": dict(PIPELINE_PIECES=8),
-    "gluon-all-summaries": dict(LAST_SEGMENT_SUMMARIES=True),   # summaries of last segments too (before v28)
+    "gluon-all-summaries": dict(LAST_SEGMENT_SUMMARIES=True),   # the plan's split with the last segments'
+                                                                # summaries too (before v28)
     "gluon-seg24": dict(segment_chunks=24),
     "gluon-s3-plan": dict(SCAN_STAGES=3),   # three stages in flight on the shipped plan (regs: 184 KB, two chains 216)
     "bv16": dict(scan_block_v=16, scan_stages=2, scan_warps=4),

@@ -376,9 +376,13 @@ def segment_length(lanes: int, tiles: int, summary_tiles: int, chunk_counts, sms
     K columns for each segment but a sequence's last, L steps each), then the replay (``tiles``
     programs a segment, as long as it), plus one step per segment of the longest sequence for the
     combine (the kernel runs one fewer since v20; the count is kept, so the plans measured with it
-    stay). For dense batches this is the waves model the plans were measured with (v9-v14: a pass
+    stay). For equal segments this is the waves model the plans were measured with (v9-v14: a pass
     takes ceil(programs / R) waves); with mixed lengths the short sequences fill the waves beside
-    the long ones instead of each counting as long as the longest. Ties go to the longer segment:
+    the long ones instead of each counting as long as the longest (the replay dispatches in table
+    order, not longest first: a model, HV 16 varlen 9x16k at 24 chunks 45 steps in table order
+    against its 40). Since the last segments' summaries no longer count (v28), some dense plans
+    moved too (e.g. 3x8k HV4 16 -> 24 chunks; 65 of 3072 power-of-two shapes at K, V 64 / 128,
+    none of the registry's), unmeasured. Ties go to the longer segment:
     the model counts a combine as one step and the summaries' fixed costs not at all (1x8k HV 8
     ties 8 and 16 chunks: 200 us at 8, 180 at 16, gdn_prefill_sweep-v11-small-heads.json).
     ``lanes`` = sequences x value heads, ``sms`` the GPU's SM count; a split must cost below
@@ -586,7 +590,8 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, kda_p
     when given, launches the sequence passes (seg 0 or 2; seg 0's ``segments`` are varlen's
     sequence orders, _varlen_index) instead of the Triton scan; it must
     write the output; with ``summaries`` it runs the segment summary pass too (seg 1: the V + K
-    columns from [0 | I], ``[segments, HV, K, V + K]`` into seg_state). ``kda_prologue``, when
+    columns from [0 | I] of each segment that starts another, ``[summaries, HV, K, V + K]`` into
+    seg_state). ``kda_prologue``, when
     given, runs KDA's prologue instead of chunk_prepare_kda.launch (same arguments less q, k and
     the launch shape); ``gdn_scores`` and ``gdn_inverse``, GDN's scores and inverse kernels instead
     of chunk_prepare.launch_scores and chunk_prepare.launch (same arguments and outputs).
