@@ -401,7 +401,8 @@ def segment_length(lanes: int, tiles: int, summary_tiles: int, chunk_counts, sms
             replay[length] += n * full * heads * tiles
             if rest or not full:
                 replay[rest] += n * heads * tiles          # (an empty sequence: one empty segment)
-            summarized += n * (max(1, full + (rest > 0)) - (not LAST_SEGMENT_SUMMARIES))
+            segments = max(1, cdiv(c, length))
+            summarized += n * (segments if LAST_SEGMENT_SUMMARIES else segments - 1)
         summary = collections.Counter({length: summarized * heads * summary_tiles})
         combine = -(-longest // length)
         # (a bound first: each pass takes at least one segment's steps and its work spread over
