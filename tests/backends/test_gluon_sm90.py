@@ -533,6 +533,9 @@ KDA_PROLOGUE_VARIANTS = {
     "kda-prologue-varlen-bare": dict(VARLEN=True, L2NORM=False, HAS_A=False, HAS_BIAS=False,
                                      BETA=1),
     "kda-prologue-k64": dict(K=64),
+    # the bounded gate's left operands from X (chunk_prepare_kda_sm90.BOUNDED_OPERANDS)
+    "kda-prologue-from-x": dict(FROM_X=True),
+    "kda-prologue-from-x-varlen-k64": dict(FROM_X=True, VARLEN=True, K=64),
     # unbounded gates with the block flags: given (bf16 and fp32) and softplus
     "kda-prologue-given-gate": dict(GATE=0, HAS_A=False, HAS_BIAS=False, FLAG=True),
     "kda-prologue-given-fp32-gate": dict(GATE=0, HAS_A=False, HAS_BIAS=False, FLAG=True, GATE_FP32=True),
@@ -543,9 +546,11 @@ KDA_PROLOGUE_VARIANTS = {
 }
 # Spills known and left (sm_90 compile): every build sits at 255 registers; the persistent loop (the
 # next item's coordinates live across the slices) spills 16 bytes on the default build, 40-56 with
-# the block flags, 120 at K = 64 and 168 with an fp32 gate; the bare varlen build none
-KDA_PROLOGUE_STACK = {"kda-prologue": 16, "kda-prologue-k64": 120, "kda-prologue-given-gate": 40,
-                      "kda-prologue-given-fp32-gate": 168, "kda-prologue-softplus-gate": 56,
+# the block flags, 120 at K = 64 and 168 with an fp32 gate; the bare varlen build none; the bounded
+# gate's operands from X none at K = 128, 8 at K = 64
+KDA_PROLOGUE_STACK = {"kda-prologue": 16, "kda-prologue-k64": 120, "kda-prologue-from-x-varlen-k64": 8,
+                      "kda-prologue-given-gate": 40, "kda-prologue-given-fp32-gate": 168,
+                      "kda-prologue-softplus-gate": 56,
                       "kda-prologue-wide-bounded-neg-eigval": 56}
 
 
@@ -556,7 +561,7 @@ def _child_kda_prologue(name: str, folder: str) -> None:
     from fastla.backends.gluon.chunk_prepare_kda_sm90 import _kda_prologue_sm90_kernel as kern
 
     consts = dict(H=32, HV=64, K=128, L2NORM=True, GATE=3, HAS_A=True, HAS_BIAS=True, BETA=2, VARLEN=False,
-                  FLAG=False, DELTA=True)
+                  FLAG=False, DELTA=True, FROM_X=False)
     consts.update(KDA_PROLOGUE_VARIANTS[name])
     gate_fp32 = consts.pop("GATE_FP32", False)
     consts["QK_BUFFERS"] = 1 if gate_fp32 else 2                           # as launch()

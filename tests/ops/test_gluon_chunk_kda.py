@@ -122,11 +122,25 @@ def test_segments_and_intermediate_states(monkeypatch):
     assert_close("h", h, h_whole, 2e-2)
 
 
-@pytest.mark.parametrize("case", ["bounded-gate", "bounded-varlen", "bounded-k64", "bounded-plain",
-                                  "bounded-neg-eigval"])
+BOUNDED_CASES = ["bounded-gate", "bounded-varlen", "bounded-k64", "bounded-plain", "bounded-neg-eigval",
+                 "bounded-saturated"]
+
+
+@pytest.mark.parametrize("case", BOUNDED_CASES)
 def test_sm90_prologue_matches_triton(case, monkeypatch):
     """The sm_90 prologue's P, Aqk, gated keys and queries, kd and decays against the Triton
-    prologue's on the same inputs (bounded gates)."""
+    prologue's on the same inputs (bounded gates; bounded-saturated holds half the channels at
+    lower_bound, -5 nats a token: every block's span at its 115 log2 units)."""
+    _prologue_parity(case, monkeypatch)
+
+
+@pytest.mark.parametrize("case", BOUNDED_CASES)
+def test_sm90_prologue_bounded_operands(case, monkeypatch):
+    """The bounded gate's left operands from X (chunk_prepare_kda_sm90.BOUNDED_OPERANDS: the own
+    block's rows X 2^(span / 2), up to 2^57.7 |k| at bounded-saturated, q and k slices unmasked,
+    so the varlen case's rows of the next sequence reach the products): the same parity."""
+    from fastla.backends.gluon import chunk_prepare_kda_sm90 as sm90
+    monkeypatch.setattr(sm90, "BOUNDED_OPERANDS", True)
     _prologue_parity(case, monkeypatch)
 
 
@@ -201,6 +215,8 @@ def _prologue_parity(case, monkeypatch):
     t, opts = bf16_case("dense" if case in ("mixed-decay", "dense-fp32-gate", "one-wide-block") else case)
     if case == "mixed-decay":
         t["g"][:, :, :2] *= 100.0
+    if case == "bounded-saturated":              # sigmoid(A (g + dt_bias)) ~ 1 in every other channel
+        t["g"][..., ::2] += 30.0
     if case == "one-wide-block":                 # chunk c: block c % 4 decays 15 nats a token in channel 0
         for c in range(-(-t["g"].shape[1] // 64)):
             rows = slice(64 * c + 16 * (c % 4), 64 * c + 16 * (c % 4) + 16)

@@ -88,10 +88,14 @@ def _log2_approx(x):
 
 
 @gluon.jit
-def _slice(x_s, ks, valid, L3: gl.constexpr):
-    """Slice ks [4, 16, 32] of a chunk's tile in shared memory as fp32, 0 past n_left."""
-    x = gl.reshape(x_s.index(ks).load(gl.BlockedLayout([16, 1], [1, 32], [4, 1], [0, 1])), [4, 16, BC])
-    return gl.where(valid, gl.convert_layout(x, L3).to(gl.float32), 0.0)
+def _slice(x_s, ks, valid, L3: gl.constexpr, MASK: gl.constexpr = True):
+    """Slice ks [4, 16, 32] of a chunk's tile in shared memory as fp32, 0 past n_left (not MASK: as
+    loaded, where every use masks those rows itself)."""
+    x = gl.convert_layout(gl.reshape(x_s.index(ks).load(gl.BlockedLayout([16, 1], [1, 32], [4, 1], [0, 1])),
+                                     [4, 16, BC]), L3).to(gl.float32)
+    if MASK:
+        x = gl.where(valid, x, 0.0)
+    return x
 
 
 @gluon.jit
@@ -110,17 +114,25 @@ def _row_norms(x_s, base, NS: gl.constexpr, L3: gl.constexpr):
 
 
 @gluon.jit
-def _column_operands(x_s, q_s, c: gl.constexpr, on_c, kmid, qmid, X, Q, below, DELTA: gl.constexpr):
+def _column_operands(x_s, q_s, c: gl.constexpr, on_c, kmid, qmid, X, Q, below, DELTA: gl.constexpr,
+                     FROM_X: gl.constexpr):
     """Column block c's left operands k 2^(G - M_c), scale q 2^(G - M_c) into shared memory,
     channel-major ([32, 64]: each thread's 16 rows are contiguous there). On block c (``on_c``
     [4, 1, 1]) they are kmid, qmid (referenced at the row's own block's midpoint); below it X, Q
     (k 2^(G - c_(b-1)) <= |k|) times ``below`` = 2^(c_(b-1) - M_c) <= 1 [4, 32] (0 above block
     c): two factors <= 1, so a factor underflows only where the operand is below 2^-126 |k|.
+    FROM_X (spans within fp32's normal range, BOUNDED_OPERANDS): block c's rows too are X, Q
+    times ``below`` = 2^(c_(c-1) - M_c) = 2^(span / 2) (kmid, qmid unused; no select).
     Not DELTA (GLA): the queries' only."""
     f = gl.expand_dims(below, 1)
-    if DELTA:
-        x_s.index(c).store(gl.permute(gl.reshape(gl.where(on_c, kmid, X * f), [64, BC]), (1, 0)).to(gl.bfloat16))
-    q_s.index(c).store(gl.permute(gl.reshape(gl.where(on_c, qmid, Q * f), [64, BC]), (1, 0)).to(gl.bfloat16))
+    if FROM_X:
+        if DELTA:
+            x_s.index(c).store(gl.permute(gl.reshape(X * f, [64, BC]), (1, 0)).to(gl.bfloat16))
+        q_s.index(c).store(gl.permute(gl.reshape(Q * f, [64, BC]), (1, 0)).to(gl.bfloat16))
+    else:
+        if DELTA:
+            x_s.index(c).store(gl.permute(gl.reshape(gl.where(on_c, kmid, X * f), [64, BC]), (1, 0)).to(gl.bfloat16))
+        q_s.index(c).store(gl.permute(gl.reshape(gl.where(on_c, qmid, Q * f), [64, BC]), (1, 0)).to(gl.bfloat16))
 
 
 @gluon.jit
@@ -183,7 +195,7 @@ def _kda_prologue_sm90_kernel(
     cu_seqlens, chunk_index, T, NT, total,
     H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, L2NORM: gl.constexpr, GATE: gl.constexpr,
     HAS_A: gl.constexpr, HAS_BIAS: gl.constexpr, BETA: gl.constexpr, VARLEN: gl.constexpr, FLAG: gl.constexpr,
-    QK_BUFFERS: gl.constexpr, DELTA: gl.constexpr,
+    QK_BUFFERS: gl.constexpr, DELTA: gl.constexpr, FROM_X: gl.constexpr,
 ):
     """Persistent: program p takes items p, p + programs, ... (``total`` chunks x HV value heads,
     chunks fastest). GATE as recurrent.py numbers it: 3 the bounded gate in the op; 2
@@ -192,7 +204,10 @@ def _kda_prologue_sm90_kernel(
     anywhere in the chunk (what depends on those blocks may be wrong: the wide-block kernel
     rewrites it). QK_BUFFERS 2: the next item's q and k load while this one's products run; 1:
     after them (an fp32 gate, for two programs an SM). DELTA False (GLA, the plain rule): no A
-    nor kg (their operands, products and stores), Aqk, qg, kd and decay as for KDA."""
+    nor kg (their operands, products and stores), Aqk, qg, kd and decay as for KDA. FROM_X (the
+    bounded gate, BOUNDED_OPERANDS): X = k 2^(G - c_(b-1)) from k directly and every left operand
+    from X (see _column_operands), q and k slices unmasked (rows past n_left reach only rows and
+    columns that the stores mask; their gate is zeroed by the activation)."""
     gl.static_assert(K % BC == 0, "K in slices of 32 channels")
     NS: gl.constexpr = K // BC
     gl.static_assert(NS % 2 == 0, "the gate's slices alternate between two slots")
@@ -245,6 +260,8 @@ def _kda_prologue_sm90_kernel(
         _, hv_n, h_n, t0_n, _ = _item(gl.minimum(j + programs, items - 1), total, chunk_index, cu_seqlens, T, NT,
                                       H, HV, VARLEN)
         n_left = eos - t0                                                   # tokens of the chunk from t0, >= 1
+        if FROM_X:
+            n_left = gl.minimum(n_left, 64).to(gl.int32)                    # (32-bit row masks)
         valid = t < n_left
         beta_base = t0 * HV + i_hv                                          # chunk row 0 in beta, A, Aqk
         gate_base = beta_base * K                                           # chunk row 0 in g, kg, kd, qg
@@ -274,7 +291,7 @@ def _kda_prologue_sm90_kernel(
             slot = ks % 2
             mbarrier.wait(g_bar.index(slot), ((it * NS + ks) // 2) & 1)
             # the log decay in log2 units, 0 past n_left
-            x = _slice(g_in, slot, valid, L3)
+            x = _slice(g_in, slot, valid, L3, not (FROM_X and GATE != 0))
             gl.thread_barrier()                 # the slot refilled: this item's slice ks + 2, else the next's
             same = ks + 2 < NS
             _load_gate(g_desc, g_in, g_bar.index(slot), slot, gl.where(same, t0, t0_n), gl.where(same, i_hv, hv_n),
@@ -296,23 +313,33 @@ def _kda_prologue_sm90_kernel(
             mid = end - 0.5 * s                                             # M_b, the block's midpoint
             mids = gl.convert_layout(mid, MR)                               # every block's M in each thread
             c_last = gl.sum(s, 0)[None, :]                                  # G_last
-            kb = _slice(k_in, buf * NS + ks, valid, L3) * rk
-            qb = _slice(q_in, buf * NS + ks, valid, L3) * rq
-            e_mid = gl.exp2(L - gl.expand_dims(0.5 * s, 1))                 # 2^(G - M_b) within 2^(+-span / 2)
-            kmid = kb * e_mid
-            qmid = qb * e_mid
+            kb = _slice(k_in, buf * NS + ks, valid, L3, not FROM_X) * rk
+            qb = _slice(q_in, buf * NS + ks, valid, L3, not FROM_X) * rq
+            if FROM_X:                                                      # (2^L >= 2^-span: normal in fp32)
+                e_in = gl.exp2(L)                                           # 2^(G - c_(b-1))
+                X = kb * e_in                                               # k 2^(G - c_(b-1)) <= |k|
+                Q = qb * e_in
+                kmid, qmid = kb, qb                                         # (unused)
+            else:
+                e_mid = gl.exp2(L - gl.expand_dims(0.5 * s, 1))             # 2^(G - M_b) within 2^(+-span / 2)
+                kmid = kb * e_mid
+                qmid = qb * e_mid
             R = kb * gl.exp2(gl.expand_dims(0.5 * s, 1) - L)                # k 2^(M_b - G)
             f_s.store(gl.reshape(gl.permute(R, (0, 2, 1)), [4 * BC, 16]).to(gl.bfloat16))
             out = gate_base + t * (HV * K) + o_k
             gl.store(kd + out, (R * gl.expand_dims(gl.exp2(c_last - mid), 1)).to(kd.dtype.element_ty), mask=valid)
-            e_half = gl.expand_dims(gl.exp2(0.5 * s), 1)                    # 2^(M_b - c_(b-1)) in [2^-100, 1]
-            X = kmid * e_half                                               # k 2^(G - c_(b-1)) <= |k|
-            Q = qmid * e_half
+            if not FROM_X:
+                e_half = gl.expand_dims(gl.exp2(0.5 * s), 1)                # 2^(M_b - c_(b-1)) in [2^-100, 1]
+                X = kmid * e_half                                           # k 2^(G - c_(b-1)) <= |k|
+                Q = qmid * e_half
             start = end - s                                                 # c_(b-1)
             for cb in gl.static_range(4):
                 mid_c = gl.convert_layout(gl.sum(gl.where(im == cb, mids, 0.0), 0), gl.SliceLayout(0, L_bc))[None, :]
-                _column_operands(x_s, q_s, cb, ib3 == cb, kmid, qmid, X, Q,
-                                 gl.where(ib > cb, gl.exp2(start - mid_c), 0.0), DELTA)
+                if FROM_X:                                                  # (block cb's own rows: 2^(span / 2))
+                    below = gl.where(ib >= cb, gl.exp2(start - mid_c), 0.0)
+                else:
+                    below = gl.where(ib > cb, gl.exp2(start - mid_c), 0.0)
+                _column_operands(x_s, q_s, cb, ib3 == cb, kmid, qmid, X, Q, below, DELTA, FROM_X)
             fence_async_shared()
             k0, q0 = _products(x_s, q_s, f_s, 0, k0, q0, DELTA)
             k1, q1 = _products(x_s, q_s, f_s, 1, k1, q1, DELTA)
@@ -372,6 +399,12 @@ INVERSE_SM90 = False
 # Persistent programs per SM (shared memory at K = 128, sm_90 compile: 108.5 KB with a bf16 gate, q
 # and k of two items; 84.5 KB with an fp32 gate, q and k of one); None: one program per item (A/B sweeps)
 PROGRAMS_PER_SM = 2
+# The bounded gate's left operands all from X = k 2^(G - c_(b-1)) (FROM_X: no kmid / qmid, no
+# select on the own block's rows, q and k slices unmasked, 32-bit row masks): the slice loop's sm_90
+# SASS 1685 -> 1345 instructions a thread, no stack (docs/notes/kda-prefill.md v19); off until its
+# GPU tests (`-k bounded_operands`) and sweep (`kda_prefill_sweep.py --tier gluon --variants
+# no-from-x,from-x`) have run
+BOUNDED_OPERANDS = False
 
 
 def serves(p) -> str | None:
@@ -415,7 +448,8 @@ def launch(p, beta, beta_mode: int, total: int, tables, inverse, scores, kg, kd,
         a_kk, scores, kg, kd, qg, decay, flags, cu if varlen else decay, chunk_index if varlen else decay, p.T, NT,
         total, H=p.H, HV=p.HV, K=p.K, L2NORM=p.use_qk_l2norm, GATE=chunk_prepare_kda.gate_mode(p),
         HAS_A=p.A_log is not None, HAS_BIAS=p.dt_bias is not None, BETA=beta_mode, VARLEN=varlen, FLAG=flag,
-        QK_BUFFERS=2 if p.gk.dtype == torch.bfloat16 else 1, DELTA=p.delta, num_warps=4, **({"maxnreg": MAXNREG} if MAXNREG and p.K == 128 else {}),
+        QK_BUFFERS=2 if p.gk.dtype == torch.bfloat16 else 1, DELTA=p.delta, FROM_X=BOUNDED_OPERANDS and not flag,
+        num_warps=4, **({"maxnreg": MAXNREG} if MAXNREG and p.K == 128 else {}),
     )
     if flag:                                                # the flagged blocks again, exactly
         chunk_prepare_kda_wide.launch(p, beta, beta_mode, total, tables, a_kk, scores, kg, kd, qg, flags)
