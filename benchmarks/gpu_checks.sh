@@ -20,6 +20,8 @@
 #                                              # (FASTLA_COMPILE_AHEAD=0 / 1, fastla/core/compile_ahead.py)
 #   bash benchmarks/gpu_checks.sh regs-rows    # the registry rows whose plan moved onto the state-in-registers
 #                                              # scan without a rerun (docs/notes/gdn-prefill.md v26; ~5 min)
+#   bash benchmarks/gpu_checks.sh from-x       # the KDA prologue's bounded operands: GPU tests and A/B sweep
+#                                              # (docs/notes/kda-prefill.md v19; ~3 min)
 #   bash benchmarks/gpu_checks.sh pipeline-rows # the GDN rows the pipeline (v27), the state-in-registers
 #                                              # scan and the varlen split (v28) took since the H200
 #                                              # table's runs (~4.5 min)
@@ -124,6 +126,14 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
   backward-bench)
     FASTLA_TRITON_BACKWARD=1 timeout 560 python3 -m fastla bench --filter "${FILTER:-gdn/h16-hv32/1x8192,gdn/h2-hv8/1x8192}" \
       --modes fwdbwd --quick --no-cold --out "$out" 2>&1 | tail -8
+    ;;
+  from-x)
+    # the KDA prologue's bounded operands (docs/notes/kda-prefill.md v19): the bounded cases against
+    # the Triton prologue and fp64 with and without them, then the A/B sweep (outputs vs no-from-x)
+    t 240 tests/ops/test_gluon_chunk_kda.py -k "bounded_operands or matches_triton"
+    timeout 300 python3 benchmarks/kda_prefill_sweep.py --tier gluon --variants no-from-x,from-x \
+      --shapes kda/h64/1x8192,kda/h64/2x16384,kda/h96/varlen8x15193 --out "$out" \
+      2>&1 | tail -12
     ;;
   regs-rows)
     timeout 560 python3 -m fastla bench --filter gdn/h16-hv64/1x8192,gdn/h16-hv32/varlen9x16384,gdn/h8-hv32/varlen9x16384,gdn/h4-hv16/varlen9x16384,gdn/h4-hv16/4x8192,kda/h64/1x16384,kda/h64/varlen8x15193,kda/h96/1x16384,kda/h96/2x16384,kda/h96/varlen8x15193 \

@@ -113,7 +113,7 @@ def main() -> int:
     default_regs = gluon_chunk.SCAN_REGS
     for shape in args.shapes.split(","):
         kw = with_gate(call_kwargs(make_inputs(get_config(shape), "cuda")), args.gate)
-        fla_o = fla_us = None
+        fla_o = fla_us = first_o = None
         if fla_op is not None:
             fla_o, fla_us, fla_split = timed(lambda: fla_op(**kw))
             print(f"{shape:24s} FLA {fla_us:9.1f} us: " + split_text(fla_split),
@@ -138,6 +138,8 @@ def main() -> int:
                 with use_tier(args.tier, strict=True), torch.no_grad():
                     o, us, split = timed(lambda: chunk_kda(**kw))
                     err_fla = rel(o, fla_o) if fla_o is not None else None
+                    first_o = o if first_o is None else first_o
+                    err_first = rel(o, first_o)
             except Exception as exc:  # a variant that does not compile or launch is reported, not fatal
                 print(f"{shape:24s} {name:12s} FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
                 rows.append(dict(shape=shape, variant=name, error=str(exc)[:400]))
@@ -157,11 +159,12 @@ def main() -> int:
             prep = sum(v for k, v in split.items() if any(w in k for w in ("prepare", "prologue", "inverse", "wide", "list")))
             scan = sum(v for k, v in split.items() if "scan" in k)
             rows.append(dict(shape=shape, variant=name, tier=args.tier, gate=args.gate, us=us, prepare_us=prep, scan_us=scan, kernels=split,
-                             err_vs_fla=err_fla, fla_us=fla_us))
+                             err_vs_fla=err_fla, err_vs_first=err_first, fla_us=fla_us))
             speed = f"{fla_us / us:5.2f}x" if fla_us else "  -  "
             print(f"{shape:24s} {args.tier:6s} {name:12s} {us:9.1f} us (prepare {prep:8.1f}, scan {scan:8.1f}) FLA {fla_us or 0:9.1f} "
-                  f"{speed} | vs FLA {err_fla if err_fla is None else f'{err_fla:.1e}'}", flush=True)
-        kw = fla_o = None
+                  f"{speed} | vs FLA {err_fla if err_fla is None else f'{err_fla:.1e}'}, vs first {err_first:.1e}",
+                  flush=True)
+        kw = fla_o = first_o = None
         torch.cuda.empty_cache()
         save_rows(os.path.join(args.out, "kda_prefill_sweep.json"), rows)   # after each shape: a timeout keeps them
     return 0
