@@ -22,6 +22,8 @@
 #                                              # scan without a rerun (docs/notes/gdn-prefill.md v26; ~5 min)
 #   bash benchmarks/gpu_checks.sh from-x       # the KDA prologue's bounded operands: GPU tests and A/B sweep
 #                                              # (docs/notes/kda-prefill.md v19; ~3 min)
+#   bash benchmarks/gpu_checks.sh graph-eager  # why big rows' graph times exceed their eager ones: five
+#                                              # timings, SM clock and power (benchmarks/graph_vs_eager.py; ~3 min)
 #   bash benchmarks/gpu_checks.sh pipeline-rows # the GDN rows the pipeline (v27), the state-in-registers
 #                                              # scan and the varlen split (v28) took since the H200
 #                                              # table's runs (~4.5 min)
@@ -135,6 +137,8 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
       --shapes kda/h64/1x8192,kda/h64/2x16384,kda/h96/varlen8x15193 --out "$out" \
       2>&1 | tail -12
     ;;
+  graph-eager)
+    timeout 500 python3 benchmarks/graph_vs_eager.py --out "$out" 2>&1 | tail -8 ;;
   regs-rows)
     timeout 560 python3 -m fastla bench --filter gdn/h16-hv64/1x8192,gdn/h16-hv32/varlen9x16384,gdn/h8-hv32/varlen9x16384,gdn/h4-hv16/varlen9x16384,gdn/h4-hv16/4x8192,kda/h64/1x16384,kda/h64/varlen8x15193,kda/h96/1x16384,kda/h96/2x16384,kda/h96/varlen8x15193 \
       --modes fwd --quick --no-cold --out "$out" 2>&1 | tail -14
