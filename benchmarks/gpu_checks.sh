@@ -24,6 +24,7 @@
 #                                              # (docs/notes/kda-prefill.md v19; ~3 min)
 #   bash benchmarks/gpu_checks.sh graph-eager  # why big rows' graph times exceed their eager ones: five
 #                                              # timings, SM clock and power (benchmarks/graph_vs_eager.py; ~3 min)
+#   bash benchmarks/gpu_checks.sh kda-rows     # the registry's eight KDA rows (the README table; ~5 min)
 #   bash benchmarks/gpu_checks.sh pipeline-rows # the GDN rows the pipeline (v27), the state-in-registers
 #                                              # scan and the varlen split (v28) took since the H200
 #                                              # table's runs (~4.5 min)
@@ -142,6 +143,9 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
   regs-rows)
     timeout 560 python3 -m fastla bench --filter gdn/h16-hv64/1x8192,gdn/h16-hv32/varlen9x16384,gdn/h8-hv32/varlen9x16384,gdn/h4-hv16/varlen9x16384,gdn/h4-hv16/4x8192,kda/h64/1x16384,kda/h64/varlen8x15193,kda/h96/1x16384,kda/h96/2x16384,kda/h96/varlen8x15193 \
       --modes fwd --quick --no-cold --out "$out" 2>&1 | tail -14
+    ;;
+  kda-rows)
+    timeout 560 python3 -m fastla bench --filter kda/ --modes fwd --quick --no-cold --out "$out" 2>&1 | tail -12
     ;;
   pipeline-rows)
     timeout 560 python3 -m fastla bench --filter gdn/h16-hv32/1x8192,gdn/h16-hv32/1x32768,gdn/h8-hv32/1x8192,gdn/h8-hv32/1x32768,gdn/h16-hv64/1x8192,gdn/h16-hv32/varlen9x16384,gdn/h8-hv32/varlen9x16384,gdn/h4-hv16/varlen9x16384,gdn/h4-hv16/4x8192,gdn/h2-hv8/varlen9x16384 \
