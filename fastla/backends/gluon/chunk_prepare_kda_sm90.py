@@ -88,6 +88,15 @@ def _log2_approx(x):
 
 
 @gluon.jit
+def _rcp_approx(x):
+    """1 / x on MUFU.RCP (rcp.approx.ftz, ~1 ulp; results below 2^-126 flushed to 0): fp32 division
+    compiles to div.full, which also scales denominators past 2^126 (a compare and two predicated
+    multiplies an element)."""
+    return gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True,
+                                     pack=1)
+
+
+@gluon.jit
 def _slice(x_s, ks, valid, L3: gl.constexpr, MASK: gl.constexpr = True):
     """Slice ks [4, 16, 32] of a chunk's tile in shared memory as fp32, 0 past n_left (not MASK: as
     loaded, where every use masks those rows itself)."""
@@ -207,7 +216,8 @@ def _kda_prologue_sm90_kernel(
     nor kg (their operands, products and stores), Aqk, qg, kd and decay as for KDA. FROM_X (the
     bounded gate, BOUNDED_OPERANDS): X = k 2^(G - c_(b-1)) from k directly and every left operand
     from X (see _column_operands), q and k slices unmasked (rows past n_left reach only rows and
-    columns that the stores mask; their gate is zeroed by the activation)."""
+    columns that the stores mask; their gate is zeroed by the activation), the sigmoid's division
+    by _rcp_approx (its denominator 1 + 2^z >= 1)."""
     gl.static_assert(K % BC == 0, "K in slices of 32 channels")
     NS: gl.constexpr = K // BC
     gl.static_assert(NS % 2 == 0, "the gate's slices alternate between two slots")
@@ -298,7 +308,9 @@ def _kda_prologue_sm90_kernel(
                        gl.where(same, ks + 2, ks + 2 - NS), same or has_next, K)
             if HAS_BIAS and GATE != 0:
                 x = x + gl.load(dt_bias + i_hv * K + o_k).to(gl.float32)
-            if GATE == 3:                                                   # lower_bound sigmoid(a (g + dt_bias))
+            if GATE == 3 and FROM_X:                                        # lower_bound sigmoid(a (g + dt_bias))
+                x = gl.where(valid, (LOG2E * lower_bound) * _rcp_approx(1.0 + gl.exp2(-LOG2E * a_h * x)), 0.0)
+            elif GATE == 3:
                 x = gl.where(valid, (LOG2E * lower_bound) / (1.0 + gl.exp2(-LOG2E * a_h * x)), 0.0)
             elif GATE == 2:                                                 # -a softplus(g + dt_bias)
                 x = gl.where(valid, -a_h * gl.where(x > 20.0, LOG2E * x, _log2_approx(1.0 + gl.exp2(LOG2E * x))),
@@ -400,8 +412,9 @@ INVERSE_SM90 = False
 # and k of two items; 84.5 KB with an fp32 gate, q and k of one); None: one program per item (A/B sweeps)
 PROGRAMS_PER_SM = 2
 # The bounded gate's left operands all from X = k 2^(G - c_(b-1)) (FROM_X: no kmid / qmid, no
-# select on the own block's rows, q and k slices unmasked, 32-bit row masks): the slice loop's sm_90
-# SASS 1685 -> 1345 instructions a thread, no stack (docs/notes/kda-prefill.md v19); off until its
+# select on the own block's rows, q and k slices unmasked, 32-bit row masks, the sigmoid's division
+# on rcp.approx): the slice loop's sm_90 SASS 1685 -> 1296 instructions a thread, no stack
+# (docs/notes/kda-prefill.md v19); off until its
 # GPU tests (`-k bounded_operands`) and sweep (`kda_prefill_sweep.py --tier gluon --variants
 # no-from-x,from-x`) have run
 BOUNDED_OPERANDS = False
