@@ -57,10 +57,11 @@ def test_varlen_and_state_v_first(device):
     check(t, cu_seqlens=cu.to(device), cu_seqlens_cpu=cu, state_v_first=True)
 
 
-@pytest.mark.parametrize("lower_bound", [None, -5.0])
+@pytest.mark.parametrize("lower_bound", [None, -5.0, 1.0])
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_everything_in_op(lower_bound, device):
-    """KDA gate (softplus or bounded sigmoid), l2norm, beta sigmoid and negative eigenvalues in the op."""
+    """KDA gate (softplus or bounded sigmoid), l2norm, beta sigmoid and negative eigenvalues in the op;
+    a positive lower_bound (a rising gate, accepted without safe_gate) on the exact path."""
     B, T, H, HV, K, V = 1, 70, 1, 2, 32, 16
     gen = torch.Generator().manual_seed(1)
     t = dict(q=torch.randn(B, T, H, K, generator=gen), k=torch.randn(B, T, H, K, generator=gen),

@@ -414,7 +414,10 @@ PROGRAMS_PER_SM = 2
 # The bounded gate's left operands all from X = k 2^(G - c_(b-1)) (FROM_X: no kmid / qmid, no
 # select on the own block's rows, q and k slices unmasked, 32-bit row masks, the sigmoid's division
 # on rcp.approx): the slice loop's sm_90 SASS 1685 -> 1296 instructions a thread, no stack
-# (docs/notes/kda-prefill.md v19); off until its
+# (docs/notes/kda-prefill.md v19). With the l2norm in the op only: X = k 2^(G - c_(b-1)) goes
+# subnormal where |k_c| 2^(G - c_(b-1)) < 2^-126, and the own block scales it back up by up to
+# 2^57.7, so raw keys or queries of magnitude ~2^-26 and below would lose precision that kmid
+# keeps (unit rows: only channels below ~2^-26 of the row, whose products do not count). Off until its
 # GPU tests (`-k bounded_operands`) and sweep (`kda_prefill_sweep.py --tier gluon --variants
 # no-from-x,from-x`) have run
 BOUNDED_OPERANDS = False
@@ -461,8 +464,8 @@ def launch(p, beta, beta_mode: int, total: int, tables, inverse, scores, kg, kd,
         a_kk, scores, kg, kd, qg, decay, flags, cu if varlen else decay, chunk_index if varlen else decay, p.T, NT,
         total, H=p.H, HV=p.HV, K=p.K, L2NORM=p.use_qk_l2norm, GATE=chunk_prepare_kda.gate_mode(p),
         HAS_A=p.A_log is not None, HAS_BIAS=p.dt_bias is not None, BETA=beta_mode, VARLEN=varlen, FLAG=flag,
-        QK_BUFFERS=2 if p.gk.dtype == torch.bfloat16 else 1, DELTA=p.delta, FROM_X=BOUNDED_OPERANDS and not flag,
-        num_warps=4, **({"maxnreg": MAXNREG} if MAXNREG and p.K == 128 else {}),
+        QK_BUFFERS=2 if p.gk.dtype == torch.bfloat16 else 1, DELTA=p.delta,
+        FROM_X=BOUNDED_OPERANDS and not flag and p.use_qk_l2norm, num_warps=4, **({"maxnreg": MAXNREG} if MAXNREG and p.K == 128 else {}),
     )
     if flag:                                                # the flagged blocks again, exactly
         chunk_prepare_kda_wide.launch(p, beta, beta_mode, total, tables, a_kk, scores, kg, kd, qg, flags)

@@ -326,8 +326,9 @@ def gate_mode(p) -> int:
 
 def bounded_spans(p) -> bool:
     """Whether every 16-token block's decay span is at most 16 x 5 <= SPAN_LIMIT by construction:
-    the bounded gate computed in the op with lower_bound >= -5 (safe_gate's range)."""
-    return p.gate_in_op == "kda" and p.lower_bound is not None and p.lower_bound >= -5
+    the bounded gate computed in the op with lower_bound in [-5, 0] (safe_gate's range). A positive
+    lower_bound (which only safe_gate rejects) makes the gate rise: the exact path serves it."""
+    return p.gate_in_op == "kda" and p.lower_bound is not None and -5 <= p.lower_bound <= 0
 
 
 def launch(p, q, k, beta, beta_mode: int, total: int, tables, inverse, scores, kg, kd, qg, decay, dot,
