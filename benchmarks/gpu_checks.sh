@@ -20,8 +20,9 @@
 #                                              # (FASTLA_COMPILE_AHEAD=0 / 1, fastla/core/compile_ahead.py)
 #   bash benchmarks/gpu_checks.sh regs-rows    # the registry rows whose plan moved onto the state-in-registers
 #                                              # scan without a rerun (docs/notes/gdn-prefill.md v26; ~5 min)
-#   bash benchmarks/gpu_checks.sh from-x       # the KDA prologue's bounded operands: GPU tests and A/B sweep
-#                                              # (docs/notes/kda-prefill.md v19; ~3 min)
+#   bash benchmarks/gpu_checks.sh from-x       # the KDA prologue's bounded operands, GDN's inverse on
+#                                              # ex2.approx.ftz: GPU tests and A/B sweeps (docs/notes/
+#                                              # kda-prefill.md v19, gdn-prefill.md v30; ~5 min)
 #   bash benchmarks/gpu_checks.sh graph-eager  # why big rows' graph times exceed their eager ones: five
 #                                              # timings, SM clock and power (benchmarks/graph_vs_eager.py; ~3 min)
 #   bash benchmarks/gpu_checks.sh kda-rows     # the registry's eight KDA rows (the README table; ~5 min)
@@ -132,8 +133,12 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
     ;;
   from-x)
     # the KDA prologue's bounded operands (docs/notes/kda-prefill.md v19): the bounded cases against
-    # the Triton prologue and fp64 with and without them, then the A/B sweep (outputs vs no-from-x)
+    # the Triton prologue and fp64 with and without them, then the A/B sweep (outputs vs no-from-x);
+    # and GDN's inverse with ex2.approx.ftz (docs/notes/gdn-prefill.md v30): its parity tests and sweep
     t 240 tests/ops/test_gluon_chunk_kda.py -k "bounded_operands or matches_triton"
+    n=1 t 180 tests/ops/test_gluon_chunk_gdn.py -k "sm90_inverse"
+    timeout 200 python3 benchmarks/gdn_prefill_sweep.py --variants gluon,gluon-inverse-exp2 \
+      --shapes gdn/h16-hv64/1x32768,gdn/h16-hv32/4x8192 --out "$out" 2>&1 | tail -6
     timeout 300 python3 benchmarks/kda_prefill_sweep.py --tier gluon --variants no-from-x,from-x \
       --shapes kda/h64/1x8192,kda/h64/2x16384,kda/h96/varlen8x15193 --out "$out" \
       2>&1 | tail -12

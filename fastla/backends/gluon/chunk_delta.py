@@ -90,6 +90,11 @@ GDN_SCORES_SM90 = True
 # GDN's inverse on the sm_90 kernel (chunk_inverse_sm90.py; 1x32k HV64 397 -> 363 us, gdn_prefill_
 # sweep-v18-inverse-sm90.json), else on the Triton one (backends/triton/chunk_prepare.py); False for A/B
 GDN_INVERSE_SM90 = True
+# Its A blocks' e^(G_i - G_j) on ex2.approx.ftz (chunk_inverse_sm90._a_block: gl.exp rescales
+# exponents below -126 for subnormal results): the per-head loop's sm_90 SASS 2567 -> 2359
+# instructions, stack 104 -> 88 bytes (docs/notes/gdn-prefill.md v30); off until its GPU tests
+# (`-k sm90_inverse`) and sweep (`gdn_prefill_sweep.py --variants gluon,gluon-inverse-exp2`) have run
+INVERSE_EXP2 = False
 SPECIALIZED_WIDTHS = (32, 64)
 # q, k and v views whose rows collapse into one strided [B * T, heads * D] array (split from one
 # projection: unit inner stride, heads adjacent, batch stride T token strides, 16-byte aligned base

@@ -42,6 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from fastla.backends.triton.chunk_index import _chunk
 from fastla.backends.triton.chunk_prepare import _activate_beta, _gdn_gate
 
+LOG2E = gl.constexpr(1.4426950408889634)
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
 ROWS = gl.constexpr(gl.SliceLayout(1, MMA))
 COLS = gl.constexpr(gl.SliceLayout(0, MMA))
@@ -78,15 +79,25 @@ def _gram(k_s, b: gl.constexpr, c: gl.constexpr, NK: gl.constexpr):
 
 
 @gluon.jit
-def _a_block(gram, scale_r, rk_c, G_r, G_c, DIAG: gl.constexpr):
+def _a_block(gram, scale_r, rk_c, G_r, G_c, DIAG: gl.constexpr, EXP2: gl.constexpr):
     """A's block from a Gram block [16, 16]: scale_r = beta rk of the rows, rk_c of the columns,
-    e^(G_i - G_j); strictly lower on a diagonal block (the exponent clamped where unused)."""
+    e^(G_i - G_j); strictly lower on a diagonal block (the exponent clamped where unused). EXP2
+    (INVERSE_EXP2): e^x as 2^(x log2 e) on ex2.approx.ftz, where gl.exp's ex2.approx also rescales
+    exponents below -126 for subnormal results (a compare and two predicated multiplies an element;
+    results below 2^-126 go to 0: no factor of A that counts)."""
     d = G_r[:, None] - G_c[None, :]
+    if EXP2:
+        d = d * LOG2E
     x = gram * scale_r[:, None] * rk_c[None, :]
     if DIAG:
         r = gl.arange(0, 16, layout=ROWS)[:, None]
         c = gl.arange(0, 16, layout=COLS)[None, :]
-        x = gl.where(r > c, x * gl.exp(gl.where(r > c, d, 0.0)), 0.0)
+        if EXP2:
+            x = gl.where(r > c, x * gl.exp2(gl.where(r > c, d, 0.0)), 0.0)
+        else:
+            x = gl.where(r > c, x * gl.exp(gl.where(r > c, d, 0.0)), 0.0)
+    elif EXP2:
+        x = x * gl.exp2(d)
     else:
         x = x * gl.exp(d)
     return x
@@ -149,7 +160,7 @@ def _lower_inverse(dp_s, a10, a20, a21, a30, a31, a32):
 def _gdn_inverse_sm90_kernel(
     k_desc, g, beta, A_log, dt_bias, p_out, gcum, cu_seqlens, chunk_index, T, NT,
     H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, VPP: gl.constexpr, L2NORM: gl.constexpr,
-    GATE: gl.constexpr, HAS_BIAS: gl.constexpr, BETA: gl.constexpr, VARLEN: gl.constexpr,
+    GATE: gl.constexpr, HAS_BIAS: gl.constexpr, BETA: gl.constexpr, VARLEN: gl.constexpr, EXP2: gl.constexpr,
 ):
     gl.static_assert(K % 64 == 0, "K in [64, 64] boxes")
     NK: gl.constexpr = K // 64
@@ -243,22 +254,22 @@ def _gdn_inverse_sm90_kernel(
         s2 = _block_row(bv_s, 2, ROWS) * r2
         s3 = _block_row(bv_s, 3, ROWS) * r3
 
-        a00 = _a_block(g00, s0, c0, G0, H0, True)
-        a11 = _a_block(g11, s1, c1, G1, H1, True)
-        a22 = _a_block(g22, s2, c2, G2, H2, True)
-        a33 = _a_block(g33, s3, c3, G3, H3, True)
+        a00 = _a_block(g00, s0, c0, G0, H0, True, EXP2)
+        a11 = _a_block(g11, s1, c1, G1, H1, True, EXP2)
+        a22 = _a_block(g22, s2, c2, G2, H2, True, EXP2)
+        a33 = _a_block(g33, s3, c3, G3, H3, True, EXP2)
         _store_block(dg_s, 0, gl.permute(a00, (1, 0)))
         _store_block(dg_s, 1, gl.permute(a11, (1, 0)))
         _store_block(dg_s, 2, gl.permute(a22, (1, 0)))
         _store_block(dg_s, 3, gl.permute(a33, (1, 0)))
         gl.thread_barrier()
         _diagonal_inverses(dg_s, dp_s, CS)
-        a10 = _a_block(g10, s1, c0, G1, H0, False)
-        a21 = _a_block(g21, s2, c1, G2, H1, False)
-        a32 = _a_block(g32, s3, c2, G3, H2, False)
-        a20 = _a_block(g20, s2, c0, G2, H0, False)
-        a31 = _a_block(g31, s3, c1, G3, H1, False)
-        a30 = _a_block(g30, s3, c0, G3, H0, False)
+        a10 = _a_block(g10, s1, c0, G1, H0, False, EXP2)
+        a21 = _a_block(g21, s2, c1, G2, H1, False, EXP2)
+        a32 = _a_block(g32, s3, c2, G3, H2, False, EXP2)
+        a20 = _a_block(g20, s2, c0, G2, H0, False, EXP2)
+        a31 = _a_block(g31, s3, c1, G3, H1, False, EXP2)
+        a30 = _a_block(g30, s3, c0, G3, H0, False, EXP2)
         gl.thread_barrier()
         p00, p10, p11, p20, p21, p22, p30, p31, p32, p33 = _lower_inverse(dp_s, a10, a20, a21, a30, a31, a32)
         p_s.slice(0, 16, dim=0).slice(0, 16, dim=1).store(p00.to(gl.bfloat16))
@@ -347,7 +358,7 @@ def launch_kda(p, total: int, tables, a, inverse) -> None:
 def launch(p, g, beta, beta_mode: int, total: int, tables, gcum, inverse, dot, config) -> None:
     """chunk_prepare.launch's contract (``dot`` unused: bf16 keys): G into ``gcum`` ``[B, T, HV]``
     and P into ``inverse`` ``[B, T, HV, 64]``; value heads a program by chunk_prepare's rule."""
-    from fastla.backends.gluon.chunk_delta import _tile_layout, tma_descriptor
+    from fastla.backends.gluon.chunk_delta import INVERSE_EXP2, _tile_layout, tma_descriptor
     from fastla.backends.triton import sm_count
     from fastla.backends.triton.chunk_prepare import values_per_program
     from fastla.backends.triton.launch import launcher
@@ -362,5 +373,5 @@ def launch(p, g, beta, beta_mode: int, total: int, tables, gcum, inverse, dot, c
         p.A_log if p.A_log is not None else d, p.dt_bias if p.dt_bias is not None else d, inverse, gcum,
         cu if varlen else d, chunk_index if varlen else d, p.T, NT,
         H=p.H, HV=p.HV, K=p.K, VPP=vpp, L2NORM=p.use_qk_l2norm, GATE=p.gate_in_op == "gdn",
-        HAS_BIAS=p.dt_bias is not None, BETA=beta_mode, VARLEN=varlen, num_warps=1,
+        HAS_BIAS=p.dt_bias is not None, BETA=beta_mode, VARLEN=varlen, EXP2=INVERSE_EXP2, num_warps=1,
     )
