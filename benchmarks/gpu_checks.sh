@@ -20,7 +20,7 @@
 #                                              # (FASTLA_COMPILE_AHEAD=0 / 1, fastla/core/compile_ahead.py)
 #   bash benchmarks/gpu_checks.sh regs-rows    # the registry rows whose plan moved onto the state-in-registers
 #                                              # scan without a rerun (docs/notes/gdn-prefill.md v26; ~5 min)
-#   bash benchmarks/gpu_checks.sh from-x       # the KDA prologue's bounded operands, GDN's inverse on
+#   bash benchmarks/gpu_checks.sh prologue-ab # the KDA prologue's bounded operands, GDN's inverse on
 #                                              # ex2.approx.ftz: GPU tests and A/B sweeps (docs/notes/
 #                                              # kda-prefill.md v19, gdn-prefill.md v30; ~5 min)
 #   bash benchmarks/gpu_checks.sh graph-eager  # why big rows' graph times exceed their eager ones: five
@@ -131,7 +131,7 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
     FASTLA_TRITON_BACKWARD=1 timeout 560 python3 -m fastla bench --filter "${FILTER:-gdn/h16-hv32/1x8192,gdn/h2-hv8/1x8192}" \
       --modes fwdbwd --quick --no-cold --out "$out" 2>&1 | tail -8
     ;;
-  from-x)
+  prologue-ab)
     # the KDA prologue's bounded operands (docs/notes/kda-prefill.md v19): the bounded cases against
     # the Triton prologue and fp64 with and without them, then the A/B sweep (outputs vs no-from-x);
     # and GDN's inverse with ex2.approx.ftz (docs/notes/gdn-prefill.md v30): its parity tests and sweep
