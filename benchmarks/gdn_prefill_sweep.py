@@ -55,6 +55,8 @@ VARIANTS = {
     "gluon-triton-inverse": dict(GDN_INVERSE_SM90=False),    # the Triton inverse kernel on the sm_90 tier
     "gluon-inverse-vpp1": dict(inverse_heads=1),   # one value head a program (168 registers)
     "gluon-inverse-exp2": dict(INVERSE_EXP2=True),   # its A blocks' exponentials on ex2.approx.ftz
+    "gluon-inverse-direct": dict(INVERSE_DIRECT_OPERANDS=True),   # its merges' operands converted once
+    "gluon-inverse-exp2-direct": dict(INVERSE_EXP2=True, INVERSE_DIRECT_OPERANDS=True),
     "gluon-summary": dict(SUMMARY_SM90=True),   # the segment summaries on the two-chain scan too
     "gluon-summary-seg16": dict(SUMMARY_SM90=True, segment_chunks=16),
     "gluon-summary-seg32": dict(SUMMARY_SM90=True, segment_chunks=32),

@@ -134,10 +134,12 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
   prologue-ab)
     # the KDA prologue's bounded operands (docs/notes/kda-prefill.md v19): the bounded cases against
     # the Triton prologue and fp64 with and without them, then the A/B sweep (outputs vs no-from-x);
-    # and GDN's inverse with ex2.approx.ftz (docs/notes/gdn-prefill.md v30): its parity tests and sweep
+    # and GDN's inverse with ex2.approx.ftz and its merges' operands converted once (docs/notes/
+    # gdn-prefill.md v30): its parity tests and sweep
     t 240 tests/ops/test_gluon_chunk_kda.py -k "bounded_operands or matches_triton"
-    n=1 t 180 tests/ops/test_gluon_chunk_gdn.py -k "sm90_inverse"
-    timeout 200 python3 benchmarks/gdn_prefill_sweep.py --variants gluon,gluon-inverse-exp2 \
+    n=1 t 240 tests/ops/test_gluon_chunk_gdn.py -k "sm90_inverse"
+    timeout 240 python3 benchmarks/gdn_prefill_sweep.py \
+      --variants gluon,gluon-inverse-exp2,gluon-inverse-direct,gluon-inverse-exp2-direct \
       --shapes gdn/h16-hv64/1x32768,gdn/h16-hv32/4x8192 --out "$out" 2>&1 | tail -6
     timeout 300 python3 benchmarks/kda_prefill_sweep.py --tier gluon --variants no-from-x,from-x \
       --shapes kda/h64/1x8192,kda/h64/2x16384,kda/h96/varlen8x15193 --out "$out" \

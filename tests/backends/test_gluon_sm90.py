@@ -631,12 +631,16 @@ GDN_INVERSE_VARIANTS = {
     "gdn-inverse-one-head": dict(VPP=1),
     "gdn-inverse-varlen-k64-raw": dict(VARLEN=True, L2NORM=False, K=64, GATE=False, HAS_BIAS=False, BETA=1),
     "gdn-inverse-exp2": dict(EXP2=True),        # A's exponentials on ex2.approx.ftz (INVERSE_EXP2)
+    "gdn-inverse-direct": dict(DIRECT=True),    # the merges' operands converted once (INVERSE_DIRECT_OPERANDS)
+    "gdn-inverse-exp2-direct": dict(EXP2=True, DIRECT=True),
+    "gdn-inverse-direct-varlen-k64": dict(DIRECT=True, VARLEN=True, K=64),    # (its own scratch buffers)
 }
 # stack as launched (aligned pointers): at four value heads a program the ten Gram blocks (80
 # registers) live across the heads; the shipped build (gdn-inverse, 104 bytes) measured 8-12% faster
 # than the Triton kernel on the H200 (docs/notes/gdn-prefill.md v18)
 GDN_INVERSE_STACK = {"gdn-inverse": 104, "gdn-inverse-one-head": 8, "gdn-inverse-varlen-k64-raw": 56,
-                     "gdn-inverse-exp2": 88}
+                     "gdn-inverse-exp2": 88, "gdn-inverse-direct": 56, "gdn-inverse-exp2-direct": 48,
+                     "gdn-inverse-direct-varlen-k64": 56}
 
 
 def _child_gdn_inverse(name: str, folder: str) -> None:
@@ -645,7 +649,7 @@ def _child_gdn_inverse(name: str, folder: str) -> None:
     from fastla.backends.gluon.chunk_inverse_sm90 import _gdn_inverse_sm90_kernel as kern
 
     consts = dict(H=16, HV=64, K=128, VPP=4, L2NORM=True, GATE=True, HAS_BIAS=True, BETA=2, VARLEN=False,
-                  EXP2=False)
+                  EXP2=False, DIRECT=False)
     consts.update(GDN_INVERSE_VARIANTS[name])
     box = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
     pointers = {"g": "*fp32", "beta": "*bf16", "A_log": "*fp32", "dt_bias": "*fp32", "p_out": "*bf16",

@@ -202,18 +202,20 @@ INVERSE_CASES = {
 }
 
 
-@pytest.mark.parametrize("exp2", [False, True], ids=["exp", "exp2"])
+@pytest.mark.parametrize("build", ["default", "exp2", "direct", "exp2-direct"])
 @pytest.mark.parametrize("case", list(INVERSE_CASES))
-def test_sm90_inverse_matches_triton(case, exp2, monkeypatch):
+def test_sm90_inverse_matches_triton(case, build, monkeypatch):
     """The sm_90 inverse kernel's P and G (chunk_inverse_sm90.py) against the Triton inverse
     kernel's (chunk_prepare.py) on the same inputs, and the whole op against fp64 with each (check);
-    with A's exponentials as gl.exp and on ex2.approx.ftz (gluon/chunk_delta.INVERSE_EXP2)."""
+    the default build, A's exponentials on ex2.approx.ftz (gluon/chunk_delta.INVERSE_EXP2), the
+    merges' operands converted once (INVERSE_DIRECT_OPERANDS), and both."""
     import dataclasses
 
     from fastla.backends.gluon import chunk_delta as gluon_chunk
     from fastla.backends.gluon import chunk_inverse_sm90 as sm90
     from fastla.backends.triton import chunk_delta, chunk_prepare
-    monkeypatch.setattr(gluon_chunk, "INVERSE_EXP2", exp2)
+    monkeypatch.setattr(gluon_chunk, "INVERSE_EXP2", "exp2" in build)
+    monkeypatch.setattr(gluon_chunk, "INVERSE_DIRECT_OPERANDS", "direct" in build)
     shape, opts, heads = INVERSE_CASES[case]
     monkeypatch.setattr(chunk_prepare, "INVERSE_PROGRAMS_PER_SM", 0)     # the heads a program asked for
     original = chunk_delta.default_config

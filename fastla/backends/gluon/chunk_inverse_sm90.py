@@ -67,6 +67,12 @@ def _mm(a, b):
 
 
 @gluon.jit
+def _mm_ops(a, b):
+    """_mm on operands already in their tf32 dot layouts."""
+    return mma_v2(a, b, gl.zeros([16, 16], gl.float32, MMA), input_precision="tf32")
+
+
+@gluon.jit
 def _gram(k_s, b: gl.constexpr, c: gl.constexpr, NK: gl.constexpr):
     """K_b K_c^T [16, 16] over the NK [64, 64] key slices in shared memory (bf16 mma.sync)."""
     da: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
@@ -139,20 +145,53 @@ def _diagonal_inverses(dg_s, dp_s, CS: gl.constexpr):
 
 
 @gluon.jit
-def _lower_inverse(dp_s, a10, a20, a21, a30, a31, a32):
+def _lower_inverse(dp_s, dT, a10, a20, a21, a30, a31, a32, DIRECT: gl.constexpr):
     """P's ten lower blocks: the diagonal ones D_b from dp_s (D_b^T, _diagonal_inverses), the six
     below by block forward substitution P_bc = -P_bb sum_(c <= d < b) A_bd P_dc from A's lower
-    blocks a_bc (tf32 mma.sync)."""
-    p00 = _load_block_t(dp_s, 0)                                            # D_b [16, 16]
-    p11 = _load_block_t(dp_s, 1)
-    p22 = _load_block_t(dp_s, 2)
-    p33 = _load_block_t(dp_s, 3)
-    p10 = -_mm(p11, _mm(a10, p00))
-    p21 = -_mm(p22, _mm(a21, p11))
-    p32 = -_mm(p33, _mm(a32, p22))
-    p20 = -_mm(p22, _mm(a20, p00) + _mm(a21, p10))
-    p31 = -_mm(p33, _mm(a31, p11) + _mm(a32, p21))
-    p30 = -_mm(p33, _mm(a30, p00) + _mm(a31, p10) + _mm(a32, p20))
+    blocks a_bc (tf32 mma.sync). DIRECT (INVERSE_DIRECT_OPERANDS): each product's operands
+    converted once, not at every use: the diagonal blocks loaded from dp_s straight into the
+    operand layouts they are used in, A's blocks and the blocks P_bc that later products take each
+    converted once (15 layout conversions a head instead of 32); the same products. dT: dp_s as
+    [64, 16] (D_b^T in rows 16b .. 16b + 15; DIRECT only)."""
+    if DIRECT:
+        ta: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=1)
+        tb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=1)
+        d0b = dT.slice(0, 16, dim=0).permute((1, 0)).load(tb)               # D_0 as a right operand
+        d1a = dT.slice(16, 16, dim=0).permute((1, 0)).load(ta)
+        d1b = dT.slice(16, 16, dim=0).permute((1, 0)).load(tb)
+        d2a = dT.slice(32, 16, dim=0).permute((1, 0)).load(ta)
+        d2b = dT.slice(32, 16, dim=0).permute((1, 0)).load(tb)
+        d3a = dT.slice(48, 16, dim=0).permute((1, 0)).load(ta)
+        l10 = gl.convert_layout(a10, ta)
+        l20 = gl.convert_layout(a20, ta)
+        l21 = gl.convert_layout(a21, ta)
+        l30 = gl.convert_layout(a30, ta)
+        l31 = gl.convert_layout(a31, ta)
+        l32 = gl.convert_layout(a32, ta)
+        p10 = -_mm_ops(d1a, gl.convert_layout(_mm_ops(l10, d0b), tb))
+        p21 = -_mm_ops(d2a, gl.convert_layout(_mm_ops(l21, d1b), tb))
+        p32 = -_mm_ops(d3a, gl.convert_layout(_mm_ops(l32, d2b), tb))
+        p10b = gl.convert_layout(p10, tb)
+        p21b = gl.convert_layout(p21, tb)
+        p20 = -_mm_ops(d2a, gl.convert_layout(_mm_ops(l20, d0b) + _mm_ops(l21, p10b), tb))
+        p31 = -_mm_ops(d3a, gl.convert_layout(_mm_ops(l31, d1b) + _mm_ops(l32, p21b), tb))
+        p30 = -_mm_ops(d3a, gl.convert_layout(_mm_ops(l30, d0b) + _mm_ops(l31, p10b)
+                                              + _mm_ops(l32, gl.convert_layout(p20, tb)), tb))
+        p00 = _load_block_t(dp_s, 0)                                        # (for P's stores)
+        p11 = _load_block_t(dp_s, 1)
+        p22 = _load_block_t(dp_s, 2)
+        p33 = _load_block_t(dp_s, 3)
+    else:
+        p00 = _load_block_t(dp_s, 0)                                        # D_b [16, 16]
+        p11 = _load_block_t(dp_s, 1)
+        p22 = _load_block_t(dp_s, 2)
+        p33 = _load_block_t(dp_s, 3)
+        p10 = -_mm(p11, _mm(a10, p00))
+        p21 = -_mm(p22, _mm(a21, p11))
+        p32 = -_mm(p33, _mm(a32, p22))
+        p20 = -_mm(p22, _mm(a20, p00) + _mm(a21, p10))
+        p31 = -_mm(p33, _mm(a31, p11) + _mm(a32, p21))
+        p30 = -_mm(p33, _mm(a30, p00) + _mm(a31, p10) + _mm(a32, p20))
     return p00, p10, p11, p20, p21, p22, p30, p31, p32, p33
 
 
@@ -161,6 +200,7 @@ def _gdn_inverse_sm90_kernel(
     k_desc, g, beta, A_log, dt_bias, p_out, gcum, cu_seqlens, chunk_index, T, NT,
     H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, VPP: gl.constexpr, L2NORM: gl.constexpr,
     GATE: gl.constexpr, HAS_BIAS: gl.constexpr, BETA: gl.constexpr, VARLEN: gl.constexpr, EXP2: gl.constexpr,
+    DIRECT: gl.constexpr,
 ):
     gl.static_assert(K % 64 == 0, "K in [64, 64] boxes")
     NK: gl.constexpr = K // 64
@@ -178,9 +218,11 @@ def _gdn_inverse_sm90_kernel(
         scratch = k_s._reinterpret(gl.float32, [8 * NK, 16, 16], PLAIN3)   # [16, 16] fp32 blocks, 1 KB each
         dg_s = scratch.slice(8, 4, dim=0)
         dp_s = scratch.slice(12, 4, dim=0)
+        dT = k_s._reinterpret(gl.float32, [8 * NK * 16, 16], PLAIN2).slice(12 * 16, 64, dim=0)   # dp_s as [64, 16]
     else:
         dg_s = gl.allocate_shared_memory(gl.float32, [4, 16, 16], PLAIN3)
         dp_s = gl.allocate_shared_memory(gl.float32, [4, 16, 16], PLAIN3)
+        dT = dp_s._reinterpret(gl.float32, [64, 16], PLAIN2)
     gv_s = gl.allocate_shared_memory(gl.float32, [4, 16], PLAIN2)           # G by blocks
     bv_s = gl.allocate_shared_memory(gl.float32, [4, 16], PLAIN2)           # beta by blocks
     bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -271,7 +313,8 @@ def _gdn_inverse_sm90_kernel(
         a31 = _a_block(g31, s3, c1, G3, H1, False, EXP2)
         a30 = _a_block(g30, s3, c0, G3, H0, False, EXP2)
         gl.thread_barrier()
-        p00, p10, p11, p20, p21, p22, p30, p31, p32, p33 = _lower_inverse(dp_s, a10, a20, a21, a30, a31, a32)
+        p00, p10, p11, p20, p21, p22, p30, p31, p32, p33 = _lower_inverse(dp_s, dT, a10, a20, a21, a30, a31, a32,
+                                                                          DIRECT)
         p_s.slice(0, 16, dim=0).slice(0, 16, dim=1).store(p00.to(gl.bfloat16))
         p_s.slice(16, 16, dim=0).slice(0, 16, dim=1).store(p10.to(gl.bfloat16))
         p_s.slice(16, 16, dim=0).slice(16, 16, dim=1).store(p11.to(gl.bfloat16))
@@ -332,7 +375,8 @@ def _kda_inverse_sm90_kernel(a, p_out, cu_seqlens, chunk_index, T, NT, HV: gl.co
     a31 = _lower_block(a, base, 3, 1, n_left, HV)
     a32 = _lower_block(a, base, 3, 2, n_left, HV)
     gl.thread_barrier()
-    p00, p10, p11, p20, p21, p22, p30, p31, p32, p33 = _lower_inverse(dp_s, a10, a20, a21, a30, a31, a32)
+    p00, p10, p11, p20, p21, p22, p30, p31, p32, p33 = _lower_inverse(dp_s, dp_s, a10, a20, a21, a30, a31, a32,
+                                                                      False)
     blocks = (p00, p10, p11, p20, p21, p22, p30, p31, p32, p33)             # row b's blocks from b (b + 1) / 2
     for b in gl.static_range(4):
         for c in gl.static_range(b + 1):
@@ -358,7 +402,9 @@ def launch_kda(p, total: int, tables, a, inverse) -> None:
 def launch(p, g, beta, beta_mode: int, total: int, tables, gcum, inverse, dot, config) -> None:
     """chunk_prepare.launch's contract (``dot`` unused: bf16 keys): G into ``gcum`` ``[B, T, HV]``
     and P into ``inverse`` ``[B, T, HV, 64]``; value heads a program by chunk_prepare's rule."""
-    from fastla.backends.gluon.chunk_delta import INVERSE_EXP2, _tile_layout, tma_descriptor
+    from fastla.backends.gluon.chunk_delta import (
+        INVERSE_DIRECT_OPERANDS, INVERSE_EXP2, _tile_layout, tma_descriptor,
+    )
     from fastla.backends.triton import sm_count
     from fastla.backends.triton.chunk_prepare import values_per_program
     from fastla.backends.triton.launch import launcher
@@ -373,5 +419,6 @@ def launch(p, g, beta, beta_mode: int, total: int, tables, gcum, inverse, dot, c
         p.A_log if p.A_log is not None else d, p.dt_bias if p.dt_bias is not None else d, inverse, gcum,
         cu if varlen else d, chunk_index if varlen else d, p.T, NT,
         H=p.H, HV=p.HV, K=p.K, VPP=vpp, L2NORM=p.use_qk_l2norm, GATE=p.gate_in_op == "gdn",
-        HAS_BIAS=p.dt_bias is not None, BETA=beta_mode, VARLEN=varlen, EXP2=INVERSE_EXP2, num_warps=1,
+        HAS_BIAS=p.dt_bias is not None, BETA=beta_mode, VARLEN=varlen, EXP2=INVERSE_EXP2,
+        DIRECT=INVERSE_DIRECT_OPERANDS, num_warps=1,
     )
