@@ -95,9 +95,10 @@ GDN_INVERSE_SM90 = True
 # instructions, stack 104 -> 88 bytes (docs/notes/gdn-prefill.md v30); off until its GPU tests
 # (`-k sm90_inverse`) and sweep (`gdn_prefill_sweep.py --variants gluon,gluon-inverse-exp2`) have run
 INVERSE_EXP2 = False
-# Its merges' operands converted once each (chunk_inverse_sm90._lower_inverse's DIRECT: the diagonal
-# blocks loaded from shared memory in their operand layouts; 15 layout conversions a head instead
-# of 32); off until its GPU tests and sweep (`gluon-inverse-direct`) have run (gdn-prefill.md v30)
+# Its merges' diagonal operands loaded from shared memory in their operand layouts, not converted
+# from the accumulator layout (chunk_inverse_sm90._lower_inverse's DIRECT: per-head loop 2567 ->
+# 2441 instructions, stack 104 -> 48 bytes); off until its GPU tests and sweep
+# (`gluon-inverse-direct`) have run (gdn-prefill.md v30)
 INVERSE_DIRECT_OPERANDS = False
 SPECIALIZED_WIDTHS = (32, 64)
 # q, k and v views whose rows collapse into one strided [B * T, heads * D] array (split from one

@@ -59,17 +59,12 @@ def _add(a, b):
 
 @gluon.jit
 def _mm(a, b):
-    """[16, 16] x [16, 16] on tf32 mma.sync, fp32 accumulation (the Triton kernel's merge precision)."""
+    """[16, 16] x [16, 16] on tf32 mma.sync, fp32 accumulation (the Triton kernel's merge precision);
+    an operand already in its dot layout is taken as it is."""
     ta: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=1)
     tb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=1)
     return mma_v2(gl.convert_layout(a, ta), gl.convert_layout(b, tb), gl.zeros([16, 16], gl.float32, MMA),
                   input_precision="tf32")
-
-
-@gluon.jit
-def _mm_ops(a, b):
-    """_mm on operands already in their tf32 dot layouts."""
-    return mma_v2(a, b, gl.zeros([16, 16], gl.float32, MMA), input_precision="tf32")
 
 
 @gluon.jit
@@ -148,50 +143,32 @@ def _diagonal_inverses(dg_s, dp_s, CS: gl.constexpr):
 def _lower_inverse(dp_s, dT, a10, a20, a21, a30, a31, a32, DIRECT: gl.constexpr):
     """P's ten lower blocks: the diagonal ones D_b from dp_s (D_b^T, _diagonal_inverses), the six
     below by block forward substitution P_bc = -P_bb sum_(c <= d < b) A_bd P_dc from A's lower
-    blocks a_bc (tf32 mma.sync). DIRECT (INVERSE_DIRECT_OPERANDS): each product's operands
-    converted once, not at every use: the diagonal blocks loaded from dp_s straight into the
-    operand layouts they are used in, A's blocks and the blocks P_bc that later products take each
-    converted once (15 layout conversions a head instead of 32); the same products. dT: dp_s as
-    [64, 16] (D_b^T in rows 16b .. 16b + 15; DIRECT only)."""
+    blocks a_bc (tf32 mma.sync). DIRECT (INVERSE_DIRECT_OPERANDS): the diagonal blocks loaded from
+    dT (dp_s as [64, 16], D_b^T in rows 16b .. 16b + 15) straight into the operand layouts they
+    are used in, instead of converted from the accumulator layout; the same products."""
+    p00 = _load_block_t(dp_s, 0)                                            # D_b [16, 16]
+    p11 = _load_block_t(dp_s, 1)
+    p22 = _load_block_t(dp_s, 2)
+    p33 = _load_block_t(dp_s, 3)
+    # each diagonal block as a left operand (x1a ..) and a right one (x0b ..); _mm converts
+    # whatever is not yet in its operand layout
     if DIRECT:
         ta: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=1)
         tb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=1)
-        d0b = dT.slice(0, 16, dim=0).permute((1, 0)).load(tb)               # D_0 as a right operand
-        d1a = dT.slice(16, 16, dim=0).permute((1, 0)).load(ta)
-        d1b = dT.slice(16, 16, dim=0).permute((1, 0)).load(tb)
-        d2a = dT.slice(32, 16, dim=0).permute((1, 0)).load(ta)
-        d2b = dT.slice(32, 16, dim=0).permute((1, 0)).load(tb)
-        d3a = dT.slice(48, 16, dim=0).permute((1, 0)).load(ta)
-        l10 = gl.convert_layout(a10, ta)
-        l20 = gl.convert_layout(a20, ta)
-        l21 = gl.convert_layout(a21, ta)
-        l30 = gl.convert_layout(a30, ta)
-        l31 = gl.convert_layout(a31, ta)
-        l32 = gl.convert_layout(a32, ta)
-        p10 = -_mm_ops(d1a, gl.convert_layout(_mm_ops(l10, d0b), tb))
-        p21 = -_mm_ops(d2a, gl.convert_layout(_mm_ops(l21, d1b), tb))
-        p32 = -_mm_ops(d3a, gl.convert_layout(_mm_ops(l32, d2b), tb))
-        p10b = gl.convert_layout(p10, tb)
-        p21b = gl.convert_layout(p21, tb)
-        p20 = -_mm_ops(d2a, gl.convert_layout(_mm_ops(l20, d0b) + _mm_ops(l21, p10b), tb))
-        p31 = -_mm_ops(d3a, gl.convert_layout(_mm_ops(l31, d1b) + _mm_ops(l32, p21b), tb))
-        p30 = -_mm_ops(d3a, gl.convert_layout(_mm_ops(l30, d0b) + _mm_ops(l31, p10b)
-                                              + _mm_ops(l32, gl.convert_layout(p20, tb)), tb))
-        p00 = _load_block_t(dp_s, 0)                                        # (for P's stores)
-        p11 = _load_block_t(dp_s, 1)
-        p22 = _load_block_t(dp_s, 2)
-        p33 = _load_block_t(dp_s, 3)
+        x0b = dT.slice(0, 16, dim=0).permute((1, 0)).load(tb)
+        x1a = dT.slice(16, 16, dim=0).permute((1, 0)).load(ta)
+        x1b = dT.slice(16, 16, dim=0).permute((1, 0)).load(tb)
+        x2a = dT.slice(32, 16, dim=0).permute((1, 0)).load(ta)
+        x2b = dT.slice(32, 16, dim=0).permute((1, 0)).load(tb)
+        x3a = dT.slice(48, 16, dim=0).permute((1, 0)).load(ta)
     else:
-        p00 = _load_block_t(dp_s, 0)                                        # D_b [16, 16]
-        p11 = _load_block_t(dp_s, 1)
-        p22 = _load_block_t(dp_s, 2)
-        p33 = _load_block_t(dp_s, 3)
-        p10 = -_mm(p11, _mm(a10, p00))
-        p21 = -_mm(p22, _mm(a21, p11))
-        p32 = -_mm(p33, _mm(a32, p22))
-        p20 = -_mm(p22, _mm(a20, p00) + _mm(a21, p10))
-        p31 = -_mm(p33, _mm(a31, p11) + _mm(a32, p21))
-        p30 = -_mm(p33, _mm(a30, p00) + _mm(a31, p10) + _mm(a32, p20))
+        x0b, x1a, x1b, x2a, x2b, x3a = p00, p11, p11, p22, p22, p33
+    p10 = -_mm(x1a, _mm(a10, x0b))
+    p21 = -_mm(x2a, _mm(a21, x1b))
+    p32 = -_mm(x3a, _mm(a32, x2b))
+    p20 = -_mm(x2a, _mm(a20, x0b) + _mm(a21, p10))
+    p31 = -_mm(x3a, _mm(a31, x1b) + _mm(a32, p21))
+    p30 = -_mm(x3a, _mm(a30, x0b) + _mm(a31, p10) + _mm(a32, p20))
     return p00, p10, p11, p20, p21, p22, p30, p31, p32, p33
 
 

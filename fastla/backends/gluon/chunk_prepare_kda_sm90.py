@@ -134,14 +134,11 @@ def _column_operands(x_s, q_s, c: gl.constexpr, on_c, kmid, qmid, X, Q, below, D
     times ``below`` = 2^(c_(c-1) - M_c) = 2^(span / 2) (kmid, qmid unused; no select).
     Not DELTA (GLA): the queries' only."""
     f = gl.expand_dims(below, 1)
-    if FROM_X:
-        if DELTA:
-            x_s.index(c).store(gl.permute(gl.reshape(X * f, [64, BC]), (1, 0)).to(gl.bfloat16))
-        q_s.index(c).store(gl.permute(gl.reshape(Q * f, [64, BC]), (1, 0)).to(gl.bfloat16))
-    else:
-        if DELTA:
-            x_s.index(c).store(gl.permute(gl.reshape(gl.where(on_c, kmid, X * f), [64, BC]), (1, 0)).to(gl.bfloat16))
-        q_s.index(c).store(gl.permute(gl.reshape(gl.where(on_c, qmid, Q * f), [64, BC]), (1, 0)).to(gl.bfloat16))
+    if DELTA:
+        left = X * f if FROM_X else gl.where(on_c, kmid, X * f)
+        x_s.index(c).store(gl.permute(gl.reshape(left, [64, BC]), (1, 0)).to(gl.bfloat16))
+    left = Q * f if FROM_X else gl.where(on_c, qmid, Q * f)
+    q_s.index(c).store(gl.permute(gl.reshape(left, [64, BC]), (1, 0)).to(gl.bfloat16))
 
 
 @gluon.jit
