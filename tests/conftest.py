@@ -1,5 +1,6 @@
 """pytest configuration: the Triton interpreter where there is no GPU, one intra-op thread (the test tensors are tiny; spinning thread pools
-only contend on a busy 2-core machine), and per-test seeds derived from the test id."""
+only contend on a busy 2-core machine), per-test seeds derived from the test id, and how many
+workers the README's `-n auto` starts."""
 import os
 import zlib
 
@@ -10,6 +11,16 @@ torch.set_num_threads(1)
 if not torch.cuda.is_available():
     # Triton kernels run on the CPU through the interpreter (must be set before triton kernels are defined)
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (pytest-xdist): without a GPU, one worker per core this process may use, at most
+    8 (the interpreter's tests are single-threaded and independent); with a GPU, none: the tests run
+    in this process, one after another, because the GPU tests share one card and some take 50 GB of it."""
+    if torch.cuda.is_available():
+        return 0
+    return min(len(os.sched_getaffinity(0)), 8)
 
 
 @pytest.fixture(autouse=True)
