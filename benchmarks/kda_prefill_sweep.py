@@ -71,6 +71,8 @@ VARIANTS = {
     "sm90-per-item": dict(sm90_programs_per_sm=None),   # the sm_90 prologue one program per item (not persistent)
     "from-x": dict(bounded_operands=True),       # the bounded gate's left operands from X (BOUNDED_OPERANDS)
     "no-from-x": dict(bounded_operands=False),
+    "full": dict(bounded_operands=False, full_chunks=True),   # whole chunks without row masks (FULL_CHUNKS)
+    "from-x-full": dict(bounded_operands=True, full_chunks=True),
 }
 SHAPES = "kda/h64/1x8192,kda/h64/2x16384,kda/h96/varlen8x15193"
 
@@ -108,6 +110,7 @@ def main() -> int:
     default_programs = sm90_prologue.PROGRAMS_PER_SM
     default_inverse = sm90_prologue.INVERSE_SM90
     default_from_x = sm90_prologue.BOUNDED_OPERANDS
+    default_full = sm90_prologue.FULL_CHUNKS
     default_wide = wide.BLOCK_K, wide.WARPS, wide.STAGES
     default_dual = gluon_chunk.SCAN_DUAL
     default_regs = gluon_chunk.SCAN_REGS
@@ -127,6 +130,7 @@ def main() -> int:
             sm90_prologue.UNBOUNDED = over.pop("sm90_unbounded", default_unbounded)
             sm90_prologue.PROGRAMS_PER_SM = over.pop("sm90_programs_per_sm", default_programs)
             sm90_prologue.BOUNDED_OPERANDS = over.pop("bounded_operands", default_from_x)
+            sm90_prologue.FULL_CHUNKS = over.pop("full_chunks", default_full)
             wide.BLOCK_K, wide.WARPS, wide.STAGES = over.pop("wide", default_wide)
             gluon_chunk.SCAN_DUAL = over.pop("scan_dual", default_dual)
             gluon_chunk.SCAN_BLOCK_V = over.pop("scan_bv", None)
@@ -151,6 +155,7 @@ def main() -> int:
                 sm90_prologue.UNBOUNDED = default_unbounded
                 sm90_prologue.PROGRAMS_PER_SM = default_programs
                 sm90_prologue.INVERSE_SM90, sm90_prologue.BOUNDED_OPERANDS = default_inverse, default_from_x
+                sm90_prologue.FULL_CHUNKS = default_full
                 wide.BLOCK_K, wide.WARPS, wide.STAGES = default_wide
                 gluon_chunk.SCAN_DUAL, gluon_chunk.SCAN_BLOCK_V = default_dual, None
                 gluon_chunk.LONGEST_FIRST = True

@@ -536,6 +536,9 @@ KDA_PROLOGUE_VARIANTS = {
     # the bounded gate's left operands from X (chunk_prepare_kda_sm90.BOUNDED_OPERANDS)
     "kda-prologue-from-x": dict(FROM_X=True),
     "kda-prologue-from-x-varlen-k64": dict(FROM_X=True, VARLEN=True, K=64),
+    # whole chunks without row masks (chunk_prepare_kda_sm90.FULL_CHUNKS), with each form of operands
+    "kda-prologue-full": dict(FULL=True),
+    "kda-prologue-from-x-full": dict(FROM_X=True, FULL=True),
     # unbounded gates with the block flags: given (bf16 and fp32) and softplus
     "kda-prologue-given-gate": dict(GATE=0, HAS_A=False, HAS_BIAS=False, FLAG=True),
     "kda-prologue-given-fp32-gate": dict(GATE=0, HAS_A=False, HAS_BIAS=False, FLAG=True, GATE_FP32=True),
@@ -561,7 +564,7 @@ def _child_kda_prologue(name: str, folder: str) -> None:
     from fastla.backends.gluon.chunk_prepare_kda_sm90 import _kda_prologue_sm90_kernel as kern
 
     consts = dict(H=32, HV=64, K=128, L2NORM=True, GATE=3, HAS_A=True, HAS_BIAS=True, BETA=2, VARLEN=False,
-                  FLAG=False, DELTA=True, FROM_X=False)
+                  FLAG=False, DELTA=True, FROM_X=False, FULL=False)
     consts.update(KDA_PROLOGUE_VARIANTS[name])
     gate_fp32 = consts.pop("GATE_FP32", False)
     consts["QK_BUFFERS"] = 1 if gate_fp32 else 2                           # as launch()

@@ -144,6 +144,32 @@ def test_sm90_prologue_bounded_operands(case, monkeypatch):
     _prologue_parity(case, monkeypatch)
 
 
+@pytest.mark.parametrize("from_x", [False, True])
+@pytest.mark.parametrize("case", ["bounded-whole", "bounded-saturated-whole"])
+def test_sm90_prologue_full_chunks(case, from_x, monkeypatch):
+    """Whole chunks without row masks (chunk_prepare_kda_sm90.FULL_CHUNKS: a dense batch, T = 1024)
+    with either form of the bounded gate's operands: the same parity, and the launch took FULL."""
+    from fastla.backends.gluon import chunk_prepare_kda_sm90 as sm90
+    from fastla.backends.triton import launch
+    monkeypatch.setattr(sm90, "FULL_CHUNKS", True)
+    monkeypatch.setattr(sm90, "BOUNDED_OPERANDS", from_x)
+    full, real = [], launch.launcher
+
+    class Spy:                                   # records the prologue's FULL at each launch
+        def __init__(self, fn, *args):
+            self.fn, self.runner = fn, real(fn, *args)
+
+        def __getitem__(self, grid):
+            def go(*args, **kwargs):
+                if self.fn is sm90._kda_prologue_sm90_kernel:
+                    full.append(kwargs["FULL"])
+                return self.runner[grid](*args, **kwargs)
+            return go
+    monkeypatch.setattr(launch, "launcher", Spy)
+    _prologue_parity(case, monkeypatch)
+    assert full and all(full), full
+
+
 @pytest.mark.parametrize("case", ["unbounded-gate", "dense", "dense-fp32-gate", "strong-decay", "mixed-decay",
                                   "one-wide-block", "bounded-wide"])
 def test_sm90_prologue_unbounded(case, monkeypatch):
@@ -215,7 +241,7 @@ def _prologue_parity(case, monkeypatch):
     t, opts = bf16_case("dense" if case in ("mixed-decay", "dense-fp32-gate", "one-wide-block") else case)
     if case == "mixed-decay":
         t["g"][:, :, :2] *= 100.0
-    if case == "bounded-saturated":              # sigmoid(A (g + dt_bias)) ~ 1 in every other channel
+    if case.startswith("bounded-saturated"):     # sigmoid(A (g + dt_bias)) ~ 1 in every other channel
         t["g"][..., ::2] += 30.0
     if case == "one-wide-block":                 # chunk c: block c % 4 decays 15 nats a token in channel 0
         for c in range(-(-t["g"].shape[1] // 64)):

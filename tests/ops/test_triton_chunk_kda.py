@@ -128,10 +128,11 @@ def bf16_case(case: str):
     """Inputs and options of a GPU case: bf16 at K = V = 128 (64 for v-first-k64), every option as
     the registry uses it. The bounded-* cases take the bounded gate (lower_bound -5) on the
     varlen batch, at K = 64 with v_first, bare (no A_log, dt_bias, l2norm or beta sigmoid), with
-    allow_neg_eigval, or with lower_bound -8 (wide: spans past 16 x 5)."""
+    allow_neg_eigval, or with lower_bound -8 (wide: spans past 16 x 5); a case ending in -whole
+    takes T = 1024 (whole chunks) instead of 1000."""
     K = V = 64 if case in ("v-first-k64", "bounded-k64") else 128
     lengths = [1, 300, 64, 1000, 77] if case in ("varlen", "bounded-varlen") else None
-    B, T = (1, sum(lengths)) if lengths else (2, 1000)
+    B, T = (1, sum(lengths)) if lengths else (2, 1024 if case.endswith("-whole") else 1000)
     t = make_inputs(SPEC, B=B, T=T, H=2, HV=4, K=K, V=V, dtype=torch.bfloat16, device="cuda",
                     strength=100.0 if case == "strong-decay" else 1.0, N=len(lengths) if lengths else None,
                     v_first=K == 64)

@@ -153,17 +153,27 @@ def _products(x_s, q_s, f_s, c: gl.constexpr, akk, aqk, DELTA: gl.constexpr):
 
 
 @gluon.jit
+def _store_rows(ptr, value, valid, FULL: gl.constexpr):
+    """``value`` to ``ptr`` on the chunk's rows: those < n_left (``valid``), or all of them where
+    every chunk has 64 rows (FULL: no predicates to keep or recompute)."""
+    if FULL:
+        gl.store(ptr, value)
+    else:
+        gl.store(ptr, value, mask=valid)
+
+
+@gluon.jit
 def _store_columns(a_kk, a_qk, row_off, r, valid_r, beta_r, c: gl.constexpr, akk, aqk, cols_l: gl.constexpr,
-                   DELTA: gl.constexpr):
+                   DELTA: gl.constexpr, FULL: gl.constexpr):
     """Columns 16c .. 16c + 15 of A (strict lower, times beta; fp32; not for GLA, not DELTA) and Aqk
     (lower, bf16), rows < n_left."""
     col = (16 * c + gl.arange(0, 16, layout=cols_l))[None, :]
     off = row_off[:, None] + col
     m = valid_r[:, None]
     if DELTA:
-        gl.store(a_kk + off, gl.where(col < r[:, None], akk * beta_r[:, None], 0.0).to(a_kk.dtype.element_ty),
-                 mask=m)
-    gl.store(a_qk + off, gl.where(col <= r[:, None], aqk, 0.0).to(gl.bfloat16), mask=m)
+        _store_rows(a_kk + off, gl.where(col < r[:, None], akk * beta_r[:, None], 0.0).to(a_kk.dtype.element_ty),
+                    m, FULL)
+    _store_rows(a_qk + off, gl.where(col <= r[:, None], aqk, 0.0).to(gl.bfloat16), m, FULL)
 
 
 @gluon.jit
@@ -201,7 +211,7 @@ def _kda_prologue_sm90_kernel(
     cu_seqlens, chunk_index, T, NT, total,
     H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, L2NORM: gl.constexpr, GATE: gl.constexpr,
     HAS_A: gl.constexpr, HAS_BIAS: gl.constexpr, BETA: gl.constexpr, VARLEN: gl.constexpr, FLAG: gl.constexpr,
-    QK_BUFFERS: gl.constexpr, DELTA: gl.constexpr, FROM_X: gl.constexpr,
+    QK_BUFFERS: gl.constexpr, DELTA: gl.constexpr, FROM_X: gl.constexpr, FULL: gl.constexpr,
 ):
     """Persistent: program p takes items p, p + programs, ... (``total`` chunks x HV value heads,
     chunks fastest). GATE as recurrent.py numbers it: 3 the bounded gate in the op; 2
@@ -214,7 +224,10 @@ def _kda_prologue_sm90_kernel(
     bounded gate, BOUNDED_OPERANDS): X = k 2^(G - c_(b-1)) from k directly and every left operand
     from X (see _column_operands), q and k slices unmasked (rows past n_left reach only rows and
     columns that the stores mask; their gate is zeroed by the activation), the sigmoid's division
-    by _rcp_approx (its denominator 1 + 2^z >= 1)."""
+    by _rcp_approx (its denominator 1 + 2^z >= 1). FULL (a dense batch of whole chunks,
+    FULL_CHUNKS): the gate's activation and the stores of kd, kg, qg, A and Aqk without row masks.
+    The masked stores take a predicate a row, and with seven predicate registers the compiler
+    recomputes them at every store."""
     gl.static_assert(K % BC == 0, "K in slices of 32 channels")
     NS: gl.constexpr = K // BC
     gl.static_assert(NS % 2 == 0, "the gate's slices alternate between two slots")
@@ -305,7 +318,12 @@ def _kda_prologue_sm90_kernel(
                        gl.where(same, ks + 2, ks + 2 - NS), same or has_next, K)
             if HAS_BIAS and GATE != 0:
                 x = x + gl.load(dt_bias + i_hv * K + o_k).to(gl.float32)
-            if GATE == 3 and FROM_X:                                        # lower_bound sigmoid(a (g + dt_bias))
+            if GATE == 3 and FULL:                                          # lower_bound sigmoid(a (g + dt_bias))
+                if FROM_X:
+                    x = (LOG2E * lower_bound) * _rcp_approx(1.0 + gl.exp2(-LOG2E * a_h * x))
+                else:
+                    x = (LOG2E * lower_bound) / (1.0 + gl.exp2(-LOG2E * a_h * x))
+            elif GATE == 3 and FROM_X:
                 x = gl.where(valid, (LOG2E * lower_bound) * _rcp_approx(1.0 + gl.exp2(-LOG2E * a_h * x)), 0.0)
             elif GATE == 3:
                 x = gl.where(valid, (LOG2E * lower_bound) / (1.0 + gl.exp2(-LOG2E * a_h * x)), 0.0)
@@ -336,7 +354,10 @@ def _kda_prologue_sm90_kernel(
             R = kb * gl.exp2(gl.expand_dims(0.5 * s, 1) - L)                # k 2^(M_b - G)
             f_s.store(gl.reshape(gl.permute(R, (0, 2, 1)), [4 * BC, 16]).to(gl.bfloat16))
             out = gate_base + t * (HV * K) + o_k
-            gl.store(kd + out, (R * gl.expand_dims(gl.exp2(c_last - mid), 1)).to(kd.dtype.element_ty), mask=valid)
+            if FULL:                            # (not _store_rows: that reorders the default build's SASS)
+                gl.store(kd + out, (R * gl.expand_dims(gl.exp2(c_last - mid), 1)).to(kd.dtype.element_ty))
+            else:
+                gl.store(kd + out, (R * gl.expand_dims(gl.exp2(c_last - mid), 1)).to(kd.dtype.element_ty), mask=valid)
             if not FROM_X:
                 e_half = gl.expand_dims(gl.exp2(0.5 * s), 1)                # 2^(M_b - c_(b-1)) in [2^-100, 1]
                 X = kmid * e_half                                           # k 2^(G - c_(b-1)) <= |k|
@@ -357,8 +378,8 @@ def _kda_prologue_sm90_kernel(
             # the gated keys and queries from the chunk's start (while the products run)
             e_start = gl.expand_dims(gl.exp2(start), 1)                     # 2^(c_(b-1)) <= 1
             if DELTA:
-                gl.store(kg + out, (X * e_start).to(kg.dtype.element_ty), mask=valid)
-            gl.store(qg + out, (Q * e_start).to(qg.dtype.element_ty), mask=valid)
+                _store_rows(kg + out, (X * e_start).to(kg.dtype.element_ty), valid, FULL)
+            _store_rows(qg + out, (Q * e_start).to(qg.dtype.element_ty), valid, FULL)
             o_d = (i_c * HV + i_hv) * K + ks * BC + gl.arange(0, BC, layout=gl.SliceLayout(0, L_bc))
             gl.store(decay + o_d, gl.exp2(gl.sum(s, 0)))                    # replicated over warps: same value
             if DELTA:
@@ -376,10 +397,10 @@ def _kda_prologue_sm90_kernel(
         else:
             beta_r = gl.where(valid_r, 0.0, 0.0)                           # (no A)
         row_off = (beta_base + r * HV) * 64
-        _store_columns(a_kk, a_qk, row_off, r, valid_r, beta_r, 0, k0, q0, cols_l, DELTA)
-        _store_columns(a_kk, a_qk, row_off, r, valid_r, beta_r, 1, k1, q1, cols_l, DELTA)
-        _store_columns(a_kk, a_qk, row_off, r, valid_r, beta_r, 2, k2, q2, cols_l, DELTA)
-        _store_columns(a_kk, a_qk, row_off, r, valid_r, beta_r, 3, k3, q3, cols_l, DELTA)
+        _store_columns(a_kk, a_qk, row_off, r, valid_r, beta_r, 0, k0, q0, cols_l, DELTA, FULL)
+        _store_columns(a_kk, a_qk, row_off, r, valid_r, beta_r, 1, k1, q1, cols_l, DELTA, FULL)
+        _store_columns(a_kk, a_qk, row_off, r, valid_r, beta_r, 2, k2, q2, cols_l, DELTA, FULL)
+        _store_columns(a_kk, a_qk, row_off, r, valid_r, beta_r, 3, k3, q3, cols_l, DELTA, FULL)
         if FLAG:                                                            # bit b: block b too wide; all if rising
             bit = 1 << gl.arange(0, 4, layout=gl.SliceLayout(1, L_bc))
             widest = gl.max(wide, 1)                                        # [4]
@@ -418,6 +439,10 @@ PROGRAMS_PER_SM = 2
 # GPU tests (`-k bounded_operands`) and sweep (`kda_prefill_sweep.py --tier gluon --variants
 # no-from-x,from-x`) have run
 BOUNDED_OPERANDS = False
+# A dense batch with T a multiple of 64 (every chunk whole) without row masks on the gate's activation
+# and the stores (FULL): the slice loop's masked stores recompute a predicate a row at each store.
+# Off until its GPU tests (`-k full_chunks`) and sweep (`--variants from-x,from-x-full`) have run
+FULL_CHUNKS = False
 
 
 def serves(p) -> str | None:
@@ -462,7 +487,8 @@ def launch(p, beta, beta_mode: int, total: int, tables, inverse, scores, kg, kd,
         total, H=p.H, HV=p.HV, K=p.K, L2NORM=p.use_qk_l2norm, GATE=chunk_prepare_kda.gate_mode(p),
         HAS_A=p.A_log is not None, HAS_BIAS=p.dt_bias is not None, BETA=beta_mode, VARLEN=varlen, FLAG=flag,
         QK_BUFFERS=2 if p.gk.dtype == torch.bfloat16 else 1, DELTA=p.delta,
-        FROM_X=BOUNDED_OPERANDS and not flag and p.use_qk_l2norm, num_warps=4, **({"maxnreg": MAXNREG} if MAXNREG and p.K == 128 else {}),
+        FROM_X=BOUNDED_OPERANDS and not flag and p.use_qk_l2norm, FULL=FULL_CHUNKS and not varlen and p.T % 64 == 0,
+        num_warps=4, **({"maxnreg": MAXNREG} if MAXNREG and p.K == 128 else {}),
     )
     if flag:                                                # the flagged blocks again, exactly
         chunk_prepare_kda_wide.launch(p, beta, beta_mode, total, tables, a_kk, scores, kg, kd, qg, flags)
