@@ -26,6 +26,8 @@
 #   bash benchmarks/gpu_checks.sh graph-eager  # why big rows' graph times exceed their eager ones: five
 #                                              # timings, SM clock and power (benchmarks/graph_vs_eager.py; ~3 min)
 #   bash benchmarks/gpu_checks.sh kda-rows     # the registry's eight KDA rows (the README table; ~5 min)
+#   bash benchmarks/gpu_checks.sh table-rows   # pipeline-rows, then the KDA rows not rerun since v16, in
+#                                              # one call (~9.5 min; what fits, largest expected change first)
 #   bash benchmarks/gpu_checks.sh pipeline-rows # the GDN rows the pipeline (v27), the state-in-registers
 #                                              # scan and the varlen split (v28) took since the H200
 #                                              # table's runs (~4.5 min)
@@ -154,6 +156,20 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
     ;;
   kda-rows)
     timeout 560 python3 -m fastla bench --filter kda/ --modes fwd --quick --no-cold --out "$out" 2>&1 | tail -12
+    ;;
+  table-rows)
+    # pipeline-rows and kda-rows in one call, the rows whose H100 runs moved most first; each group
+    # stops when the call's ten minutes would; records are saved a row at a time
+    start=$(date +%s)
+    rows() {
+      local left=$(( 570 - ($(date +%s) - start) ))
+      [ "$left" -gt 30 ] || return 0
+      timeout "$left" python3 -m fastla bench --filter "$1" --modes fwd --quick --no-cold --out "$out" 2>&1 | tail -7
+      echo "-- $(( $(date +%s) - start )) s"
+    }
+    rows gdn/h16-hv32/1x32768,gdn/h8-hv32/1x32768,gdn/h8-hv32/varlen9x16384,gdn/h2-hv8/varlen9x16384,gdn/h16-hv32/1x8192
+    rows gdn/h8-hv32/1x8192,gdn/h16-hv32/varlen9x16384,gdn/h4-hv16/varlen9x16384,gdn/h16-hv64/1x8192,gdn/h4-hv16/4x8192
+    rows kda/h64/1x16384,kda/h96/1x16384,kda/h96/2x16384,kda/h96/varlen8x15193,kda/h64/varlen8x15193
     ;;
   pipeline-rows)
     timeout 560 python3 -m fastla bench --filter gdn/h16-hv32/1x8192,gdn/h16-hv32/1x32768,gdn/h8-hv32/1x8192,gdn/h8-hv32/1x32768,gdn/h16-hv64/1x8192,gdn/h16-hv32/varlen9x16384,gdn/h8-hv32/varlen9x16384,gdn/h4-hv16/varlen9x16384,gdn/h4-hv16/4x8192,gdn/h2-hv8/varlen9x16384 \
