@@ -318,15 +318,13 @@ def _kda_prologue_sm90_kernel(
                        gl.where(same, ks + 2, ks + 2 - NS), same or has_next, K)
             if HAS_BIAS and GATE != 0:
                 x = x + gl.load(dt_bias + i_hv * K + o_k).to(gl.float32)
-            if GATE == 3 and FULL:                                          # lower_bound sigmoid(a (g + dt_bias))
+            if GATE == 3:                                                   # lower_bound sigmoid(a (g + dt_bias))
                 if FROM_X:
                     x = (LOG2E * lower_bound) * _rcp_approx(1.0 + gl.exp2(-LOG2E * a_h * x))
                 else:
                     x = (LOG2E * lower_bound) / (1.0 + gl.exp2(-LOG2E * a_h * x))
-            elif GATE == 3 and FROM_X:
-                x = gl.where(valid, (LOG2E * lower_bound) * _rcp_approx(1.0 + gl.exp2(-LOG2E * a_h * x)), 0.0)
-            elif GATE == 3:
-                x = gl.where(valid, (LOG2E * lower_bound) / (1.0 + gl.exp2(-LOG2E * a_h * x)), 0.0)
+                if not FULL:
+                    x = gl.where(valid, x, 0.0)
             elif GATE == 2:                                                 # -a softplus(g + dt_bias)
                 x = gl.where(valid, -a_h * gl.where(x > 20.0, LOG2E * x, _log2_approx(1.0 + gl.exp2(LOG2E * x))),
                              0.0)
