@@ -73,6 +73,8 @@ VARIANTS = {
     "no-from-x": dict(bounded_operands=False),
     "full": dict(bounded_operands=False, full_chunks=True),   # whole chunks without row masks (FULL_CHUNKS)
     "from-x-full": dict(bounded_operands=True, full_chunks=True),
+    "few-barriers": dict(bounded_operands=False, full_chunks=False, fewer_barriers=True),   # FEWER_BARRIERS
+    "from-x-full-few": dict(bounded_operands=True, full_chunks=True, fewer_barriers=True),
 }
 SHAPES = "kda/h64/1x8192,kda/h64/2x16384,kda/h96/varlen8x15193"
 
@@ -111,6 +113,7 @@ def main() -> int:
     default_inverse = sm90_prologue.INVERSE_SM90
     default_from_x = sm90_prologue.BOUNDED_OPERANDS
     default_full = sm90_prologue.FULL_CHUNKS
+    default_few = sm90_prologue.FEWER_BARRIERS
     default_wide = wide.BLOCK_K, wide.WARPS, wide.STAGES
     default_dual = gluon_chunk.SCAN_DUAL
     default_regs = gluon_chunk.SCAN_REGS
@@ -131,6 +134,7 @@ def main() -> int:
             sm90_prologue.PROGRAMS_PER_SM = over.pop("sm90_programs_per_sm", default_programs)
             sm90_prologue.BOUNDED_OPERANDS = over.pop("bounded_operands", default_from_x)
             sm90_prologue.FULL_CHUNKS = over.pop("full_chunks", default_full)
+            sm90_prologue.FEWER_BARRIERS = over.pop("fewer_barriers", default_few)
             wide.BLOCK_K, wide.WARPS, wide.STAGES = over.pop("wide", default_wide)
             gluon_chunk.SCAN_DUAL = over.pop("scan_dual", default_dual)
             gluon_chunk.SCAN_BLOCK_V = over.pop("scan_bv", None)
@@ -155,7 +159,7 @@ def main() -> int:
                 sm90_prologue.UNBOUNDED = default_unbounded
                 sm90_prologue.PROGRAMS_PER_SM = default_programs
                 sm90_prologue.INVERSE_SM90, sm90_prologue.BOUNDED_OPERANDS = default_inverse, default_from_x
-                sm90_prologue.FULL_CHUNKS = default_full
+                sm90_prologue.FULL_CHUNKS, sm90_prologue.FEWER_BARRIERS = default_full, default_few
                 wide.BLOCK_K, wide.WARPS, wide.STAGES = default_wide
                 gluon_chunk.SCAN_DUAL, gluon_chunk.SCAN_BLOCK_V = default_dual, None
                 gluon_chunk.LONGEST_FIRST = True

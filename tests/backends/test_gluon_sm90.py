@@ -539,6 +539,12 @@ KDA_PROLOGUE_VARIANTS = {
     # whole chunks without row masks (chunk_prepare_kda_sm90.FULL_CHUNKS), with each form of operands
     "kda-prologue-full": dict(FULL=True),
     "kda-prologue-from-x-full": dict(FROM_X=True, FULL=True),
+    # fewer barriers in the slice loop (chunk_prepare_kda_sm90.FEWER_BARRIERS): on the default build, on
+    # FROM_X and FULL, on a varlen K = 64 build and the softplus gate's flags
+    "kda-prologue-few-barriers": dict(FEW_BARRIERS=True),
+    "kda-prologue-from-x-full-few-barriers": dict(FROM_X=True, FULL=True, FEW_BARRIERS=True),
+    "kda-prologue-varlen-k64-few-barriers": dict(VARLEN=True, K=64, FEW_BARRIERS=True),
+    "kda-prologue-softplus-gate-few-barriers": dict(GATE=2, FLAG=True, FEW_BARRIERS=True),
     # unbounded gates with the block flags: given (bf16 and fp32) and softplus
     "kda-prologue-given-gate": dict(GATE=0, HAS_A=False, HAS_BIAS=False, FLAG=True),
     "kda-prologue-given-fp32-gate": dict(GATE=0, HAS_A=False, HAS_BIAS=False, FLAG=True, GATE_FP32=True),
@@ -554,7 +560,8 @@ KDA_PROLOGUE_VARIANTS = {
 KDA_PROLOGUE_STACK = {"kda-prologue": 16, "kda-prologue-k64": 120, "kda-prologue-from-x-varlen-k64": 8,
                       "kda-prologue-given-gate": 40, "kda-prologue-given-fp32-gate": 168,
                       "kda-prologue-softplus-gate": 56,
-                      "kda-prologue-wide-bounded-neg-eigval": 56}
+                      "kda-prologue-wide-bounded-neg-eigval": 56, "kda-prologue-few-barriers": 24,
+                      "kda-prologue-varlen-k64-few-barriers": 48, "kda-prologue-softplus-gate-few-barriers": 48}
 
 
 def _child_kda_prologue(name: str, folder: str) -> None:
@@ -564,7 +571,7 @@ def _child_kda_prologue(name: str, folder: str) -> None:
     from fastla.backends.gluon.chunk_prepare_kda_sm90 import _kda_prologue_sm90_kernel as kern
 
     consts = dict(H=32, HV=64, K=128, L2NORM=True, GATE=3, HAS_A=True, HAS_BIAS=True, BETA=2, VARLEN=False,
-                  FLAG=False, DELTA=True, FROM_X=False, FULL=False)
+                  FLAG=False, DELTA=True, FROM_X=False, FULL=False, FEW_BARRIERS=False)
     consts.update(KDA_PROLOGUE_VARIANTS[name])
     gate_fp32 = consts.pop("GATE_FP32", False)
     consts["QK_BUFFERS"] = 1 if gate_fp32 else 2                           # as launch()

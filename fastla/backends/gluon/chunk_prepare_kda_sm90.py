@@ -81,6 +81,28 @@ def _add(a, b):
 
 
 @gluon.jit
+def _operand_tiles(layout: gl.constexpr, SEPARATE: gl.constexpr):
+    """Four [32, 64] bf16 tiles (one per column block) as a tuple: SEPARATE, four allocations;
+    else views of one. Triton's barrier analysis does not tell a buffer's views apart: one
+    allocation puts a barrier between the stores of consecutive column blocks (three a slice)."""
+    if SEPARATE:
+        return (gl.allocate_shared_memory(gl.bfloat16, [BC, 64], layout),
+                gl.allocate_shared_memory(gl.bfloat16, [BC, 64], layout),
+                gl.allocate_shared_memory(gl.bfloat16, [BC, 64], layout),
+                gl.allocate_shared_memory(gl.bfloat16, [BC, 64], layout))
+    else:
+        tiles = gl.allocate_shared_memory(gl.bfloat16, [4, BC, 64], layout)
+        return tiles.index(0), tiles.index(1), tiles.index(2), tiles.index(3)
+
+
+@gluon.jit
+def _pick(x, ic, c: gl.constexpr, layout: gl.constexpr):
+    """Column block c of ``x`` [1, 4, 32] (the blocks in each thread's registers: no instruction)
+    as [1, 32] in ``layout``."""
+    return gl.convert_layout(gl.sum(gl.where(ic == c, x, 0.0), 1), layout)
+
+
+@gluon.jit
 def _log2_approx(x):
     """log2 on MUFU.LG2 (lg2.approx, ~2^-22 relative error); gl.log2 compiles to libdevice's
     polynomial, ~70 instructions an element."""
@@ -136,9 +158,9 @@ def _column_operands(x_s, q_s, c: gl.constexpr, on_c, kmid, qmid, X, Q, below, D
     f = gl.expand_dims(below, 1)
     if DELTA:
         left = X * f if FROM_X else gl.where(on_c, kmid, X * f)
-        x_s.index(c).store(gl.permute(gl.reshape(left, [64, BC]), (1, 0)).to(gl.bfloat16))
+        x_s[c].store(gl.permute(gl.reshape(left, [64, BC]), (1, 0)).to(gl.bfloat16))
     left = Q * f if FROM_X else gl.where(on_c, qmid, Q * f)
-    q_s.index(c).store(gl.permute(gl.reshape(left, [64, BC]), (1, 0)).to(gl.bfloat16))
+    q_s[c].store(gl.permute(gl.reshape(left, [64, BC]), (1, 0)).to(gl.bfloat16))
 
 
 @gluon.jit
@@ -147,8 +169,8 @@ def _products(x_s, q_s, f_s, c: gl.constexpr, akk, aqk, DELTA: gl.constexpr):
     (not DELTA, GLA: Aqk's only)."""
     rT = f_s.slice(c * BC, BC, dim=0)                                       # R_c^T [32 channels, 16 columns]
     if DELTA:
-        akk = warpgroup_mma(x_s.index(c).permute((1, 0)), rT, akk, is_async=True)
-    aqk = warpgroup_mma(q_s.index(c).permute((1, 0)), rT, aqk, is_async=True)
+        akk = warpgroup_mma(x_s[c].permute((1, 0)), rT, akk, is_async=True)
+    aqk = warpgroup_mma(q_s[c].permute((1, 0)), rT, aqk, is_async=True)
     return akk, aqk
 
 
@@ -212,6 +234,7 @@ def _kda_prologue_sm90_kernel(
     H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, L2NORM: gl.constexpr, GATE: gl.constexpr,
     HAS_A: gl.constexpr, HAS_BIAS: gl.constexpr, BETA: gl.constexpr, VARLEN: gl.constexpr, FLAG: gl.constexpr,
     QK_BUFFERS: gl.constexpr, DELTA: gl.constexpr, FROM_X: gl.constexpr, FULL: gl.constexpr,
+    FEW_BARRIERS: gl.constexpr,
 ):
     """Persistent: program p takes items p, p + programs, ... (``total`` chunks x HV value heads,
     chunks fastest). GATE as recurrent.py numbers it: 3 the bounded gate in the op; 2
@@ -236,6 +259,9 @@ def _kda_prologue_sm90_kernel(
     L_bc: gl.constexpr = gl.SliceLayout(1, L3)                              # [4, 32] (block, channel)
     B2: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0])    # the same, as a blocked layout (scans)
     MR: gl.constexpr = gl.BlockedLayout([4, 1], [1, 32], [1, 4], [1, 0])    # [4, 32], all four blocks in each thread
+    # [4, 4, 32] (row block b, column block c, channel): every block's sums in each thread (FEW_BARRIERS)
+    L4: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4, 1], threads_per_warp=[1, 1, 32],
+                                        warps_per_cta=[4, 1, 1], order=[2, 1, 0])
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16])
     x_tile: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     f_tile: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2)
@@ -247,7 +273,10 @@ def _kda_prologue_sm90_kernel(
     o_c = gl.arange(0, BC, layout=gl.SliceLayout(0, L_bc))[None, None, :]  # [1, 1, 32]
     t = ib3 * 16 + ir3                                                      # [4, 16, 1] chunk rows
     ib = gl.arange(0, 4, layout=gl.SliceLayout(1, L_bc))[:, None]           # [4, 1] block of a [4, 32]
+    o_c2 = gl.arange(0, BC, layout=gl.SliceLayout(0, L_bc))[None, :]       # [1, 32]
     im = gl.arange(0, 4, layout=gl.SliceLayout(1, MR))[:, None]             # the same in MR
+    ib4 = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, L4)))[:, None, None]    # [4, 1, 1] in L4
+    ic4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, L4)))[None, :, None]    # [1, 4, 1]
     r = gl.arange(0, 64, layout=rows_l)
     items = total * HV
     programs = gl.num_programs(0)
@@ -263,9 +292,11 @@ def _kda_prologue_sm90_kernel(
         mbarrier.init(qk_bar.index(i), count=1)
     for i in gl.static_range(2):
         mbarrier.init(g_bar.index(i), count=1)
-    x_s = gl.allocate_shared_memory(gl.bfloat16, [4, BC, 64], x_tile)     # left operands (k) per column block
-    q_s = gl.allocate_shared_memory(gl.bfloat16, [4, BC, 64], x_tile)     # left operands (q)
+    x_s = _operand_tiles(x_tile, FEW_BARRIERS)                             # left operands (k) per column block
+    q_s = _operand_tiles(x_tile, FEW_BARRIERS)                             # left operands (q)
     f_s = gl.allocate_shared_memory(gl.bfloat16, [4 * BC, 16], f_tile)    # R_c^T in rows 32c .. 32c + 31
+    if FEW_BARRIERS:                                                        # the blocks' sums [4, 32] of a slice
+        sums_s = gl.allocate_shared_memory(gl.float32, [4, BC], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
     fence_async_shared()
 
     j0 = gl.program_id(0)
@@ -334,10 +365,19 @@ def _kda_prologue_sm90_kernel(
             s = gl.sum(x, 1)                                                # [4, 32] block sums (-span)
             if FLAG:                                                        # in-thread maxima (reduced at the end)
                 wide = gl.maximum(wide, gl.where(gl.max(x, 1) > RISE_TOLERANCE, RISING, -s))
-            end = gl.convert_layout(gl.associative_scan(gl.convert_layout(s, B2), 0, _add), L_bc)   # c_b
-            mid = end - 0.5 * s                                             # M_b, the block's midpoint
-            mids = gl.convert_layout(mid, MR)                               # every block's M in each thread
-            c_last = gl.sum(s, 0)[None, :]                                  # G_last
+            if FEW_BARRIERS:                    # the sums through shared memory (one barrier), scanned in each thread
+                sums_s.store(s)
+                s_all = gl.expand_dims(sums_s.load(gl.SliceLayout(0, L4)), 0)     # [1, 4, 32] every block's sum
+                ends = gl.associative_scan(s_all, 1, _add)                  # c_c
+                mids = ends - 0.5 * s_all                                   # M_c
+                end = gl.convert_layout(gl.sum(gl.where(ic4 == ib4, ends, 0.0), 1), L_bc)   # [4, 32] c_b
+                mid = end - 0.5 * s                                         # M_b, the block's midpoint
+                c_last = _pick(ends, ic4, 3, L_bc)                          # [1, 32] G_last
+            else:                               # (converts across warps: six barriers)
+                end = gl.convert_layout(gl.associative_scan(gl.convert_layout(s, B2), 0, _add), L_bc)   # c_b
+                mid = end - 0.5 * s                                         # M_b, the block's midpoint
+                mids = gl.convert_layout(mid, MR)                           # every block's M in each thread
+                c_last = gl.sum(s, 0)[None, :]                              # G_last
             kb = _slice(k_in, buf * NS + ks, valid, L3, not FROM_X) * rk
             qb = _slice(q_in, buf * NS + ks, valid, L3, not FROM_X) * rq
             if FROM_X:                                                      # (2^L >= 2^-span: normal in fp32)
@@ -362,7 +402,10 @@ def _kda_prologue_sm90_kernel(
                 Q = qmid * e_half
             start = end - s                                                 # c_(b-1)
             for cb in gl.static_range(4):
-                mid_c = gl.convert_layout(gl.sum(gl.where(im == cb, mids, 0.0), 0), gl.SliceLayout(0, L_bc))[None, :]
+                if FEW_BARRIERS:
+                    mid_c = _pick(mids, ic4, cb, L_bc)                      # [1, 32]
+                else:
+                    mid_c = gl.convert_layout(gl.sum(gl.where(im == cb, mids, 0.0), 0), gl.SliceLayout(0, L_bc))[None, :]
                 if FROM_X:                                                  # (block cb's own rows: 2^(span / 2))
                     below = gl.where(ib >= cb, gl.exp2(start - mid_c), 0.0)
                 else:
@@ -378,8 +421,11 @@ def _kda_prologue_sm90_kernel(
             if DELTA:
                 _store_rows(kg + out, (X * e_start).to(kg.dtype.element_ty), valid, FULL)
             _store_rows(qg + out, (Q * e_start).to(qg.dtype.element_ty), valid, FULL)
-            o_d = (i_c * HV + i_hv) * K + ks * BC + gl.arange(0, BC, layout=gl.SliceLayout(0, L_bc))
-            gl.store(decay + o_d, gl.exp2(gl.sum(s, 0)))                    # replicated over warps: same value
+            if FEW_BARRIERS:                    # (the same values from every warp)
+                gl.store(decay + (i_c * HV + i_hv) * K + ks * BC + o_c2, gl.exp2(c_last))
+            else:
+                o_d = (i_c * HV + i_hv) * K + ks * BC + gl.arange(0, BC, layout=gl.SliceLayout(0, L_bc))
+                gl.store(decay + o_d, gl.exp2(gl.sum(s, 0)))                # replicated over warps: same value
             if DELTA:
                 k0, k1, k2, k3, q0, q1, q2, q3 = warpgroup_mma_wait(num_outstanding=0,
                                                                     deps=(k0, k1, k2, k3, q0, q1, q2, q3))
@@ -441,6 +487,12 @@ BOUNDED_OPERANDS = False
 # and the stores (FULL): the slice loop's masked stores recompute a predicate a row at each store.
 # Off until its GPU tests (`-k full_chunks`) and sweep (`--variants from-x,from-x-full`) have run
 FULL_CHUNKS = False
+# Fewer barriers in the slice loop (FEW_BARRIERS): the column blocks' operand tiles as separate
+# allocations (one allocation's views put a barrier between consecutive blocks' stores), and the
+# blocks' sums exchanged once through shared memory and scanned in each thread (the converts
+# across warps took six barriers): the sm_90 slice loop 14 -> 4 barriers, the same instructions
+# (docs/notes/kda-prefill.md v21). Off until its GPU tests (`-k few_barriers`) and sweep have run
+FEWER_BARRIERS = False
 
 
 def serves(p) -> str | None:
@@ -486,6 +538,7 @@ def launch(p, beta, beta_mode: int, total: int, tables, inverse, scores, kg, kd,
         HAS_A=p.A_log is not None, HAS_BIAS=p.dt_bias is not None, BETA=beta_mode, VARLEN=varlen, FLAG=flag,
         QK_BUFFERS=2 if p.gk.dtype == torch.bfloat16 else 1, DELTA=p.delta,
         FROM_X=BOUNDED_OPERANDS and not flag and p.use_qk_l2norm, FULL=FULL_CHUNKS and not varlen and p.T % 64 == 0,
+        FEW_BARRIERS=FEWER_BARRIERS,
         num_warps=4, **({"maxnreg": MAXNREG} if MAXNREG and p.K == 128 else {}),
     )
     if flag:                                                # the flagged blocks again, exactly
