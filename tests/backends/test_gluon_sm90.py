@@ -552,6 +552,8 @@ KDA_PROLOGUE_VARIANTS = {
     "kda-prologue-wide-bounded-neg-eigval": dict(FLAG=True, BETA=3),
     # GLA (the plain rule, DELTA False): its given gate, no l2norm, no A nor kg
     "gla-prologue": dict(GATE=0, HAS_A=False, HAS_BIAS=False, FLAG=True, L2NORM=False, BETA=1, DELTA=False, H=64),
+    "gla-prologue-few-barriers": dict(GATE=0, HAS_A=False, HAS_BIAS=False, FLAG=True, L2NORM=False, BETA=1, DELTA=False,
+                                      H=64, FEW_BARRIERS=True),
 }
 # Spills known and left (sm_90 compile): every build sits at 255 registers; the persistent loop (the
 # next item's coordinates live across the slices) spills 16 bytes on the default build, 40-56 with
