@@ -5,7 +5,9 @@ import torch
 
 from fastla.ops.gated_delta_rule import chunk_gated_delta_rule, naive_recurrent_gated_delta_rule
 from fastla.ops.kda import chunk_kda, naive_recurrent_kda
-from fastla.ops.simple_gla import chunk_simple_gla, naive_recurrent_simple_gla
+from fastla.ops.simple_gla import (
+    chunk_simple_gla, fused_chunk_simple_gla, naive_recurrent_simple_gla, parallel_simple_gla,
+)
 from tests.helpers import OPS, as_leaves, assert_close, call_chunk, call_reference, make_inputs
 from tests.ops.test_chunk_vs_reference import check_against_reference
 
@@ -130,6 +132,64 @@ def test_simple_gla_no_decay_is_linear_attention():
     scores = torch.einsum("bihk,bjhk->bhij", q, k).tril()
     expect = torch.einsum("bhij,bjhv->bihv", scores, v)
     assert_close("o", o, expect, 1e-5)
+
+
+def test_fused_chunk_simple_gla_is_chunk_simple_gla():
+    """FLA's second chunked entry point: its positional order (cu_seqlens ninth), against fp64."""
+    t = make_inputs(OPS["simple_gla"], B=1, T=150, H=3)
+    q, k, v, g, h0 = (t[n] for n in ("q", "k", "v", "g", "initial_state"))
+    h0 = torch.cat([h0, h0.flip(-1)])
+    cu = torch.tensor([0, 40, 150])
+    o, ht = fused_chunk_simple_gla(q, k, v, g, None, 0.3, h0, True, cu)
+    ro, rht = naive_recurrent_simple_gla(q, k, v, g=g, scale=0.3, initial_state=h0, output_final_state=True,
+                                         cu_seqlens=cu)
+    assert_close("o", o, ro, 2e-5)
+    assert_close("ht", ht, rht, 2e-5)
+
+
+def _decayed_scores(q, k, g, scale, cu):
+    """attn [B, H, T, T] in fp64 from its definition, entry by entry over the sequences."""
+    B, T, H, _ = q.shape
+    G = g.double().cumsum(1)
+    attn = torch.zeros(B, H, T, T, dtype=torch.float64)
+    bounds = list(zip(cu[:-1], cu[1:])) if cu is not None else [(0, T)]
+    for s0, s1 in bounds:
+        for i in range(s0, s1):
+            for j in range(s0, i + 1):
+                dot = (q[:, i].double() * k[:, j].double()).sum(-1)                 # [B, H]
+                attn[:, :, i, j] = scale * dot * torch.exp(G[:, i] - G[:, j])
+    return attn
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_parallel_simple_gla(varlen, monkeypatch):
+    """Output against fp64 (no initial state), the scores against their definition (rows in blocks
+    of 16 here, so block edges and a reference row inside a sequence are crossed), and the output's
+    gradient reaching q, k, v and g."""
+    from fastla.ops.simple_gla import parallel
+    monkeypatch.setattr(parallel, "ROWS", 16)
+    t = make_inputs(OPS["simple_gla"], B=1 if varlen else 2, T=70, H=2, strength=3.0)
+    q, k, v, g = (t[n].requires_grad_() for n in ("q", "k", "v", "g"))
+    cu = torch.tensor([0, 23, 24, 70]) if varlen else None
+    o, attn = parallel_simple_gla(q, k, v, g, scale=0.5, output_attentions=True, cu_seqlens=cu)
+    ro, _ = naive_recurrent_simple_gla(q, k, v, g=g, scale=0.5, cu_seqlens=cu)
+    assert_close("o", o, ro, 2e-5)
+    assert attn.shape == (q.shape[0], 2, 70, 70) and attn.dtype == q.dtype
+    assert_close("attn", attn, _decayed_scores(q.detach(), k.detach(), g.detach(), 0.5,
+                                               cu.tolist() if varlen else None), 2e-6)
+    o2, none = parallel_simple_gla(q, k, v, g, scale=0.5, cu_seqlens=cu)
+    assert none is None and torch.equal(o2, o)
+    o.square().sum().backward()
+    assert all(x.grad is not None and torch.isfinite(x.grad).all() for x in (q, k, v, g))
+
+
+def test_parallel_simple_gla_validates():
+    t = make_inputs(OPS["simple_gla"], B=1, T=8, H=1)
+    with pytest.raises(ValueError, match="output_attentions"):
+        parallel_simple_gla(t["q"], t["k"], t["v"], t["g"], output_attentions=1)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        parallel_simple_gla(t["q"].expand(2, -1, -1, -1), t["k"].expand(2, -1, -1, -1),
+                            t["v"].expand(2, -1, -1, -1), cu_seqlens=torch.tensor([0, 8]))
 
 
 def test_transpose_state_layout_alias_warns():

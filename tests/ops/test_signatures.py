@@ -12,7 +12,7 @@ PUBLIC = {
                          "chunk_gdn", "fused_recurrent_gdn"],
     "kda": ["chunk_kda", "fused_recurrent_kda"],
     "gla": ["chunk_gla", "fused_recurrent_gla"],
-    "simple_gla": ["chunk_simple_gla", "fused_recurrent_simple_gla"],
+    "simple_gla": ["chunk_simple_gla", "fused_recurrent_simple_gla", "fused_chunk_simple_gla", "parallel_simple_gla"],
     "lightning_attn": ["chunk_lightning_attn", "fused_recurrent_lightning_attn"],
 }
 # keywords FLA 0.6.0 reads from **kwargs in these functions
@@ -56,3 +56,24 @@ def test_module_exports(module):
     ours = importlib.import_module(f"fastla.ops.{module}")
     for name in PUBLIC[module]:
         assert callable(getattr(ours, name))
+
+
+def test_fused_chunk_gla_raises_as_fla():
+    """FLA 0.6.0 keeps ``fused_chunk_gla`` for imports and raises NotImplementedError (use chunk_gla)."""
+    _fla()
+    from fla.ops.gla import fused_chunk_gla as fla_fn
+
+    from fastla.ops.gla import fused_chunk_gla
+    for fn in (fla_fn, fused_chunk_gla):
+        with pytest.raises(NotImplementedError, match="chunk_gla"):
+            fn(q=None)
+
+
+def test_top_level_exports_match_fla():
+    """``fastla.ops`` exports FLA's top-level names for the ops it implements."""
+    fla_ops = _fla()
+    import fastla.ops
+    ours = set(fastla.ops.__all__)
+    modules = ("gated_delta_rule", "kda", "gla", "simple_gla", "lightning_attn")
+    theirs = {n for n in fla_ops.__all__ if getattr(fla_ops, n).__module__.split(".")[2] in modules}
+    assert theirs <= ours, sorted(theirs - ours)
