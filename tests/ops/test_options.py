@@ -3,7 +3,9 @@ and the chunk sizes, each against the fp64 reference."""
 import pytest
 import torch
 
-from fastla.ops.gated_delta_rule import chunk_gated_delta_rule, naive_recurrent_gated_delta_rule
+from fastla.ops.gated_delta_rule import (
+    chunk_gated_delta_rule, naive_chunk_gated_delta_rule, naive_recurrent_gated_delta_rule,
+)
 from fastla.ops.kda import chunk_kda, naive_recurrent_kda
 from fastla.ops.simple_gla import (
     chunk_simple_gla, fused_chunk_simple_gla, naive_recurrent_simple_gla, parallel_simple_gla,
@@ -132,6 +134,22 @@ def test_simple_gla_no_decay_is_linear_attention():
     scores = torch.einsum("bihk,bjhk->bhij", q, k).tril()
     expect = torch.einsum("bhij,bjhv->bihv", scores, v)
     assert_close("o", o, expect, 1e-5)
+
+
+@pytest.mark.parametrize("chunk_size", [16, 64])
+def test_naive_chunk_gated_delta_rule(chunk_size):
+    """FLA's chunked GDN reference with FLA's positional calls (g before beta in the chunked one,
+    beta before g in the recurrent one): fp32 against the fp64 recurrence."""
+    t = make_inputs(OPS["gdn"], B=2, T=90, H=2)
+    q, k, v, g, beta, h0 = (t[n] for n in ("q", "k", "v", "g", "beta", "initial_state"))
+    o, ht = naive_chunk_gated_delta_rule(q, k, v, g, beta, chunk_size, 0.4, h0, True)
+    ro, rht = naive_recurrent_gated_delta_rule(q, k, v, beta, g, 0.4, h0, True)
+    assert o.dtype == ht.dtype == torch.float32 and ro.dtype == torch.float64
+    assert_close("o", o, ro, 2e-5)
+    assert_close("ht", ht, rht, 2e-5)
+    assert naive_chunk_gated_delta_rule(q, k, v, g, beta)[1] is None
+    with pytest.raises(ValueError, match="chunk_size"):
+        naive_chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=48)
 
 
 def test_fused_chunk_simple_gla_is_chunk_simple_gla():

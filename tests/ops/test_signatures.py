@@ -77,3 +77,14 @@ def test_top_level_exports_match_fla():
     modules = ("gated_delta_rule", "kda", "gla", "simple_gla", "lightning_attn")
     theirs = {n for n in fla_ops.__all__ if getattr(fla_ops, n).__module__.split(".")[2] in modules}
     assert theirs <= ours, sorted(theirs - ours)
+
+
+@pytest.mark.parametrize("name", ["naive_recurrent_gated_delta_rule", "naive_chunk_gated_delta_rule"])
+def test_gdn_references_take_fla_positions(name):
+    """FLA exports two GDN references: our parameters start with theirs, in their order (g and beta
+    stay optional on the recurrent one: it also takes gk / gv)."""
+    _fla()
+    fla_fn = getattr(importlib.import_module("fla.ops.gated_delta_rule"), name)
+    ours_fn = getattr(importlib.import_module("fastla.ops.gated_delta_rule"), name)
+    theirs = list(inspect.signature(fla_fn).parameters)
+    assert list(inspect.signature(ours_fn).parameters)[:len(theirs)] == theirs
