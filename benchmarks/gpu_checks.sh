@@ -141,6 +141,7 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
     # and GDN's inverse with ex2.approx.ftz and its merges' operands converted once (docs/notes/
     # gdn-prefill.md v30): its parity tests and sweep
     t 240 tests/ops/test_gluon_chunk_kda.py -k "bounded_operands or matches_triton or full_chunks or few_barriers"
+    t 120 tests/ops/test_triton_chunk_plain.py -k few_barriers
     n=1 t 240 tests/ops/test_gluon_chunk_gdn.py -k "sm90_inverse"
     timeout 240 python3 benchmarks/gdn_prefill_sweep.py \
       --variants gluon,gluon-inverse-exp2,gluon-inverse-direct,gluon-inverse-exp2-direct \
