@@ -137,18 +137,23 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
   prologue-ab)
     # the KDA prologue's bounded operands, unmasked whole chunks and fewer barriers (docs/notes/
     # kda-prefill.md v19-v21): the bounded cases against the Triton prologue and fp64 with and
-    # without them, then the A/B sweep (outputs vs no-from-x);
-    # and GDN's inverse with ex2.approx.ftz and its merges' operands converted once (docs/notes/
-    # gdn-prefill.md v30): its parity tests and sweep
-    t 240 tests/ops/test_gluon_chunk_kda.py -k "bounded_operands or matches_triton or full_chunks or few_barriers"
-    t 120 tests/ops/test_triton_chunk_plain.py -k few_barriers
-    n=1 t 240 tests/ops/test_gluon_chunk_gdn.py -k "sm90_inverse"
-    timeout 240 python3 benchmarks/gdn_prefill_sweep.py \
+    # without them, then the A/B sweep (outputs vs no-from-x); GLA's prologue with fewer
+    # barriers; GDN's inverse with ex2.approx.ftz and its merges' operands converted once
+    # (docs/notes/gdn-prefill.md v30): its parity tests and sweep. Each step is capped and bounded
+    # by what is left of the call's ten minutes (KDA first)
+    start=$(date +%s)
+    cap() { local left=$(( 575 - ($(date +%s) - start) )); echo $(( left < 1 ? 1 : (left < $1 ? left : $1) )); }
+    t "$(cap 200)" tests/ops/test_gluon_chunk_kda.py -k "bounded_operands or matches_triton or full_chunks or few_barriers"
+    timeout "$(cap 200)" python3 benchmarks/kda_prefill_sweep.py --tier gluon \
+      --variants no-from-x,from-x,from-x-full,few-barriers,from-x-full-few \
+      --shapes kda/h64/1x8192,kda/h64/2x16384,kda/h96/varlen8x15193 --out "$out" 2>&1 | tail -16
+    n=1 t "$(cap 60)" tests/ops/test_triton_chunk_plain.py -k few_barriers
+    n=2 t "$(cap 90)" tests/ops/test_gluon_chunk_gdn.py -k "sm90_inverse"
+    left=$(cap 240)
+    [ "$left" -gt 30 ] && timeout "$left" python3 benchmarks/gdn_prefill_sweep.py \
       --variants gluon,gluon-inverse-exp2,gluon-inverse-direct,gluon-inverse-exp2-direct \
       --shapes gdn/h16-hv64/1x32768,gdn/h16-hv32/4x8192 --out "$out" 2>&1 | tail -6
-    timeout 300 python3 benchmarks/kda_prefill_sweep.py --tier gluon --variants no-from-x,from-x,from-x-full,few-barriers,from-x-full-few \
-      --shapes kda/h64/1x8192,kda/h64/2x16384,kda/h96/varlen8x15193 --out "$out" \
-      2>&1 | tail -12
+    echo "-- $(( $(date +%s) - start )) s"
     ;;
   graph-eager)
     timeout 500 python3 benchmarks/graph_vs_eager.py --out "$out" 2>&1 | tail -8 ;;
