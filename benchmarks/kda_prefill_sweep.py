@@ -69,10 +69,11 @@ VARIANTS = {
     "seg16": dict(segment_chunks=16),
     "given-order": dict(longest_first=False),          # whole varlen sequences scanned in the given order
     "sm90-per-item": dict(sm90_programs_per_sm=None),   # the sm_90 prologue one program per item (not persistent)
-    "from-x": dict(bounded_operands=True),       # the bounded gate's left operands from X (BOUNDED_OPERANDS)
-    "no-from-x": dict(bounded_operands=False),
-    "full": dict(bounded_operands=False, full_chunks=True),   # whole chunks without row masks (FULL_CHUNKS)
-    "from-x-full": dict(bounded_operands=True, full_chunks=True),
+    # the sm_90 prologue's builds (docs/notes/kda-prefill.md v19-v21; the default has all three)
+    "from-x": dict(bounded_operands=True, full_chunks=False, fewer_barriers=False),   # BOUNDED_OPERANDS
+    "no-from-x": dict(bounded_operands=False, full_chunks=False, fewer_barriers=False),   # the v18 build
+    "full": dict(bounded_operands=False, full_chunks=True, fewer_barriers=False),   # FULL_CHUNKS
+    "from-x-full": dict(bounded_operands=True, full_chunks=True, fewer_barriers=False),
     "few-barriers": dict(bounded_operands=False, full_chunks=False, fewer_barriers=True),   # FEWER_BARRIERS
     "from-x-full-few": dict(bounded_operands=True, full_chunks=True, fewer_barriers=True),
 }

@@ -528,7 +528,9 @@ def test_scan_profile_markers_match_the_kernels(kernel):
 
 
 KDA_PROLOGUE_VARIANTS = {
-    # name: constexprs over the default launch (K = 128, GVA 2:1, gate with A_log and dt_bias, l2norm)
+    # name: constexprs over the registry's launch (K = 128, GVA 2:1, gate with A_log and dt_bias, l2norm)
+    # with FROM_X, FULL and FEW_BARRIERS off; what ships sets all three (dense, T a multiple of 64) or
+    # FROM_X and FEW_BARRIERS (varlen): kda-prologue-from-x-full-few-barriers, -from-x-varlen-k64-few-barriers
     "kda-prologue": {},
     "kda-prologue-varlen-bare": dict(VARLEN=True, L2NORM=False, HAS_A=False, HAS_BIAS=False,
                                      BETA=1),
@@ -544,6 +546,7 @@ KDA_PROLOGUE_VARIANTS = {
     "kda-prologue-few-barriers": dict(FEW_BARRIERS=True),
     "kda-prologue-from-x-full-few-barriers": dict(FROM_X=True, FULL=True, FEW_BARRIERS=True),
     "kda-prologue-varlen-k64-few-barriers": dict(VARLEN=True, K=64, FEW_BARRIERS=True),
+    "kda-prologue-from-x-varlen-k64-few-barriers": dict(FROM_X=True, VARLEN=True, K=64, FEW_BARRIERS=True),
     "kda-prologue-softplus-gate-few-barriers": dict(GATE=2, FLAG=True, FEW_BARRIERS=True),
     # unbounded gates with the block flags: given (bf16 and fp32) and softplus
     "kda-prologue-given-gate": dict(GATE=0, HAS_A=False, HAS_BIAS=False, FLAG=True),
@@ -563,7 +566,8 @@ KDA_PROLOGUE_STACK = {"kda-prologue": 16, "kda-prologue-k64": 120, "kda-prologue
                       "kda-prologue-given-gate": 40, "kda-prologue-given-fp32-gate": 168,
                       "kda-prologue-softplus-gate": 56,
                       "kda-prologue-wide-bounded-neg-eigval": 56, "kda-prologue-few-barriers": 24,
-                      "kda-prologue-varlen-k64-few-barriers": 48, "kda-prologue-softplus-gate-few-barriers": 48}
+                      "kda-prologue-varlen-k64-few-barriers": 48, "kda-prologue-softplus-gate-few-barriers": 48,
+                      "kda-prologue-from-x-varlen-k64-few-barriers": 8}
 
 
 def _child_kda_prologue(name: str, folder: str) -> None:

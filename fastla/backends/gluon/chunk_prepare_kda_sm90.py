@@ -41,14 +41,17 @@ live in shared memory channel-major ([32, 64] bf16: a thread's 16 rows are one 3
 as [32, 16], the accumulators in registers (8 x [64, 16] fp32); kg = X 2^(c_(b-1)), qg likewise and
 kd = R_b 2^(G_last - M_b) are stored per slice while the products run. Shared memory at K = 128: 64 KB of
 q / k tiles (two items) and 8 KB of gate slots with a bf16 gate (32 + 16 KB with an fp32 one), 36 KB
-of operands: 108.5 KB, two programs per SM (255 registers; 16 bytes of stack, up to 168 in the other
-builds: tests/backends/test_gluon_sm90.py). The fp32 A scratch is B T HV 256 bytes (0.5 GB at 1x32k, HV 64). P formed
+of operands and 0.25 KB for the blocks' sums: 108.75 KB, two programs per SM (255 registers; no stack
+in the registry's dense build, up to 168 bytes in the others: tests/backends/test_gluon_sm90.py).
+Three build options, on by default (module flags below, v19-v21 in the notes): the bounded gate's
+operands from X (FROM_X), whole chunks without row masks (FULL), the slice loop's barriers 14 -> 4
+(FEW_BARRIERS). The fp32 A scratch is B T HV 256 bytes (0.5 GB at 1x32k, HV 64). P formed
 here instead (the diagonal blocks by substitution, then block-Jacobi steps on wgmma) measured no
 faster than the inverse kernel: +114 us in this kernel against the inverse's 119 at 1x8k H64
 (notes, v6).
 
-Budget and measurements: docs/notes/kda-prefill.md (v4 to v10; persistent since v10: 1x8k H64
-523 -> 491 us with the inverse).
+Budget and measurements: docs/notes/kda-prefill.md (v4 to v21; persistent since v10: 1x8k H64
+523 -> 491 us with the inverse; v19-v21 on the H200: the call 736.9 -> 681.0 us).
 """
 from __future__ import annotations
 
@@ -479,20 +482,21 @@ PROGRAMS_PER_SM = 2
 # (docs/notes/kda-prefill.md v19). With the l2norm in the op only: X = k 2^(G - c_(b-1)) goes
 # subnormal where |k_c| 2^(G - c_(b-1)) < 2^-126, and the own block scales it back up by up to
 # 2^57.7, so raw keys or queries of magnitude ~2^-26 and below would lose precision that kmid
-# keeps (unit rows: only channels below ~2^-26 of the row, whose products do not count). Off until its
-# GPU tests (`-k bounded_operands`) and sweep (`kda_prefill_sweep.py --tier gluon --variants
-# no-from-x,from-x`) have run
-BOUNDED_OPERANDS = False
+# keeps (unit rows: only channels below ~2^-26 of the row, whose products do not count). H200
+# (v21): 4.6-10.5% off the call (1x8k H64 736.9 -> 692.7 us, 2x16k 2813 -> 2684, varlen H96 2171 ->
+# 1944); False: kmid / qmid as before (A/B sweeps)
+BOUNDED_OPERANDS = True
 # A dense batch with T a multiple of 64 (every chunk whole) without row masks on the gate's activation
 # and the stores (FULL): the slice loop's masked stores recompute a predicate a row at each store.
-# Off until its GPU tests (`-k full_chunks`) and sweep (`--variants from-x,from-x-full`) have run
-FULL_CHUNKS = False
+# H200 (v21): within the noise alone (+1.0% at 1x8k H64, -0.4% at 2x16k), part of the fastest build
+FULL_CHUNKS = True
 # Fewer barriers in the slice loop (FEW_BARRIERS): the column blocks' operand tiles as separate
 # allocations (one allocation's views put a barrier between consecutive blocks' stores), and the
 # blocks' sums exchanged once through shared memory and scanned in each thread (the converts
 # across warps took six barriers): the sm_90 slice loop 14 -> 4 barriers, the same instructions
-# (docs/notes/kda-prefill.md v21). Off until its GPU tests (`-k few_barriers`) and sweep have run
-FEWER_BARRIERS = False
+# (docs/notes/kda-prefill.md v21). H200: 1.7-2.6% off the call on top of the two above (1x8k H64
+# 699.5 -> 681.0 us, 2x16k 2674 -> 2624, varlen H96 1946 -> 1913); also GLA's prologue (tested, not timed)
+FEWER_BARRIERS = True
 
 
 def serves(p) -> str | None:
