@@ -20,10 +20,9 @@
 #                                              # (FASTLA_COMPILE_AHEAD=0 / 1, fastla/core/compile_ahead.py)
 #   bash benchmarks/gpu_checks.sh regs-rows    # the registry rows whose plan moved onto the state-in-registers
 #                                              # scan without a rerun (docs/notes/gdn-prefill.md v26; ~5 min)
-#   bash benchmarks/gpu_checks.sh prologue-ab # the KDA prologue's bounded operands, whole chunks and fewer
-#                                              # barriers, GDN's inverse on ex2.approx.ftz: GPU tests and A/B
-#                                              # sweeps (docs/notes/kda-prefill.md v19-v21, gdn-prefill.md v30;
-#                                              # ~7 min)
+#   bash benchmarks/gpu_checks.sh prologue-ab # the KDA prologue's bounded operands and whole chunks, GDN's
+#                                              # inverse on ex2.approx.ftz: GPU tests and A/B sweeps (docs/notes/
+#                                              # kda-prefill.md v19-v21, gdn-prefill.md v30; ~9 min)
 #   bash benchmarks/gpu_checks.sh graph-eager  # why big rows' graph times exceed their eager ones: five
 #                                              # timings, SM clock and power (benchmarks/graph_vs_eager.py; ~3 min)
 #   bash benchmarks/gpu_checks.sh kda-rows     # the registry's eight KDA rows (the README table; ~5 min)
@@ -135,20 +134,19 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
       --modes fwdbwd --quick --no-cold --out "$out" 2>&1 | tail -8
     ;;
   prologue-ab)
-    # the KDA prologue's bounded operands, unmasked whole chunks and fewer barriers (docs/notes/
-    # kda-prefill.md v19-v21): the bounded cases against the Triton prologue and fp64 with and
-    # without them, then the A/B sweep (outputs vs no-from-x); GLA's prologue with fewer
-    # barriers; GDN's inverse with ex2.approx.ftz and its merges' operands converted once
+    # the KDA prologue's bounded operands and unmasked whole chunks (docs/notes/kda-prefill.md
+    # v19-v21; both on by default since): the bounded cases against the Triton prologue and fp64
+    # with and without them, then the A/B sweep (outputs vs no-from-x); GDN's inverse with
+    # ex2.approx.ftz and its merges' operands converted once
     # (docs/notes/gdn-prefill.md v30): its parity tests and sweep. Each step is capped and bounded
     # by what is left of the call's ten minutes (KDA first)
     start=$(date +%s)
     cap() { local left=$(( 575 - ($(date +%s) - start) )); echo $(( left < 1 ? 1 : (left < $1 ? left : $1) )); }
-    t "$(cap 200)" tests/ops/test_gluon_chunk_kda.py -k "bounded_operands or matches_triton or full_chunks or few_barriers"
+    t "$(cap 200)" tests/ops/test_gluon_chunk_kda.py -k "bounded_operands or matches_triton or full_chunks"
     timeout "$(cap 200)" python3 benchmarks/kda_prefill_sweep.py --tier gluon \
-      --variants no-from-x,from-x,from-x-full,few-barriers,from-x-full-few \
+      --variants no-from-x,from-x,from-x-full \
       --shapes kda/h64/1x8192,kda/h64/2x16384,kda/h96/varlen8x15193 --out "$out" 2>&1 | tail -16
-    n=1 t "$(cap 60)" tests/ops/test_triton_chunk_plain.py -k few_barriers
-    n=2 t "$(cap 90)" tests/ops/test_gluon_chunk_gdn.py -k "sm90_inverse"
+    n=1 t "$(cap 90)" tests/ops/test_gluon_chunk_gdn.py -k "sm90_inverse"
     left=$(cap 240)
     [ "$left" -gt 30 ] && timeout "$left" python3 benchmarks/gdn_prefill_sweep.py \
       --variants gluon,gluon-inverse-exp2,gluon-inverse-direct,gluon-inverse-exp2-direct \

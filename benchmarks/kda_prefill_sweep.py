@@ -69,13 +69,12 @@ VARIANTS = {
     "seg16": dict(segment_chunks=16),
     "given-order": dict(longest_first=False),          # whole varlen sequences scanned in the given order
     "sm90-per-item": dict(sm90_programs_per_sm=None),   # the sm_90 prologue one program per item (not persistent)
-    # the sm_90 prologue's builds (docs/notes/kda-prefill.md v19-v21; the default has all three)
-    "from-x": dict(bounded_operands=True, full_chunks=False, fewer_barriers=False),   # BOUNDED_OPERANDS
-    "no-from-x": dict(bounded_operands=False, full_chunks=False, fewer_barriers=False),   # the v18 build
-    "full": dict(bounded_operands=False, full_chunks=True, fewer_barriers=False),   # FULL_CHUNKS
-    "from-x-full": dict(bounded_operands=True, full_chunks=True, fewer_barriers=False),
-    "few-barriers": dict(bounded_operands=False, full_chunks=False, fewer_barriers=True),   # FEWER_BARRIERS
-    "from-x-full-few": dict(bounded_operands=True, full_chunks=True, fewer_barriers=True),
+    # the sm_90 prologue's builds (docs/notes/kda-prefill.md v19-v21; the default has both; the slice
+    # loop's barriers 14 -> 4 in all of them since v21)
+    "from-x": dict(bounded_operands=True, full_chunks=False),   # BOUNDED_OPERANDS
+    "no-from-x": dict(bounded_operands=False, full_chunks=False),
+    "full": dict(bounded_operands=False, full_chunks=True),   # FULL_CHUNKS
+    "from-x-full": dict(bounded_operands=True, full_chunks=True),
 }
 SHAPES = "kda/h64/1x8192,kda/h64/2x16384,kda/h96/varlen8x15193"
 
@@ -114,7 +113,6 @@ def main() -> int:
     default_inverse = sm90_prologue.INVERSE_SM90
     default_from_x = sm90_prologue.BOUNDED_OPERANDS
     default_full = sm90_prologue.FULL_CHUNKS
-    default_few = sm90_prologue.FEWER_BARRIERS
     default_wide = wide.BLOCK_K, wide.WARPS, wide.STAGES
     default_dual = gluon_chunk.SCAN_DUAL
     default_regs = gluon_chunk.SCAN_REGS
@@ -135,7 +133,6 @@ def main() -> int:
             sm90_prologue.PROGRAMS_PER_SM = over.pop("sm90_programs_per_sm", default_programs)
             sm90_prologue.BOUNDED_OPERANDS = over.pop("bounded_operands", default_from_x)
             sm90_prologue.FULL_CHUNKS = over.pop("full_chunks", default_full)
-            sm90_prologue.FEWER_BARRIERS = over.pop("fewer_barriers", default_few)
             wide.BLOCK_K, wide.WARPS, wide.STAGES = over.pop("wide", default_wide)
             gluon_chunk.SCAN_DUAL = over.pop("scan_dual", default_dual)
             gluon_chunk.SCAN_BLOCK_V = over.pop("scan_bv", None)
@@ -160,7 +157,7 @@ def main() -> int:
                 sm90_prologue.UNBOUNDED = default_unbounded
                 sm90_prologue.PROGRAMS_PER_SM = default_programs
                 sm90_prologue.INVERSE_SM90, sm90_prologue.BOUNDED_OPERANDS = default_inverse, default_from_x
-                sm90_prologue.FULL_CHUNKS, sm90_prologue.FEWER_BARRIERS = default_full, default_few
+                sm90_prologue.FULL_CHUNKS = default_full
                 wide.BLOCK_K, wide.WARPS, wide.STAGES = default_wide
                 gluon_chunk.SCAN_DUAL, gluon_chunk.SCAN_BLOCK_V = default_dual, None
                 gluon_chunk.LONGEST_FIRST = True

@@ -529,25 +529,19 @@ def test_scan_profile_markers_match_the_kernels(kernel):
 
 KDA_PROLOGUE_VARIANTS = {
     # name: constexprs over the registry's launch (K = 128, GVA 2:1, gate with A_log and dt_bias, l2norm)
-    # with FROM_X, FULL and FEW_BARRIERS off; what ships sets all three (dense, T a multiple of 64) or
-    # FROM_X and FEW_BARRIERS (varlen): kda-prologue-from-x-full-few-barriers, -from-x-varlen-k64-few-barriers
+    # with FROM_X and FULL off; what ships sets both (dense, T a multiple of 64: kda-prologue-from-x-full)
+    # or FROM_X (varlen)
     "kda-prologue": {},
     "kda-prologue-varlen-bare": dict(VARLEN=True, L2NORM=False, HAS_A=False, HAS_BIAS=False,
                                      BETA=1),
     "kda-prologue-k64": dict(K=64),
+    "kda-prologue-varlen-k64": dict(VARLEN=True, K=64),
     # the bounded gate's left operands from X (chunk_prepare_kda_sm90.BOUNDED_OPERANDS)
     "kda-prologue-from-x": dict(FROM_X=True),
     "kda-prologue-from-x-varlen-k64": dict(FROM_X=True, VARLEN=True, K=64),
     # whole chunks without row masks (chunk_prepare_kda_sm90.FULL_CHUNKS), with each form of operands
     "kda-prologue-full": dict(FULL=True),
     "kda-prologue-from-x-full": dict(FROM_X=True, FULL=True),
-    # fewer barriers in the slice loop (chunk_prepare_kda_sm90.FEWER_BARRIERS): on the default build, on
-    # FROM_X and FULL, on a varlen K = 64 build and the softplus gate's flags
-    "kda-prologue-few-barriers": dict(FEW_BARRIERS=True),
-    "kda-prologue-from-x-full-few-barriers": dict(FROM_X=True, FULL=True, FEW_BARRIERS=True),
-    "kda-prologue-varlen-k64-few-barriers": dict(VARLEN=True, K=64, FEW_BARRIERS=True),
-    "kda-prologue-from-x-varlen-k64-few-barriers": dict(FROM_X=True, VARLEN=True, K=64, FEW_BARRIERS=True),
-    "kda-prologue-softplus-gate-few-barriers": dict(GATE=2, FLAG=True, FEW_BARRIERS=True),
     # unbounded gates with the block flags: given (bf16 and fp32) and softplus
     "kda-prologue-given-gate": dict(GATE=0, HAS_A=False, HAS_BIAS=False, FLAG=True),
     "kda-prologue-given-fp32-gate": dict(GATE=0, HAS_A=False, HAS_BIAS=False, FLAG=True, GATE_FP32=True),
@@ -555,19 +549,15 @@ KDA_PROLOGUE_VARIANTS = {
     "kda-prologue-wide-bounded-neg-eigval": dict(FLAG=True, BETA=3),
     # GLA (the plain rule, DELTA False): its given gate, no l2norm, no A nor kg
     "gla-prologue": dict(GATE=0, HAS_A=False, HAS_BIAS=False, FLAG=True, L2NORM=False, BETA=1, DELTA=False, H=64),
-    "gla-prologue-few-barriers": dict(GATE=0, HAS_A=False, HAS_BIAS=False, FLAG=True, L2NORM=False, BETA=1, DELTA=False,
-                                      H=64, FEW_BARRIERS=True),
 }
 # Spills known and left (sm_90 compile): every build sits at 255 registers; the persistent loop (the
-# next item's coordinates live across the slices) spills 16 bytes on the default build, 40-56 with
-# the block flags, 120 at K = 64 and 168 with an fp32 gate; the bare varlen build none; the bounded
+# next item's coordinates live across the slices) spills 24 bytes on the build without FROM_X and FULL,
+# 24-48 with the block flags, 48 at K = 64 and 152 with an fp32 gate; the bare varlen build 8; the bounded
 # gate's operands from X none at K = 128, 8 at K = 64
-KDA_PROLOGUE_STACK = {"kda-prologue": 16, "kda-prologue-k64": 120, "kda-prologue-from-x-varlen-k64": 8,
-                      "kda-prologue-given-gate": 40, "kda-prologue-given-fp32-gate": 168,
-                      "kda-prologue-softplus-gate": 56,
-                      "kda-prologue-wide-bounded-neg-eigval": 56, "kda-prologue-few-barriers": 24,
-                      "kda-prologue-varlen-k64-few-barriers": 48, "kda-prologue-softplus-gate-few-barriers": 48,
-                      "kda-prologue-from-x-varlen-k64-few-barriers": 8}
+KDA_PROLOGUE_STACK = {"kda-prologue": 24, "kda-prologue-varlen-bare": 8, "kda-prologue-k64": 48,
+                      "kda-prologue-varlen-k64": 48, "kda-prologue-from-x-varlen-k64": 8,
+                      "kda-prologue-given-gate": 24, "kda-prologue-given-fp32-gate": 152,
+                      "kda-prologue-softplus-gate": 48, "kda-prologue-wide-bounded-neg-eigval": 48}
 
 
 def _child_kda_prologue(name: str, folder: str) -> None:
@@ -577,7 +567,7 @@ def _child_kda_prologue(name: str, folder: str) -> None:
     from fastla.backends.gluon.chunk_prepare_kda_sm90 import _kda_prologue_sm90_kernel as kern
 
     consts = dict(H=32, HV=64, K=128, L2NORM=True, GATE=3, HAS_A=True, HAS_BIAS=True, BETA=2, VARLEN=False,
-                  FLAG=False, DELTA=True, FROM_X=False, FULL=False, FEW_BARRIERS=False)
+                  FLAG=False, DELTA=True, FROM_X=False, FULL=False)
     consts.update(KDA_PROLOGUE_VARIANTS[name])
     gate_fp32 = consts.pop("GATE_FP32", False)
     consts["QK_BUFFERS"] = 1 if gate_fp32 else 2                           # as launch()

@@ -170,20 +170,6 @@ def test_sm90_prologue_full_chunks(case, from_x, monkeypatch):
     assert full and all(full), full
 
 
-@pytest.mark.parametrize("case", ["bounded-gate", "bounded-varlen", "bounded-k64", "bounded-saturated",
-                                  "bounded-saturated-whole", "unbounded-gate", "one-wide-block", "dense-fp32-gate"])
-def test_sm90_prologue_few_barriers(case, monkeypatch):
-    """Fewer barriers in the slice loop (chunk_prepare_kda_sm90.FEWER_BARRIERS: separate operand
-    tiles, the blocks' sums through shared memory and scanned in each thread): the same parity on
-    bounded, flagged unbounded and fp32 gates; the whole-chunk case with FROM_X and FULL too."""
-    from fastla.backends.gluon import chunk_prepare_kda_sm90 as sm90
-    monkeypatch.setattr(sm90, "FEWER_BARRIERS", True)
-    if case.endswith("-whole"):
-        monkeypatch.setattr(sm90, "BOUNDED_OPERANDS", True)
-        monkeypatch.setattr(sm90, "FULL_CHUNKS", True)
-    _prologue_parity(case, monkeypatch)
-
-
 @pytest.mark.parametrize("case", ["unbounded-gate", "dense", "dense-fp32-gate", "strong-decay", "mixed-decay",
                                   "one-wide-block", "bounded-wide"])
 def test_sm90_prologue_unbounded(case, monkeypatch):

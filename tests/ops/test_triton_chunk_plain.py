@@ -163,14 +163,3 @@ def test_bf16_wide_heads_gpu(tier, spec, shape, monkeypatch):
     for a, b in zip(*runs):
         assert torch.equal(a, b), "a second run differs (a race?)"
     check(spec, t, tol=1e-2, tier=tier, **opts)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not sm90, reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("shape", ["dense", "varlen"])
-def test_gla_sm90_prologue_few_barriers(shape, monkeypatch):
-    """GLA's sm_90 prologue (the KDA prologue without the delta terms) with fewer barriers
-    (chunk_prepare_kda_sm90.FEWER_BARRIERS): the same checks as test_bf16_wide_heads_gpu."""
-    from fastla.backends.gluon import chunk_prepare_kda_sm90 as sm90_prologue
-    monkeypatch.setattr(sm90_prologue, "FEWER_BARRIERS", True)
-    test_bf16_wide_heads_gpu("gluon", GLA, shape, monkeypatch)

@@ -21,8 +21,8 @@ that two programs fit an SM); the gate's input comes a slice at a time through t
 refilled with the slice two ahead (this item's or the next's) as soon as it is read. With the l2norm
 in the op, the rows' norms come from the diagonals of K K^T and Q Q^T by wgmma on those tiles. Elementwise work is in [4, 16, 32]
 tiles (block b, row in the block, channel): warp = block, lane = channel, a block's 16 rows in one
-thread, so the cumsum within a block is 15 adds in registers and the blocks' cumsum a 4-element scan
-across warps. Column block c of A and Aqk is referenced at M_c, the midpoint of G over block c (per
+thread, so the cumsum within a block is 15 adds in registers; the four block sums go through
+shared memory once and each thread scans them for its channel. Column block c of A and Aqk is referenced at M_c, the midpoint of G over block c (per
 channel):
     A[:, block c]   += (k 2^(G - M_c)) R_c^T,   R_c = k 2^(M_c - G) on block c's rows
     Aqk[:, block c] += (scale q 2^(G - M_c)) R_c^T
@@ -43,9 +43,10 @@ kd = R_b 2^(G_last - M_b) are stored per slice while the products run. Shared me
 q / k tiles (two items) and 8 KB of gate slots with a bf16 gate (32 + 16 KB with an fp32 one), 36 KB
 of operands and 0.25 KB for the blocks' sums: 108.75 KB, two programs per SM (255 registers; no stack
 in the registry's dense build, up to 168 bytes in the others: tests/backends/test_gluon_sm90.py).
-Three build options, on by default (module flags below, v19-v21 in the notes): the bounded gate's
-operands from X (FROM_X), whole chunks without row masks (FULL), the slice loop's barriers 14 -> 4
-(FEW_BARRIERS). The fp32 A scratch is B T HV 256 bytes (0.5 GB at 1x32k, HV 64). P formed
+Two build options, on by default (module flags below, v19-v20 in the notes): the bounded gate's
+operands from X (FROM_X), whole chunks without row masks (FULL); the slice loop takes 4 barriers
+(14 before v21: the operand tiles' views of one allocation, the sums' converts across warps).
+The fp32 A scratch is B T HV 256 bytes (0.5 GB at 1x32k, HV 64). P formed
 here instead (the diagonal blocks by substitution, then block-Jacobi steps on wgmma) measured no
 faster than the inverse kernel: +114 us in this kernel against the inverse's 119 at 1x8k H64
 (notes, v6).
@@ -84,18 +85,14 @@ def _add(a, b):
 
 
 @gluon.jit
-def _operand_tiles(layout: gl.constexpr, SEPARATE: gl.constexpr):
-    """Four [32, 64] bf16 tiles (one per column block) as a tuple: SEPARATE, four allocations;
-    else views of one. Triton's barrier analysis does not tell a buffer's views apart: one
-    allocation puts a barrier between the stores of consecutive column blocks (three a slice)."""
-    if SEPARATE:
-        return (gl.allocate_shared_memory(gl.bfloat16, [BC, 64], layout),
-                gl.allocate_shared_memory(gl.bfloat16, [BC, 64], layout),
-                gl.allocate_shared_memory(gl.bfloat16, [BC, 64], layout),
-                gl.allocate_shared_memory(gl.bfloat16, [BC, 64], layout))
-    else:
-        tiles = gl.allocate_shared_memory(gl.bfloat16, [4, BC, 64], layout)
-        return tiles.index(0), tiles.index(1), tiles.index(2), tiles.index(3)
+def _operand_tiles(layout: gl.constexpr):
+    """Four [32, 64] bf16 tiles (one per column block) as a tuple of four allocations: Triton's
+    barrier analysis does not tell one buffer's views apart, and views of one allocation put a
+    barrier between the stores of consecutive column blocks (three a slice)."""
+    return (gl.allocate_shared_memory(gl.bfloat16, [BC, 64], layout),
+            gl.allocate_shared_memory(gl.bfloat16, [BC, 64], layout),
+            gl.allocate_shared_memory(gl.bfloat16, [BC, 64], layout),
+            gl.allocate_shared_memory(gl.bfloat16, [BC, 64], layout))
 
 
 @gluon.jit
@@ -237,7 +234,6 @@ def _kda_prologue_sm90_kernel(
     H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, L2NORM: gl.constexpr, GATE: gl.constexpr,
     HAS_A: gl.constexpr, HAS_BIAS: gl.constexpr, BETA: gl.constexpr, VARLEN: gl.constexpr, FLAG: gl.constexpr,
     QK_BUFFERS: gl.constexpr, DELTA: gl.constexpr, FROM_X: gl.constexpr, FULL: gl.constexpr,
-    FEW_BARRIERS: gl.constexpr,
 ):
     """Persistent: program p takes items p, p + programs, ... (``total`` chunks x HV value heads,
     chunks fastest). GATE as recurrent.py numbers it: 3 the bounded gate in the op; 2
@@ -260,9 +256,7 @@ def _kda_prologue_sm90_kernel(
     L3: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16, 1], threads_per_warp=[1, 1, 32],
                                         warps_per_cta=[4, 1, 1], order=[2, 1, 0])
     L_bc: gl.constexpr = gl.SliceLayout(1, L3)                              # [4, 32] (block, channel)
-    B2: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0])    # the same, as a blocked layout (scans)
-    MR: gl.constexpr = gl.BlockedLayout([4, 1], [1, 32], [1, 4], [1, 0])    # [4, 32], all four blocks in each thread
-    # [4, 4, 32] (row block b, column block c, channel): every block's sums in each thread (FEW_BARRIERS)
+    # [4, 4, 32] (row block b, column block c, channel): every block's sums in each thread
     L4: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4, 1], threads_per_warp=[1, 1, 32],
                                         warps_per_cta=[4, 1, 1], order=[2, 1, 0])
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16])
@@ -277,7 +271,6 @@ def _kda_prologue_sm90_kernel(
     t = ib3 * 16 + ir3                                                      # [4, 16, 1] chunk rows
     ib = gl.arange(0, 4, layout=gl.SliceLayout(1, L_bc))[:, None]           # [4, 1] block of a [4, 32]
     o_c2 = gl.arange(0, BC, layout=gl.SliceLayout(0, L_bc))[None, :]       # [1, 32]
-    im = gl.arange(0, 4, layout=gl.SliceLayout(1, MR))[:, None]             # the same in MR
     ib4 = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, L4)))[:, None, None]    # [4, 1, 1] in L4
     ic4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, L4)))[None, :, None]    # [1, 4, 1]
     r = gl.arange(0, 64, layout=rows_l)
@@ -295,11 +288,10 @@ def _kda_prologue_sm90_kernel(
         mbarrier.init(qk_bar.index(i), count=1)
     for i in gl.static_range(2):
         mbarrier.init(g_bar.index(i), count=1)
-    x_s = _operand_tiles(x_tile, FEW_BARRIERS)                             # left operands (k) per column block
-    q_s = _operand_tiles(x_tile, FEW_BARRIERS)                             # left operands (q)
+    x_s = _operand_tiles(x_tile)                                           # left operands (k) per column block
+    q_s = _operand_tiles(x_tile)                                           # left operands (q)
     f_s = gl.allocate_shared_memory(gl.bfloat16, [4 * BC, 16], f_tile)    # R_c^T in rows 32c .. 32c + 31
-    if FEW_BARRIERS:                                                        # the blocks' sums [4, 32] of a slice
-        sums_s = gl.allocate_shared_memory(gl.float32, [4, BC], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+    sums_s = gl.allocate_shared_memory(gl.float32, [4, BC], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))   # block sums
     fence_async_shared()
 
     j0 = gl.program_id(0)
@@ -368,19 +360,15 @@ def _kda_prologue_sm90_kernel(
             s = gl.sum(x, 1)                                                # [4, 32] block sums (-span)
             if FLAG:                                                        # in-thread maxima (reduced at the end)
                 wide = gl.maximum(wide, gl.where(gl.max(x, 1) > RISE_TOLERANCE, RISING, -s))
-            if FEW_BARRIERS:                    # the sums through shared memory (one barrier), scanned in each thread
-                sums_s.store(s)
-                s_all = gl.expand_dims(sums_s.load(gl.SliceLayout(0, L4)), 0)     # [1, 4, 32] every block's sum
-                ends = gl.associative_scan(s_all, 1, _add)                  # c_c
-                mids = ends - 0.5 * s_all                                   # M_c
-                end = gl.convert_layout(gl.sum(gl.where(ic4 == ib4, ends, 0.0), 1), L_bc)   # [4, 32] c_b
-                mid = end - 0.5 * s                                         # M_b, the block's midpoint
-                c_last = _pick(ends, ic4, 3, L_bc)                          # [1, 32] G_last
-            else:                               # (converts across warps: six barriers)
-                end = gl.convert_layout(gl.associative_scan(gl.convert_layout(s, B2), 0, _add), L_bc)   # c_b
-                mid = end - 0.5 * s                                         # M_b, the block's midpoint
-                mids = gl.convert_layout(mid, MR)                           # every block's M in each thread
-                c_last = gl.sum(s, 0)[None, :]                              # G_last
+            # the blocks' sums through shared memory (one barrier; converts across warps took six),
+            # each thread scanning all four for its channel
+            sums_s.store(s)
+            s_all = gl.expand_dims(sums_s.load(gl.SliceLayout(0, L4)), 0)         # [1, 4, 32] every block's sum
+            ends = gl.associative_scan(s_all, 1, _add)                      # c_c
+            mids = ends - 0.5 * s_all                                       # M_c
+            end = gl.convert_layout(gl.sum(gl.where(ic4 == ib4, ends, 0.0), 1), L_bc)   # [4, 32] c_b
+            mid = end - 0.5 * s                                             # M_b, the block's midpoint
+            c_last = _pick(ends, ic4, 3, L_bc)                              # [1, 32] G_last
             kb = _slice(k_in, buf * NS + ks, valid, L3, not FROM_X) * rk
             qb = _slice(q_in, buf * NS + ks, valid, L3, not FROM_X) * rq
             if FROM_X:                                                      # (2^L >= 2^-span: normal in fp32)
@@ -405,10 +393,7 @@ def _kda_prologue_sm90_kernel(
                 Q = qmid * e_half
             start = end - s                                                 # c_(b-1)
             for cb in gl.static_range(4):
-                if FEW_BARRIERS:
-                    mid_c = _pick(mids, ic4, cb, L_bc)                      # [1, 32]
-                else:
-                    mid_c = gl.convert_layout(gl.sum(gl.where(im == cb, mids, 0.0), 0), gl.SliceLayout(0, L_bc))[None, :]
+                mid_c = _pick(mids, ic4, cb, L_bc)                          # [1, 32]
                 if FROM_X:                                                  # (block cb's own rows: 2^(span / 2))
                     below = gl.where(ib >= cb, gl.exp2(start - mid_c), 0.0)
                 else:
@@ -424,11 +409,7 @@ def _kda_prologue_sm90_kernel(
             if DELTA:
                 _store_rows(kg + out, (X * e_start).to(kg.dtype.element_ty), valid, FULL)
             _store_rows(qg + out, (Q * e_start).to(qg.dtype.element_ty), valid, FULL)
-            if FEW_BARRIERS:                    # (the same values from every warp)
-                gl.store(decay + (i_c * HV + i_hv) * K + ks * BC + o_c2, gl.exp2(c_last))
-            else:
-                o_d = (i_c * HV + i_hv) * K + ks * BC + gl.arange(0, BC, layout=gl.SliceLayout(0, L_bc))
-                gl.store(decay + o_d, gl.exp2(gl.sum(s, 0)))                # replicated over warps: same value
+            gl.store(decay + (i_c * HV + i_hv) * K + ks * BC + o_c2, gl.exp2(c_last))   # (the same from every warp)
             if DELTA:
                 k0, k1, k2, k3, q0, q1, q2, q3 = warpgroup_mma_wait(num_outstanding=0,
                                                                     deps=(k0, k1, k2, k3, q0, q1, q2, q3))
@@ -490,13 +471,6 @@ BOUNDED_OPERANDS = True
 # and the stores (FULL): the slice loop's masked stores recompute a predicate a row at each store.
 # H200 (v21): within the noise alone (+1.0% at 1x8k H64, -0.4% at 2x16k), part of the fastest build
 FULL_CHUNKS = True
-# Fewer barriers in the slice loop (FEW_BARRIERS): the column blocks' operand tiles as separate
-# allocations (one allocation's views put a barrier between consecutive blocks' stores), and the
-# blocks' sums exchanged once through shared memory and scanned in each thread (the converts
-# across warps took six barriers): the sm_90 slice loop 14 -> 4 barriers, the same instructions
-# (docs/notes/kda-prefill.md v21). H200: 1.7-2.6% off the call on top of the two above (1x8k H64
-# 699.5 -> 681.0 us, 2x16k 2674 -> 2624, varlen H96 1946 -> 1913); also GLA's prologue (tested, not timed)
-FEWER_BARRIERS = True
 
 
 def serves(p) -> str | None:
@@ -542,7 +516,6 @@ def launch(p, beta, beta_mode: int, total: int, tables, inverse, scores, kg, kd,
         HAS_A=p.A_log is not None, HAS_BIAS=p.dt_bias is not None, BETA=beta_mode, VARLEN=varlen, FLAG=flag,
         QK_BUFFERS=2 if p.gk.dtype == torch.bfloat16 else 1, DELTA=p.delta,
         FROM_X=BOUNDED_OPERANDS and not flag and p.use_qk_l2norm, FULL=FULL_CHUNKS and not varlen and p.T % 64 == 0,
-        FEW_BARRIERS=FEWER_BARRIERS,
         num_warps=4, **({"maxnreg": MAXNREG} if MAXNREG and p.K == 128 else {}),
     )
     if flag:                                                # the flagged blocks again, exactly
