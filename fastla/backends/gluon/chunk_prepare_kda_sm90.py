@@ -22,8 +22,8 @@ refilled with the slice two ahead (this item's or the next's) as soon as it is r
 in the op, the rows' norms come from the diagonals of K K^T and Q Q^T by wgmma on those tiles. Elementwise work is in [4, 16, 32]
 tiles (block b, row in the block, channel): warp = block, lane = channel, a block's 16 rows in one
 thread, so the cumsum within a block is 15 adds in registers; the four block sums go through
-shared memory once and each thread scans them for its channel. Column block c of A and Aqk is referenced at M_c, the midpoint of G over block c (per
-channel):
+shared memory once and each thread scans them for its channel. Column block c of A and Aqk is
+referenced at M_c, the midpoint of G over block c (per channel):
     A[:, block c]   += (k 2^(G - M_c)) R_c^T,   R_c = k 2^(M_c - G) on block c's rows
     Aqk[:, block c] += (scale q 2^(G - M_c)) R_c^T
 (wgmma, M 64, N 16, K 32, one per column block and side). On block c's own rows both operands lie
@@ -383,9 +383,9 @@ def _kda_prologue_sm90_kernel(
             R = kb * gl.exp2(gl.expand_dims(0.5 * s, 1) - L)                # k 2^(M_b - G)
             f_s.store(gl.reshape(gl.permute(R, (0, 2, 1)), [4 * BC, 16]).to(gl.bfloat16))
             out = gate_base + t * (HV * K) + o_k
-            if FULL:                            # (not _store_rows: that reorders the default build's SASS)
+            if FULL:                            # (not _store_rows: through it the masked builds that ran on the
                 gl.store(kd + out, (R * gl.expand_dims(gl.exp2(c_last - mid), 1)).to(kd.dtype.element_ty))
-            else:
+            else:                               # H200 compile to a different schedule)
                 gl.store(kd + out, (R * gl.expand_dims(gl.exp2(c_last - mid), 1)).to(kd.dtype.element_ty), mask=valid)
             if not FROM_X:
                 e_half = gl.expand_dims(gl.exp2(0.5 * s), 1)                # 2^(M_b - c_(b-1)) in [2^-100, 1]

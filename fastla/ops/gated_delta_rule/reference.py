@@ -8,6 +8,7 @@ import torch
 from fastla.core.dispatch import use_tier
 from fastla.core.reference import reference_for
 from fastla.core.validation import build_problem
+from fastla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule
 
 
 def naive_recurrent_gated_delta_rule(
@@ -58,8 +59,6 @@ def naive_chunk_gated_delta_rule(
     """FLA's chunked GDN reference (its arguments, g before beta): the torch tier's chunked
     algorithm in fp32 at ``chunk_size`` (16, 32 or 64), any device. Returns ``(o [B, T, HV, V],
     final_state [N, HV, K, V] or None)`` in fp32."""
-    from fastla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule
-
     def fp32(x):
         return x.float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
 
