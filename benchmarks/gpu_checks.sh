@@ -23,6 +23,8 @@
 #   bash benchmarks/gpu_checks.sh prologue-ab # the KDA prologue's bounded operands and whole chunks, GDN's
 #                                              # inverse on ex2.approx.ftz: GPU tests and A/B sweeps (docs/notes/
 #                                              # kda-prefill.md v19-v21, gdn-prefill.md v30; ~9 min)
+#   bash benchmarks/gpu_checks.sh scores-in-scan # GDN's scores formed in the one-chain scan: GPU tests and
+#                                              # the A/B sweep (docs/notes/gdn-prefill.md v32; ~9 min)
 #   bash benchmarks/gpu_checks.sh graph-eager  # why big rows' graph times exceed their eager ones: five
 #                                              # timings, SM clock and power (benchmarks/graph_vs_eager.py; ~3 min)
 #   bash benchmarks/gpu_checks.sh kda-rows     # the registry's eight KDA rows (the README table; ~5 min)
@@ -151,6 +153,18 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
     [ "$left" -gt 30 ] && timeout "$left" python3 benchmarks/gdn_prefill_sweep.py \
       --variants gluon,gluon-inverse-exp2,gluon-inverse-direct,gluon-inverse-exp2-direct \
       --shapes gdn/h16-hv64/1x32768,gdn/h16-hv32/4x8192 --out "$out" 2>&1 | tail -6
+    echo "-- $(( $(date +%s) - start )) s"
+    ;;
+  scores-in-scan)
+    # GDN's scores formed in the one-chain scan (docs/notes/gdn-prefill.md v32): its GPU tests, the
+    # inverse's parity tests (it writes the norms now), then the A/B sweep on the shapes it serves
+    start=$(date +%s)
+    cap() { local left=$(( 575 - ($(date +%s) - start) )); echo $(( left < 1 ? 1 : (left < $1 ? left : $1) )); }
+    t "$(cap 150)" tests/ops/test_gluon_chunk_gdn.py -k "scores_in_scan or sm90_scores or (sm90_inverse and default)"
+    left=$(cap 420)
+    [ "$left" -gt 30 ] && timeout "$left" python3 benchmarks/gdn_prefill_sweep.py \
+      --variants gluon,gluon-scores-in-scan \
+      --shapes gdn/h16-hv64/1x32768,gdn/h16-hv32/1x8192,gdn/h16-hv64/1x8192,gdn/h8-hv32/1x32768 --out "$out" 2>&1 | tail -12
     echo "-- $(( $(date +%s) - start )) s"
     ;;
   graph-eager)

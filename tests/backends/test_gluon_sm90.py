@@ -85,6 +85,10 @@ SCAN_VARIANTS = {
     "regs-kda-replay-varlen": dict(REGS=True, BV=64, GK=True, L2NORM=False, SEG=2, VARLEN=True),
     "regs2": dict(REGS=True, BV=128),
     "regs2-kda": dict(REGS=True, BV=128, GK=True, L2NORM=False),
+    # the scores formed in the chains (QK: no scores kernel, no A_qk tile)
+    "regs-qk": dict(REGS=True, BV=64, QK=True),
+    "regs-qk-replay-varlen": dict(REGS=True, BV=64, SEG=2, VARLEN=True, QK=True),
+    "regs-qk-k64-v-first-raw-beta": dict(REGS=True, BV=64, K=64, V=64, SK=1, SV=64, BETA=1, L2NORM=False, QK=True),
 }
 
 
@@ -106,6 +110,7 @@ def _child_scan(name: str, folder: str) -> None:
     elif consts.pop("REGS", False):
         kern = regs._scan_regs_sm90_kernel
         consts.update(CHAINS=consts["BV"] // 64, CHAIN_NREG=regs.CHAIN_REGS, LOADER_NREG=regs.LOADER_REGS)
+        consts.setdefault("QK", False)
         for n in ("WARPGROUPS", "DELTA", "BV", "STORE_STATES"):
             del consts[n]
     elif consts.pop("DUAL", False):
@@ -397,6 +402,11 @@ def test_launcher_builds_descriptors(monkeypatch):
     grid, args, kw = launches[-1]
     assert kw["kernel"] == "regs" and kw["CHAINS"] == 1 and grid == (HV * V // 64,)
     assert args[regs_names.index("n_rows")] == B * T and kw["L2NORM"] is p.use_qk_l2norm
+    assert kw["QK"] is False and args[5].base is scratch                   # the scores kernel's tiles
+    import dataclasses                                                     # the scores formed in the scan:
+    gluon_chunk._sequence_scan(p, dataclasses.replace(sp, scores=None), 0, g, g, B)   # the keys' descriptor
+    grid, args, kw = launches[-1]                                          # stands in for the scores'
+    assert kw["kernel"] == "regs" and kw["CHAINS"] == 1 and kw["QK"] is True and args[5] is args[0]
 
 
 def test_plan_on_sm90():
@@ -508,6 +518,51 @@ def test_pipeline_plan_and_pieces(monkeypatch):
     assert scans[0][5] is p.initial_state
     assert scans[1][5] is scans[0][6] and scans[2][5] is scans[1][6] and scans[2][6] is ht
     assert ht.dtype == torch.float32 and o.shape == (1, 4126, 32, 128)
+
+
+def test_scores_in_scan_plan_and_launches(monkeypatch):
+    """GDN's scores formed in the scan (chunk_delta.SCORES_IN_SCAN, scores_in_scan): planned where
+    every pass runs the one-chain state-in-registers scan (1x32k HV64, a pipeline's pieces), not
+    with two chains, segments, chunk states, KDA or the flag off; such a call launches the
+    inverse with the norms' buffers (``rq``, ``rk``, l2norm in the op), no scores kernel, and a
+    scan pass whose scores are None; pipelined, each piece launches its inverse and its scan."""
+    import torch
+
+    from fastla.backends.gluon import chunk_delta as gluon_chunk
+    from fastla.backends.gluon import chunk_inverse_sm90, chunk_scores_sm90
+    from fastla.core.validation import build_problem
+
+    def problem(B=1, T=32768, H=16, HV=64, **opts):
+        bf = dict(dtype=torch.bfloat16)
+        return build_problem("chunk_gated_delta_rule", q=torch.empty(B, T, H, 128, **bf),
+                             k=torch.empty(B, T, H, 128, **bf), v=torch.empty(B, T, HV, 128, **bf),
+                             g=torch.empty(B, T, HV), beta=torch.empty(B, T, HV), delta=True, gva=True, **opts)
+
+    def planned(p):
+        config = gluon_chunk.plan(p)
+        return gluon_chunk.scores_in_scan(p, config, gluon_chunk.pipeline_pieces(p, config))
+
+    assert not planned(problem())                                            # the flag is off
+    monkeypatch.setattr(gluon_chunk, "SCORES_IN_SCAN", True)
+    assert planned(problem()) and planned(problem(HV=32, T=8192))            # one chain; pieces
+    assert not planned(problem(B=4, T=8192, HV=32))                          # two chains
+    assert not planned(problem(H=2, HV=8))                                   # segments planned
+    assert not planned(problem(return_intermediate_states=True))
+
+    calls = []
+    monkeypatch.setattr(chunk_inverse_sm90, "launch", lambda p, *a, **kw: calls.append(("inverse", sorted(kw))))
+    monkeypatch.setattr(chunk_scores_sm90, "launch", lambda p, *a, **kw: calls.append(("scores",)))
+
+    def scan(p, sp, seg, segments, seg_state, programs, chains):
+        calls.append(("scan", sp.scores, chains))
+
+    monkeypatch.setattr(gluon_chunk, "_regs_scan", scan)
+    gluon_chunk.run(problem(T=4096, use_qk_l2norm=True))
+    assert calls == [("inverse", ["rk", "rq"]), ("scan", None, 1)], calls
+    calls.clear()
+    p = problem(HV=32, T=8192)
+    gluon_chunk._run_pipelined(p, gluon_chunk.plan(p), 2, True)
+    assert calls == [("inverse", ["rk", "rq"]), ("scan", None, 1)] * 2, calls
 
 
 @pytest.mark.parametrize("kernel", ["dual", "plain", "ws"])
@@ -640,13 +695,15 @@ GDN_INVERSE_VARIANTS = {
     "gdn-inverse-direct": dict(DIRECT=True),    # the merges' operands converted once (INVERSE_DIRECT_OPERANDS)
     "gdn-inverse-exp2-direct": dict(EXP2=True, DIRECT=True),
     "gdn-inverse-direct-varlen-k64": dict(DIRECT=True, VARLEN=True, K=64),    # (its own scratch buffers)
+    "gdn-inverse-norms": dict(NORMS=True),      # 1 / |q|, 1 / |k| too (the scores formed in the scan)
+    "gdn-inverse-norms-varlen-k64": dict(NORMS=True, VARLEN=True, K=64),
 }
 # stack as launched (aligned pointers): at four value heads a program the ten Gram blocks (80
 # registers) live across the heads; the shipped build (gdn-inverse, 104 bytes) measured 8-12% faster
 # than the Triton kernel on the H200 (docs/notes/gdn-prefill.md v18)
 GDN_INVERSE_STACK = {"gdn-inverse": 104, "gdn-inverse-one-head": 8, "gdn-inverse-varlen-k64-raw": 56,
                      "gdn-inverse-exp2": 88, "gdn-inverse-direct": 48, "gdn-inverse-exp2-direct": 48,
-                     "gdn-inverse-direct-varlen-k64": 48}
+                     "gdn-inverse-direct-varlen-k64": 48, "gdn-inverse-norms": 104, "gdn-inverse-norms-varlen-k64": 56}
 
 
 def _child_gdn_inverse(name: str, folder: str) -> None:
@@ -655,13 +712,14 @@ def _child_gdn_inverse(name: str, folder: str) -> None:
     from fastla.backends.gluon.chunk_inverse_sm90 import _gdn_inverse_sm90_kernel as kern
 
     consts = dict(H=16, HV=64, K=128, VPP=4, L2NORM=True, GATE=True, HAS_BIAS=True, BETA=2, VARLEN=False,
-                  EXP2=False, DIRECT=False)
+                  EXP2=False, DIRECT=False, NORMS=False)
     consts.update(GDN_INVERSE_VARIANTS[name])
     box = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
     pointers = {"g": "*fp32", "beta": "*bf16", "A_log": "*fp32", "dt_bias": "*fp32", "p_out": "*bf16",
-                "gcum": "*fp32", "cu_seqlens": "*i64", "chunk_index": "*i32"}
+                "gcum": "*fp32", "cu_seqlens": "*i64", "chunk_index": "*i32", "q": "*bf16", "rq_out": "*fp32",
+                "rk_out": "*fp32"}
     sig = {n: (f"tensordesc<bf16[64, 64],{box!r}>" if n.endswith("_desc") else pointers.get(n)
-               or ("constexpr" if n in consts else ("i32" if n in ("T", "NT") else "fp32")))
+               or ("constexpr" if n in consts else ("i32" if n in ("T", "NT", "q_row") else "fp32")))
            for n in kern.arg_names}
     res = _compile_sm90(kern, sig, consts, folder, {"num_warps": 1})
     print(json.dumps(res))

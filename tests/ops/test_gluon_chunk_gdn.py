@@ -377,3 +377,83 @@ def test_pipeline_in_a_graph(monkeypatch):
     torch.cuda.synchronize()
     for name, a, b in zip(("o", "final_state"), want, out):
         assert torch.equal(a, b), name
+
+
+L2 = dict(use_qk_l2norm_in_kernel=True)
+SCORES_IN_SCAN_CASES = {
+    # name: (inputs, options); the scan forced to one chain (REGS_CHAINS 1), no segments at these lengths
+    "lengths": (dict(B=2, T=200, H=2, HV=4, K=128, V=128), L2),
+    "one-chunk-and-a-row": (dict(B=3, T=65, H=2, HV=4, K=128, V=128), L2),
+    "no-l2norm-v-first": (dict(B=2, T=200, H=1, HV=2, K=128, V=128, v_first=True), dict(state_v_first=True)),
+    "strong-decay": (dict(B=2, T=200, H=1, HV=2, K=128, V=128, h0=False, strength=30.0), L2),
+    "k64": (dict(B=2, T=200, H=2, HV=4, K=64, V=64), L2),
+    "varlen": ("varlen", L2),
+    "everything-in-op": ("gated", {}),
+}
+
+
+@pytest.mark.parametrize("case", list(SCORES_IN_SCAN_CASES))
+def test_scores_in_scan(case, monkeypatch):
+    """GDN's scores formed in the one-chain scan (SCORES_IN_SCAN: no scores kernel; the inverse
+    kernel writes 1 / |q| and 1 / |k|): within the fp64 check, bit-stable over runs, close to the
+    scores kernel's call (both round the scores to bf16), and the scores kernel never launched."""
+    from fastla.backends.gluon import chunk_delta as gluon_chunk
+    from fastla.backends.gluon import chunk_scores_sm90
+    from tests.helpers import gated_case
+    shape, opts = SCORES_IN_SCAN_CASES[case]
+    opts = dict(opts)
+    if shape == "varlen":
+        lengths = [70, 1, 300, 64, 129]
+        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
+        t = bf16_inputs(B=1, T=sum(lengths), H=2, HV=4, K=128, V=128, N=len(lengths))
+        opts.update(cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu)
+    elif shape == "gated":
+        t, extra, gated = gated_case("gdn", B=2, T=200, device="cuda")
+        t = {n: (x if n == "initial_state" else x.bfloat16()) for n, x in t.items()}
+        opts.update(gated, **extra)
+    else:
+        t = bf16_inputs(**shape)
+    monkeypatch.setattr(gluon_chunk, "REGS_CHAINS", 1)
+    launches = []
+    real = chunk_scores_sm90.launch
+    monkeypatch.setattr(chunk_scores_sm90, "launch", lambda *a, **k: launches.append(1) or real(*a, **k))
+    kernel_call = on("gluon", call_chunk, SPEC, t, output_final_state=True, **opts)
+    assert launches, "the scores kernel ran with the flag off"
+    monkeypatch.setattr(gluon_chunk, "SCORES_IN_SCAN", True)
+    launches.clear()
+    check(t, **opts)
+    assert not launches, "the scores kernel ran with the scores formed in the scan"
+    in_scan = on("gluon", call_chunk, SPEC, t, output_final_state=True, **opts)
+    for name, a, b in zip(("o", "final_state"), in_scan, kernel_call):
+        assert rel_rms(a, b) <= 1e-2, f"{name}: {rel_rms(a, b):.2e} from the scores kernel's call"
+
+
+@pytest.mark.parametrize("pieces", [2, 5])
+def test_scores_in_scan_pipeline(pieces, monkeypatch):
+    """The pipeline with the scores formed in the scan (the side stream runs the inverse kernel
+    only, the piece's event after it): the unpipelined call's output and final state bit for bit,
+    within the fp64 check, and in a CUDA graph."""
+    from fastla.backends.gluon import chunk_delta as gluon_chunk
+    monkeypatch.setattr(gluon_chunk, "SCORES_IN_SCAN", True)
+    monkeypatch.setattr(gluon_chunk, "REGS_CHAINS", 1)
+    t = bf16_inputs(B=1, T=64 * 9 + 30, H=2, HV=8, K=128, V=128)
+    monkeypatch.setattr(gluon_chunk, "PIPELINE_PIECES", 1)
+    whole = on("gluon", call_chunk, SPEC, t, output_final_state=True)
+    monkeypatch.setattr(gluon_chunk, "PIPELINE_PIECES", pieces)
+    check(t)
+    piped = on("gluon", call_chunk, SPEC, t, output_final_state=True)
+    for name, a, b in zip(("o", "final_state"), whole, piped):
+        assert torch.equal(a, b), f"{name}: pipelined differs from whole ({(a.float() - b.float()).abs().max()})"
+    graph = torch.cuda.CUDAGraph()
+    u = bf16_inputs(B=1, T=64 * 9 + 30, H=2, HV=8, K=128, V=128)
+    want = on("gluon", call_chunk, SPEC, u, output_final_state=True)
+    with use_tier("gluon", strict=True), torch.no_grad():
+        call_chunk(SPEC, t, output_final_state=True)
+        with torch.cuda.graph(graph):
+            out = call_chunk(SPEC, t, output_final_state=True)
+    for name in t:
+        t[name].copy_(u[name])
+    graph.replay()
+    torch.cuda.synchronize()
+    for name, a, b in zip(("o", "final_state"), want, out):
+        assert torch.equal(a, b), name

@@ -100,6 +100,14 @@ INVERSE_EXP2 = False
 # 2441 instructions, stack 104 -> 48 bytes); off until its GPU tests and sweep
 # (`gluon-inverse-direct`) have run (gdn-prefill.md v30)
 INVERSE_DIRECT_OPERANDS = False
+# GDN's scores formed in the one-chain state-in-registers scan (chunk_delta_regs_sm90._form_scores:
+# Q K^T by wgmma from the tiles the step has, weighted in the exponent) instead of written by the
+# scores kernel and read back: no scores kernel (1x32k HV64: 190 us on the H200), 8 KB fewer a
+# program's step, ~220 more SASS instructions a step (714 -> 932); the inverse kernel writes
+# 1 / |q| and 1 / |k| instead. Where every pass of the call runs that scan (``scores_in_scan``);
+# off until its GPU tests (`-k scores_in_scan`) and sweep (`gluon-scores-in-scan`) have run
+# (docs/notes/gdn-prefill.md v32)
+SCORES_IN_SCAN = False
 SPECIALIZED_WIDTHS = (32, 64)
 # q, k and v views whose rows collapse into one strided [B * T, heads * D] array (split from one
 # projection: unit inner stride, heads adjacent, batch stride T token strides, 16-byte aligned base
@@ -373,17 +381,21 @@ def _regs_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments, se
 
     SK, SV = (1, p.K) if p.state_v_first else (p.V, 1)
     gk = sp.kd is not None                              # KDA: gated keys and queries per value head, kd
+    qk = sp.scores is None                              # the scores formed in the chains (scores_in_scan)
+    if qk and (gk or chains != 1):
+        raise RuntimeError("the scores are formed in the scan only on GDN's one-chain scan")
     qk_width = (p.HV if gk else p.H) * p.K
     k = desc(sp.k, qk_width)
     launcher(_scan_regs_sm90_kernel, sp.T, sp.NT)[(programs * p.HV * (p.V // BV),)](
         k, desc(sp.q, qk_width), desc(sp.kd, qk_width) if gk else k, desc(sp.v, p.HV * p.V),
-        desc(sp.inverse, p.HV * BT), desc(sp.scores, p.HV * BT), desc(sp.o, p.HV * p.V),
+        desc(sp.inverse, p.HV * BT), k if qk else desc(sp.scores, p.HV * BT), desc(sp.o, p.HV * p.V),
         sp.beta, sp.rq, sp.rk, *_or_dummy(sp, sp.gcum, sp.decay if gk else None), sp.o,
         *_or_dummy(sp, sp.h0, sp.ht, sp.cu_seqlens, sp.chunk_start),
         segments, seg_state, sp.T, sp.NT, rows, p.scale,
         H=p.H, HV=p.HV, K=p.K, V=p.V, SK=SK, SV=SV, HAS_H0=sp.h0 is not None, STORE_FINAL=sp.ht is not None,
         L2NORM=p.use_qk_l2norm and not gk, VARLEN=sp.cu_seqlens is not None, SEG=seg, BETA=sp.beta_mode,
-        STAGES=SCAN_STAGES, GK=gk, CHAINS=chains, CHAIN_NREG=CHAIN_REGS, LOADER_NREG=LOADER_REGS, num_warps=4,
+        STAGES=SCAN_STAGES, GK=gk, CHAINS=chains, CHAIN_NREG=CHAIN_REGS, LOADER_NREG=LOADER_REGS, QK=qk,
+        num_warps=4,
     )
 
 
@@ -407,10 +419,28 @@ def run(p: Problem):
         if GDN_INVERSE_SM90 and p.delta:           # (the plain rule's G: the Triton gate cumsum)
             kernels["gdn_inverse"] = gdn_inverse.launch
     pieces = pipeline_pieces(p, config) if len(kernels) == 2 else 1
+    in_scan = len(kernels) == 2 and scores_in_scan(p, config, pieces)
     if pieces > 1:
-        return _run_pipelined(p, config, pieces)
+        return _run_pipelined(p, config, pieces, in_scan)
+    if in_scan:
+        kernels.pop("gdn_scores")
     return triton_chunk.run(p, config, sequence_scan=_sequence_scan, summaries=summaries_sm90(p), dense=False,
-                            **kernels)
+                            scores_in_scan=in_scan, **kernels)
+
+
+def scores_in_scan(p: Problem, config: triton_chunk.ChunkConfig, pieces: int) -> bool:
+    """Whether GDN's scores are formed in the scan (SCORES_IN_SCAN): every sequence pass of the
+    call on the one-chain state-in-registers scan (a pipeline's pieces, or whole sequences with no
+    segments planned where ``regs_chains`` gives one chain), no chunk states."""
+    if not (SCORES_IN_SCAN and p.delta and p.gk is None and not p.return_intermediate_states):
+        return False
+    if pieces > 1:
+        return True
+    counts = triton_chunk._chunk_counts(p)
+    if triton_chunk._segments(p, config, counts):
+        return False
+    lanes = p.HV * sum(counts) / max(max(counts), 1)
+    return regs_chains(p, 0, False, lanes, sm_count(p.device)) == 1
 
 
 def pipeline_pieces(p: Problem, config: triton_chunk.ChunkConfig) -> int:
@@ -436,7 +466,7 @@ def pipeline_pieces(p: Problem, config: triton_chunk.ChunkConfig) -> int:
 _SIDE_STREAMS: dict = {}         # (device, the caller's stream) -> its side stream
 
 
-def _run_pipelined(p: Problem, config: triton_chunk.ChunkConfig, pieces: int):
+def _run_pipelined(p: Problem, config: triton_chunk.ChunkConfig, pieces: int, in_scan: bool = False):
     """GDN's forward as ``pieces`` pieces (triton_chunk.run_in_pieces): each piece's inverse and
     scores kernels on a side stream (one per device and caller's stream, so that concurrent
     callers and graph captures on other streams never share it; forked from the caller's stream at
@@ -447,7 +477,8 @@ def _run_pipelined(p: Problem, config: triton_chunk.ChunkConfig, pieces: int):
     (REGS_CHAINS 1) bit for bit: the same kernels and state; the plan's unpipelined call at these
     lane counts runs the two-chain scan, which measured bit-equal too (v26, v27 sweeps). The
     stream steps go through call_plan (fork, record_event, wait_event, join), so a plan replays
-    them."""
+    them. ``in_scan`` (scores_in_scan): the side stream runs the inverse kernel only, which also
+    writes the norms, and the piece's event follows it."""
     from fastla.backends.gluon import chunk_inverse_sm90 as gdn_inverse
     from fastla.backends.gluon import chunk_scores_sm90 as gdn_scores
     from fastla.core import call_plan
@@ -461,12 +492,12 @@ def _run_pipelined(p: Problem, config: triton_chunk.ChunkConfig, pieces: int):
     held = []
 
     def on_side(launch, ready=None):
-        def run_side(*args):
-            held.append(args)
+        def run_side(*args, **kwargs):
+            held.append((args, kwargs))
             if side is None:                                # (the CPU host stub: one stream)
-                return launch(*args)
+                return launch(*args, **kwargs)
             with torch.cuda.stream(side):
-                launch(*args)
+                launch(*args, **kwargs)
             if ready is not None:
                 call_plan.record_event(ready, side)
         return run_side
@@ -479,6 +510,9 @@ def _run_pipelined(p: Problem, config: triton_chunk.ChunkConfig, pieces: int):
                 call_plan.wait_event(ready, side)
             return _sequence_scan(*args, chains=1)
 
+        if in_scan:
+            return triton_chunk.run(sub, config, sequence_scan=scan, dense=False, out=out, scores_in_scan=True,
+                                    gdn_inverse=on_side(gdn_inverse.launch, ready))
         return triton_chunk.run(sub, config, sequence_scan=scan, dense=False, out=out,
                                 gdn_inverse=on_side(gdn_inverse.launch), gdn_scores=on_side(gdn_scores.launch, ready))
 

@@ -44,18 +44,20 @@ LOADER_REGS = 32        # of the loader's warpgroup (chain 0 gets the rest: 128 
 @gluon.jit
 def _load_stage(k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s, loaded, freed,
                 i, bos, c_begin, i_h, i_hv, i_v, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
-                STAGES: gl.constexpr, GK: gl.constexpr, SEG: gl.constexpr, DELTA: gl.constexpr, CHAINS: gl.constexpr):
+                STAGES: gl.constexpr, GK: gl.constexpr, SEG: gl.constexpr, DELTA: gl.constexpr, CHAINS: gl.constexpr,
+                SCORES: gl.constexpr = True):
     """Chunk i's tiles into stage i % STAGES once every chain has freed it (chunk i - STAGES), a value
     tile of BV / CHAINS columns per chain; returns the stage. A segment summary (SEG 1) loads no
     queries nor scores, and the value tiles of its identity columns (past V) from column 0 of the
     head (read as zeros by the chains). DELTA False (the plain rule): no P, and with GK no gated
-    keys (the update reads kd)."""
+    keys (the update reads kd). SCORES False: no A_qk tile (the chains form the scores)."""
     NK: gl.constexpr = K // BK
     BVC: gl.constexpr = BV // CHAINS
     OUTPUT: gl.constexpr = SEG != 1
+    LOAD_A: gl.constexpr = OUTPUT and SCORES
     LOAD_K: gl.constexpr = DELTA or not GK
     n_qk: gl.constexpr = (1 if OUTPUT else 0) + (1 if GK else 0) + (1 if LOAD_K else 0)
-    n_sq: gl.constexpr = (1 if OUTPUT else 0) + (1 if DELTA else 0)               # A_qk and P tiles
+    n_sq: gl.constexpr = (1 if LOAD_A else 0) + (1 if DELTA else 0)               # A_qk and P tiles
     nbytes: gl.constexpr = (n_qk * NK * BT * BK + BT * BV + n_sq * BT * BT) * 2
     stage = (i % STAGES).to(gl.int32)
     mbarrier.wait(freed.index(stage), (((i // STAGES) & 1) ^ 1).to(gl.int32))
@@ -78,7 +80,7 @@ def _load_stage(k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s,
         tma.async_copy_global_to_shared(v_desc, [t0, col], bar, v_s.index(stage * CHAINS + ch))
     if DELTA:
         tma.async_copy_global_to_shared(p_desc, [t0, i_hv * BT], bar, p_s.index(stage))
-    if OUTPUT:
+    if LOAD_A:
         tma.async_copy_global_to_shared(a_desc, [t0, i_hv * BT], bar, a_s.index(stage))
     return stage
 

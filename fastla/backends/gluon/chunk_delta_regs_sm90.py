@@ -51,33 +51,39 @@ BV_REGS = gl.constexpr(64)      # value columns a chain: the M side of the trans
 LOADER_REGS = 48        # registers per thread of the loader warp (setmaxnreg)
 CHAIN_REGS = 232        # of the second chain with CHAINS = 2 (the first gets the rest)
 N_VEC = gl.constexpr(4)    # per-token vectors a stage: rk e^G, beta, rk e^(G_last - G), scale rq e^G (GDN)
+N_VEC_QK = gl.constexpr(6)     # and with the scores formed in the chains: their rows' and columns' exponents
+LOG2E = gl.constexpr(1.4426950408889634)
 
 
 @gluon.jit
 def _loader_t(k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s,
               loaded, freed, beta, rq, rk, gcum, decay, bos, eos, c_begin, n_chunks, first_chunk, i_h, i_hv, i_v,
               scale, H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, L2NORM: gl.constexpr,
-              BETA: gl.constexpr, SEG: gl.constexpr, STAGES: gl.constexpr, GK: gl.constexpr, CHAINS: gl.constexpr):
+              BETA: gl.constexpr, SEG: gl.constexpr, STAGES: gl.constexpr, GK: gl.constexpr, CHAINS: gl.constexpr,
+              QK: gl.constexpr):
     """Each chunk's tiles by TMA, then its per-token vectors into the stage's ``vec_s`` rows
     (zero past the sequence's end): the keys' weight in Y, rk e^G; beta (activated); the update's
     row weights rk e^(G_last - G); the output's scale rq e^G. GK (KDA: the gates are in the
     prologue's tiles): beta, and the rows' mask in the third row; the chunk's decays e^G_last
-    [K] into ``dec_s``. The chains share the vectors (one value head); each has its value tile. The
-    stage's ``loaded`` barrier completes on the TMA bytes and this warp's arrival after its stores."""
+    [K] into ``dec_s``. QK (the scores formed in the chains, GDN): also the scores' exponents
+    G log2 e + log2(scale rq) and G log2 e - log2 rk (_form_scores).
+    The chains share the vectors (one value head); each has its value tile. The stage's ``loaded``
+    barrier completes on the TMA bytes and this warp's arrival after its stores."""
+    NV: gl.constexpr = N_VEC_QK if QK else N_VEC
     vec: gl.constexpr = gl.BlockedLayout([2], [32], [1], [0])
     r = gl.arange(0, BT, layout=vec)
     o_k = gl.arange(0, K, layout=gl.BlockedLayout([K // 32], [32], [1], [0]))
     for i in range(0, n_chunks):
         stage = _load_stage(k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s, loaded,
                             freed, i, bos, c_begin, i_h, i_hv, i_v, K, V, BV_REGS * CHAINS, STAGES, GK, SEG, True,
-                            CHAINS)
+                            CHAINS, not QK)
         t0 = bos + (c_begin + i) * BT
         m_t = r < eos - t0
         row = (t0 + r) * HV + i_hv
         b_beta = _activate_beta(gl.load(beta + row, mask=m_t, other=0.0), m_t, BETA)
         if GK:
-            vec_s.index(stage * N_VEC + 1).store(b_beta)
-            vec_s.index(stage * N_VEC + 2).store(gl.where(m_t, 1.0, 0.0))
+            vec_s.index(stage * NV + 1).store(b_beta)
+            vec_s.index(stage * NV + 2).store(gl.where(m_t, 1.0, 0.0))
             dec_s.index(stage).store(gl.load(decay + ((first_chunk + c_begin + i) * HV + i_hv) * K + o_k))
         else:
             b_G = gl.load(gcum + row, mask=m_t, other=0.0)
@@ -89,10 +95,13 @@ def _loader_t(k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v
                 b_rk = gl.where(m_t, 1.0, 0.0)
                 b_rq = b_rk
             b_eg = gl.exp(b_G)
-            vec_s.index(stage * N_VEC).store(b_rk * b_eg)
-            vec_s.index(stage * N_VEC + 1).store(b_beta)
-            vec_s.index(stage * N_VEC + 2).store(gl.where(m_t, b_rk * gl.exp(b_Gl - b_G), 0.0))
-            vec_s.index(stage * N_VEC + 3).store(scale * b_rq * b_eg)
+            vec_s.index(stage * NV).store(b_rk * b_eg)
+            vec_s.index(stage * NV + 1).store(b_beta)
+            vec_s.index(stage * NV + 2).store(gl.where(m_t, b_rk * gl.exp(b_Gl - b_G), 0.0))
+            vec_s.index(stage * NV + 3).store(scale * b_rq * b_eg)
+            if QK:
+                vec_s.index(stage * NV + 4).store(b_G * LOG2E + gl.log2(scale * b_rq))
+                vec_s.index(stage * NV + 5).store(b_G * LOG2E - gl.log2(b_rk))
         gl.thread_barrier()
         mbarrier.arrive(loaded.index(stage), count=1)
 
@@ -112,23 +121,46 @@ def _initial_state_t(h0, seg_state, i_n, i_s, i_hv, o_v, o_k, p_state, accs: gl.
 
 
 @gluon.jit
+def _form_scores(sc, a_t, vec_s, vb, acc: gl.constexpr):
+    """The causal scores A_qk = lower(scale rq_i rk_j (q_i . k_j) e^(G_i - G_j)) from Q K^T
+    ``sc`` [BT (i), BT (j)] into the chain's tile ``a_t`` (bf16), for the chain's own wgmma after
+    the barrier. The row and column weights ride in the exponent: (q_i . k_j) 2^(u_i - w_j) with
+    u = G log2 e + log2(scale rq), w = G log2 e - log2 rk (the loader's rows), one exponential
+    and one product an entry; the mask is 2^-inf = 0, and so are the rows and columns past the
+    sequence's end (rq = rk = 0 there: u = -inf, w = +inf)."""
+    rows: gl.constexpr = gl.SliceLayout(1, acc)
+    cols: gl.constexpr = gl.SliceLayout(0, acc)
+    causal = gl.arange(0, BT, layout=rows)[:, None] >= gl.arange(0, BT, layout=cols)[None, :]
+    d = vec_s.index(vb + 4).load(rows)[:, None] - vec_s.index(vb + 5).load(cols)[None, :]
+    a_t.store((sc * gl.exp2(gl.where(causal, d, float("-inf")))).to(gl.bfloat16))     # 0 above the diagonal
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
 def _chunk_step_t(k_t, q_t, kd_t, v_t, p_t, a_t, vec_s, vb, dec_t, S, b_egl, acc: gl.constexpr,
-                  accs: gl.constexpr, GK: gl.constexpr):
+                  accs: gl.constexpr, GK: gl.constexpr, QK: gl.constexpr):
     """One chunk's transposed products, its tiles landed (keys and queries ``[BT, K]``, values, P
     and A_qk, the per-token vectors at vec_s rows vb ..). Returns the new state S^T [BV, K] and
     the output O^T [BV, BT] (fp32). Each product is one wgmma op over its whole K: an accumulator
     chained from one op into the next makes ptxas wait for the first (C7517). GK (KDA): the
     keys and queries are the gated kg and qg, the update reads kd and the decays ``dec_t`` [K]:
     Y^T = (v^T - S^T kg^T) diag(beta), S^T = S^T diag(e^G_last) + V_new^T diag(mask) kd,
-    O^T = S^T qg^T + V_new^T diag(mask) A_qk^T."""
+    O^T = S^T qg^T + V_new^T diag(mask) A_qk^T. QK (GDN): A_qk formed here into the chain's tile
+    ``a_t`` from Q K^T, a product issued first and formed while X^T and Q^T run."""
     cols: gl.constexpr = gl.SliceLayout(0, acc)
     dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc, k_width=2)
     dot_s: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=accs, k_width=2)
     zero = gl.zeros([BV_REGS, BT], gl.float32, acc)                 # (made here: not held across the loop)
+    if QK:                                                          # Q K^T [BT, BT]
+        sc = warpgroup_mma(q_t, k_t.permute((1, 0)), zero, use_acc=False, is_async=True)
     # X^T = S^T k^T and Q^T = S^T q^T (wait for X^T only)
     s_a = gl.convert_layout(S.to(gl.bfloat16), dot_a)
     x = warpgroup_mma(s_a, k_t.permute((1, 0)), zero, use_acc=False, is_async=True)
     qs = warpgroup_mma(s_a, q_t.permute((1, 0)), zero, use_acc=False, is_async=True)
+    if QK:
+        sc = warpgroup_mma_wait(num_outstanding=2, deps=(sc,))
+        _form_scores(sc, a_t, vec_s, vb, acc)
     x = warpgroup_mma_wait(num_outstanding=1, deps=(x,))
     # Y^T = (v^T - X^T diag(rk e^G)) diag(beta);  V_new^T = Y^T P^T
     b_v = v_t.permute((1, 0)).load(acc).to(gl.float32)                     # v^T [BV, BT]
@@ -174,10 +206,11 @@ def _chain_t(CH: gl.constexpr, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s,
              ht, seg_state, bos, eos, c_begin, n_chunks, is_last, i_n, i_s, i_hv, i_v, n_rows, HV: gl.constexpr,
              K: gl.constexpr, V: gl.constexpr, SK: gl.constexpr, SV: gl.constexpr, HAS_H0: gl.constexpr,
              STORE_FINAL: gl.constexpr, SEG: gl.constexpr, STAGES: gl.constexpr, GK: gl.constexpr,
-             CHAINS: gl.constexpr):
+             CHAINS: gl.constexpr, QK: gl.constexpr):
     """Chain CH: the 64 columns of value tile CHAINS i_v + CH, chunk by chunk (one warpgroup); GDN's
     e^G_last is the one value it loads itself (a chunk ahead)."""
     i_v = i_v * CHAINS + CH
+    NV: gl.constexpr = N_VEC_QK if QK else N_VEC
     acc: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     accs: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, K, 16])
     r = gl.arange(0, BT, layout=gl.SliceLayout(0, acc))                   # chunk rows (tokens): columns here
@@ -206,8 +239,8 @@ def _chain_t(CH: gl.constexpr, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s,
 
         mbarrier.wait(loaded.index(stage), ((i // STAGES) & 1).to(gl.int32))
         S, out = _chunk_step_t(kk_s.index(stage), qq_s.index(stage), kkd_s.index(stage), v_s.index(stage * CHAINS + CH),
-                               p_s.index(stage), a_s.index(stage), vec_s, stage * N_VEC, dec_s.index(stage), S, b_egl,
-                               acc, accs, GK)
+                               p_s.index(stage), a_s.index(CH if QK else stage), vec_s, stage * NV, dec_s.index(stage),
+                               S, b_egl, acc, accs, GK, QK)
         mbarrier.arrive(freed.index(stage), count=1)                        # the loader may refill the stage
         _store_output_t(out, o_desc, o_s.index(CH), o, t0, eos, r, o_v, i_hv, i_v, n_rows, HV, V)
 
@@ -225,7 +258,7 @@ def _scan_regs_sm90_kernel(
     SK: gl.constexpr, SV: gl.constexpr, HAS_H0: gl.constexpr, STORE_FINAL: gl.constexpr,
     L2NORM: gl.constexpr, VARLEN: gl.constexpr, SEG: gl.constexpr, BETA: gl.constexpr,
     STAGES: gl.constexpr, GK: gl.constexpr, CHAINS: gl.constexpr, CHAIN_NREG: gl.constexpr,
-    LOADER_NREG: gl.constexpr,
+    LOADER_NREG: gl.constexpr, QK: gl.constexpr,
 ):
     NK: gl.constexpr = K // BK
     i_v, i_hv, i_h, i_s, i_n, bos, eos, first_chunk, c_begin, n_chunks, is_last = _program(
@@ -235,10 +268,10 @@ def _scan_regs_sm90_kernel(
     k_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES * NK, BT, BK], tile)
     q_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES * NK, BT, BK], tile)
     p_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, BT], tile)
-    a_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, BT], tile)
+    a_s = gl.allocate_shared_memory(gl.bfloat16, [CHAINS if QK else STAGES, BT, BT], tile)   # QK: a chain's own
     v_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES * CHAINS, BT, BV_REGS], v_desc.layout)
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    vec_s = gl.allocate_shared_memory(gl.float32, [STAGES * N_VEC, BT], plain)
+    vec_s = gl.allocate_shared_memory(gl.float32, [STAGES * (N_VEC_QK if QK else N_VEC), BT], plain)
     if GK:                                  # the gated keys' kd tiles and the chunks' decays
         kd_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES * NK, BT, BK], tile)
         dec_s = gl.allocate_shared_memory(gl.float32, [STAGES, K], plain)
@@ -260,22 +293,22 @@ def _scan_regs_sm90_kernel(
         gl.warp_specialize([
             (_chain_t, (0, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s, loaded, freed, o_desc, gcum, o, h0, ht,
                         seg_state, bos, eos, c_begin, n_chunks, is_last, i_n, i_s, i_hv32, i_v, n_rows, HV, K, V, SK,
-                        SV, HAS_H0, STORE_FINAL, SEG, STAGES, GK, CHAINS)),
+                        SV, HAS_H0, STORE_FINAL, SEG, STAGES, GK, CHAINS, QK)),
             (_chain_t, (1, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s, loaded, freed, o_desc, gcum, o, h0, ht,
                         seg_state, bos, eos, c_begin, n_chunks, is_last, i_n, i_s, i_hv32, i_v, n_rows, HV, K, V, SK,
-                        SV, HAS_H0, STORE_FINAL, SEG, STAGES, GK, CHAINS)),
+                        SV, HAS_H0, STORE_FINAL, SEG, STAGES, GK, CHAINS, QK)),
             (_loader_t, (k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s,
                          loaded, freed, beta, rq, rk, gcum, decay, bos, eos, c_begin, n_chunks, first_chunk, i_h32,
-                         i_hv32, i_v, scale, H, HV, K, V, L2NORM, BETA, SEG, STAGES, GK, CHAINS)),
+                         i_hv32, i_v, scale, H, HV, K, V, L2NORM, BETA, SEG, STAGES, GK, CHAINS, QK)),
         ], [4, 1], [CHAIN_NREG, LOADER_NREG])
     else:
         gl.warp_specialize([
             (_chain_t, (0, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s, loaded, freed, o_desc, gcum, o, h0, ht,
                         seg_state, bos, eos, c_begin, n_chunks, is_last, i_n, i_s, i_hv32, i_v, n_rows, HV, K, V, SK,
-                        SV, HAS_H0, STORE_FINAL, SEG, STAGES, GK, CHAINS)),
+                        SV, HAS_H0, STORE_FINAL, SEG, STAGES, GK, CHAINS, QK)),
             (_loader_t, (k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s,
                          loaded, freed, beta, rq, rk, gcum, decay, bos, eos, c_begin, n_chunks, first_chunk, i_h32,
-                         i_hv32, i_v, scale, H, HV, K, V, L2NORM, BETA, SEG, STAGES, GK, CHAINS)),
+                         i_hv32, i_v, scale, H, HV, K, V, L2NORM, BETA, SEG, STAGES, GK, CHAINS, QK)),
         ], [1], [LOADER_NREG])
     for st in gl.static_range(STAGES):
         mbarrier.invalidate(loaded.index(st))

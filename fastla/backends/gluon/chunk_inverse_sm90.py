@@ -174,10 +174,10 @@ def _lower_inverse(dp_s, dT, a10, a20, a21, a30, a31, a32, DIRECT: gl.constexpr)
 
 @gluon.jit(do_not_specialize=["T", "NT"])
 def _gdn_inverse_sm90_kernel(
-    k_desc, g, beta, A_log, dt_bias, p_out, gcum, cu_seqlens, chunk_index, T, NT,
+    k_desc, q, q_row, g, beta, A_log, dt_bias, p_out, gcum, rq_out, rk_out, cu_seqlens, chunk_index, T, NT,
     H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, VPP: gl.constexpr, L2NORM: gl.constexpr,
     GATE: gl.constexpr, HAS_BIAS: gl.constexpr, BETA: gl.constexpr, VARLEN: gl.constexpr, EXP2: gl.constexpr,
-    DIRECT: gl.constexpr,
+    DIRECT: gl.constexpr, NORMS: gl.constexpr,
 ):
     gl.static_assert(K % 64 == 0, "K in [64, 64] boxes")
     NK: gl.constexpr = K // 64
@@ -208,6 +208,17 @@ def _gdn_inverse_sm90_kernel(
     mbarrier.expect(bar, NK * 64 * 64 * 2)
     for kk in gl.static_range(NK):
         tma.async_copy_global_to_shared(k_desc, [t0.to(gl.int32), i_h * K + kk * 64], bar, k_s.index(kk))
+    # NORMS (the scores formed in the scan): the first program of each q/k head writes 1 / |q| and
+    # 1 / |k| of the chunk's rows, the queries' while the keys are in flight
+    first = gl.program_id(1) % (HV // H // VPP) == 0
+    if NORMS:
+        rows_q: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [1, 1], [1, 0])     # a row's 16-byte runs in one lane
+        r_q = gl.arange(0, 64, layout=gl.SliceLayout(1, rows_q))
+        c_q = gl.arange(0, K, layout=gl.SliceLayout(0, rows_q))
+        xq = gl.load(q + (t0 + r_q)[:, None] * q_row + i_h * K + c_q[None, :], mask=(r_q < n_left)[:, None],
+                     other=0.0).to(gl.float32)
+        rq = gl.rsqrt(gl.sum(xq * xq, 1) + 1e-6)                           # [64]
+        gl.store(rq_out + (t0 + r_q) * H + i_h, rq, mask=(r_q < n_left) & first)
     mbarrier.wait(bar, 0)
     mbarrier.invalidate(bar)
 
@@ -229,6 +240,12 @@ def _gdn_inverse_sm90_kernel(
         r1 = gl.rsqrt(gl.sum(gl.where(eye, g11, 0.0), 1) + 1e-6)
         r2 = gl.rsqrt(gl.sum(gl.where(eye, g22, 0.0), 1) + 1e-6)
         r3 = gl.rsqrt(gl.sum(gl.where(eye, g33, 0.0), 1) + 1e-6)
+        if NORMS:
+            m_k = first & (o16 < n_left)
+            gl.store(rk_out + (t0 + o16) * H + i_h, r0, mask=m_k)
+            gl.store(rk_out + (t0 + 16 + o16) * H + i_h, r1, mask=m_k & (o16 + 16 < n_left))
+            gl.store(rk_out + (t0 + 32 + o16) * H + i_h, r2, mask=m_k & (o16 + 32 < n_left))
+            gl.store(rk_out + (t0 + 48 + o16) * H + i_h, r3, mask=m_k & (o16 + 48 < n_left))
     else:
         r0 = gl.full([16], 1.0, gl.float32, ROWS)
         r1 = r0
@@ -376,11 +393,13 @@ def launch_kda(p, total: int, tables, a, inverse) -> None:
         a, inverse, cu if varlen else a, chunk_index if varlen else a, p.T, NT, HV=p.HV, VARLEN=varlen, num_warps=1)
 
 
-def launch(p, g, beta, beta_mode: int, total: int, tables, gcum, inverse, dot, config) -> None:
+def launch(p, g, beta, beta_mode: int, total: int, tables, gcum, inverse, dot, config, rq=None, rk=None) -> None:
     """chunk_prepare.launch's contract (``dot`` unused: bf16 keys): G into ``gcum`` ``[B, T, HV]``
-    and P into ``inverse`` ``[B, T, HV, 64]``; value heads a program by chunk_prepare's rule."""
+    and P into ``inverse`` ``[B, T, HV, 64]``; value heads a program by chunk_prepare's rule.
+    With ``rq``, ``rk`` (the l2norm in the op and the scores formed in the scan, so that no scores
+    kernel writes them): 1 / |q| and 1 / |k| into them ``[B, T, H]``."""
     from fastla.backends.gluon.chunk_delta import (
-        INVERSE_DIRECT_OPERANDS, INVERSE_EXP2, _tile_layout, tma_descriptor,
+        INVERSE_DIRECT_OPERANDS, INVERSE_EXP2, _tile_layout, row_stride, tma_descriptor,
     )
     from fastla.backends.triton import sm_count
     from fastla.backends.triton.chunk_prepare import values_per_program
@@ -391,11 +410,15 @@ def launch(p, g, beta, beta_mode: int, total: int, tables, gcum, inverse, dot, c
     NT = -(-p.T // 64)
     vpp = values_per_program(p.HV // p.H, config.inverse_heads, total * p.HV, sm_count(p.device))
     d = gcum
+    norms = rq is not None
+    if norms and not p.use_qk_l2norm:
+        raise RuntimeError("the inverse kernel writes 1 / |q| and 1 / |k| only with the l2norm in the op")
     launcher(_gdn_inverse_sm90_kernel, p.T, NT)[(total, p.HV // vpp)](
-        tma_descriptor(p.k, p.B * p.T, p.H * p.K, [64, 64], _tile_layout(64, 64)), g, beta,
+        tma_descriptor(p.k, p.B * p.T, p.H * p.K, [64, 64], _tile_layout(64, 64)), p.q if norms else d,
+        row_stride(p.q) if norms else 0, g, beta,
         p.A_log if p.A_log is not None else d, p.dt_bias if p.dt_bias is not None else d, inverse, gcum,
-        cu if varlen else d, chunk_index if varlen else d, p.T, NT,
+        rq if norms else d, rk if norms else d, cu if varlen else d, chunk_index if varlen else d, p.T, NT,
         H=p.H, HV=p.HV, K=p.K, VPP=vpp, L2NORM=p.use_qk_l2norm, GATE=p.gate_in_op == "gdn",
         HAS_BIAS=p.dt_bias is not None, BETA=beta_mode, VARLEN=varlen, EXP2=INVERSE_EXP2,
-        DIRECT=INVERSE_DIRECT_OPERANDS, num_warps=1,
+        DIRECT=INVERSE_DIRECT_OPERANDS, NORMS=norms, num_warps=1,
     )

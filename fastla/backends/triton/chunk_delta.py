@@ -586,7 +586,8 @@ class SequencePass:
 
 
 def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, kda_prologue=None, summaries=False,
-        gdn_scores=None, gdn_inverse=None, dense: bool = True, out: torch.Tensor | None = None):
+        gdn_scores=None, gdn_inverse=None, dense: bool = True, out: torch.Tensor | None = None,
+        scores_in_scan: bool = False):
     """The chunked forward. ``sequence_scan(p, SequencePass, seg, segments, seg_state, programs)``,
     when given, launches the sequence passes (seg 0 or 2; seg 0's ``segments`` are varlen's
     sequence orders, _varlen_index) instead of the Triton scan; it must
@@ -597,7 +598,12 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, kda_p
     the launch shape); ``gdn_scores`` and ``gdn_inverse``, GDN's scores and inverse kernels instead
     of chunk_prepare.launch_scores and chunk_prepare.launch (same arguments and outputs).
     ``dense`` False: the caller has already passed ``p`` through dense_inputs for its kernels.
-    ``out``: the output's buffer ([B, T, HV, V], contiguous, ``p.o_dtype``) instead of a new one."""
+    ``out``: the output's buffer ([B, T, HV, V], contiguous, ``p.o_dtype``) instead of a new one.
+    ``scores_in_scan`` (GDN with ``gdn_inverse`` and a ``sequence_scan`` that forms the scores,
+    gluon/chunk_delta.scores_in_scan): no scores are written (SequencePass.scores is None), and
+    ``gdn_inverse`` also writes 1 / |q| and 1 / |k| (its ``rq``, ``rk``)."""
+    if scores_in_scan and not (p.delta and p.gk is None and gdn_inverse is not None and sequence_scan is not None):
+        raise ValueError("scores_in_scan: GDN with the caller's inverse kernel and sequence scan")
     if dense:
         p = dense_inputs(p)
     config = config or default_config(p)
@@ -617,7 +623,7 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, kda_p
     bf16 = p.q.dtype == torch.bfloat16 and not interpreting()
     op_dtype = torch.bfloat16 if bf16 else torch.float32
     dot = tl.bfloat16 if bf16 else tl.float32
-    scores = call_plan.empty((B, T, HV, BT), op_dtype, dev)
+    scores = None if scores_in_scan else call_plan.empty((B, T, HV, BT), op_dtype, dev)
     if not p.delta:
         # the plain rule reads neither beta nor P: the scores stand in for both (the sm_90 scans
         # load beta's rows, in bounds, and leave them unused)
@@ -656,10 +662,13 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, kda_p
         q, k = (p.q, p.k) if p.q.dtype == op_dtype or bf16 else (p.q.to(op_dtype), p.k.to(op_dtype))
         if total and p.delta:
             g = p.g if p.g is not None else call_plan.full((B, T, HV), 0.0, torch.float32, dev)
-            (gdn_inverse or chunk_prepare.launch)(p, g, beta, beta_mode, total, tables, gcum, inverse, dot, config)
+            if scores_in_scan:
+                gdn_inverse(p, g, beta, beta_mode, total, tables, gcum, inverse, dot, config, rq=rq, rk=rk)
+            else:
+                (gdn_inverse or chunk_prepare.launch)(p, g, beta, beta_mode, total, tables, gcum, inverse, dot, config)
         elif total:
             chunk_prepare.launch_gate_cumsum(p, total, tables, gcum)          # G of the plain rule's gate
-        if total:
+        if total and not scores_in_scan:
             (gdn_scores or chunk_prepare.launch_scores)(p, q, k, total, tables, gcum, scores, rq, rk, dot, config)
 
     o = out if out is not None else call_plan.empty((B, T, HV, V), p.o_dtype, dev)
@@ -678,7 +687,7 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, kda_p
                   num_warps=config.scan_warps, num_stages=config.scan_stages)
     if rq is None:
         rq = rk = dummy
-    args = (q, k, p.v, beta, inverse, scores, rq, rk, gcum if gcum is not None else dummy,
+    args = (q, k, p.v, beta, inverse, scores if scores is not None else dummy, rq, rk, gcum if gcum is not None else dummy,
             kd if kd is not None else dummy, decay if decay is not None else dummy, o,
             h0 if h0 is not None else o, ht if ht is not None else o, h_chunks,
             cu if varlen else dummy, chunk_start if varlen else dummy)
