@@ -703,7 +703,7 @@ GDN_INVERSE_VARIANTS = {
 # than the Triton kernel on the H200 (docs/notes/gdn-prefill.md v18)
 GDN_INVERSE_STACK = {"gdn-inverse": 104, "gdn-inverse-one-head": 8, "gdn-inverse-varlen-k64-raw": 56,
                      "gdn-inverse-exp2": 88, "gdn-inverse-direct": 48, "gdn-inverse-exp2-direct": 48,
-                     "gdn-inverse-direct-varlen-k64": 48, "gdn-inverse-norms": 104, "gdn-inverse-norms-varlen-k64": 56}
+                     "gdn-inverse-direct-varlen-k64": 48, "gdn-inverse-norms": 104, "gdn-inverse-norms-varlen-k64": 96}
 
 
 def _child_gdn_inverse(name: str, folder: str) -> None:
