@@ -89,6 +89,7 @@ SCAN_VARIANTS = {
     "regs-qk": dict(REGS=True, BV=64, QK=True),
     "regs-qk-replay-varlen": dict(REGS=True, BV=64, SEG=2, VARLEN=True, QK=True),
     "regs-qk-k64-v-first-raw-beta": dict(REGS=True, BV=64, K=64, V=64, SK=1, SV=64, BETA=1, L2NORM=False, QK=True),
+    "regs2-qk": dict(REGS=True, BV=128, QK=True),       # (the second chain forms them for both)
 }
 
 
@@ -109,8 +110,9 @@ def _child_scan(name: str, folder: str) -> None:
         consts["PREP_NREG"] = PREP_REGS
     elif consts.pop("REGS", False):
         kern = regs._scan_regs_sm90_kernel
-        consts.update(CHAINS=consts["BV"] // 64, CHAIN_NREG=regs.CHAIN_REGS, LOADER_NREG=regs.LOADER_REGS)
         consts.setdefault("QK", False)
+        consts.update(CHAINS=consts["BV"] // 64, LOADER_NREG=regs.LOADER_REGS,
+                      CHAIN_NREG=regs.CHAIN_REGS_QK if consts["QK"] else regs.CHAIN_REGS)
         for n in ("WARPGROUPS", "DELTA", "BV", "STORE_STATES"):
             del consts[n]
     elif consts.pop("DUAL", False):
@@ -138,8 +140,10 @@ def _child_scan(name: str, folder: str) -> None:
 # the values computed before the partitions fork on the stack (reloaded once, one in the loop);
 # the state-in-registers scan keeps two words there (replay) and with two chains the final store's
 # pointers (chains at 224 + 232 registers, the loader's warpgroup at 48): stored before the loop,
-# reloaded after it
-SCAN_SPILLS = {"dual-bv128": 64, "regs-replay-varlen": 8, "regs2": 72, "regs2-kda": 24}
+# reloaded after it; with the scores formed in the second chain (240 registers) 88 bytes, none of
+# them in either chain's loop
+SCAN_SPILLS = {"dual-bv128": 64, "regs-replay-varlen": 8, "regs2": 72, "regs2-kda": 24, "regs2-qk": 88,
+               "regs-qk-replay-varlen": 8}
 
 
 @pytest.mark.parametrize("name", list(SCAN_VARIANTS))
@@ -545,7 +549,7 @@ def test_scores_in_scan_plan_and_launches(monkeypatch):
     assert not planned(problem())                                            # the flag is off
     monkeypatch.setattr(gluon_chunk, "SCORES_IN_SCAN", True)
     assert planned(problem()) and planned(problem(HV=32, T=8192))            # one chain; pieces
-    assert not planned(problem(B=4, T=8192, HV=32))                          # two chains
+    assert planned(problem(B=4, T=8192, HV=32))                              # two chains
     assert not planned(problem(H=2, HV=8))                                   # segments planned
     assert not planned(problem(return_intermediate_states=True))
 

@@ -381,7 +381,7 @@ def test_pipeline_in_a_graph(monkeypatch):
 
 L2 = dict(use_qk_l2norm_in_kernel=True)
 SCORES_IN_SCAN_CASES = {
-    # name: (inputs, options); the scan forced to one chain (REGS_CHAINS 1), no segments at these lengths
+    # name: (inputs, options); the scan's chains forced (REGS_CHAINS), no segments at these lengths
     "lengths": (dict(B=2, T=200, H=2, HV=4, K=128, V=128), L2),
     "one-chunk-and-a-row": (dict(B=3, T=65, H=2, HV=4, K=128, V=128), L2),
     "no-l2norm-v-first": (dict(B=2, T=200, H=1, HV=2, K=128, V=128, v_first=True), dict(state_v_first=True)),
@@ -392,11 +392,13 @@ SCORES_IN_SCAN_CASES = {
 }
 
 
+@pytest.mark.parametrize("chains", [1, 2])
 @pytest.mark.parametrize("case", list(SCORES_IN_SCAN_CASES))
-def test_scores_in_scan(case, monkeypatch):
-    """GDN's scores formed in the one-chain scan (SCORES_IN_SCAN: no scores kernel; the inverse
-    kernel writes 1 / |q| and 1 / |k|): within the fp64 check, bit-stable over runs, close to the
-    scores kernel's call (both round the scores to bf16), and the scores kernel never launched."""
+def test_scores_in_scan(case, chains, monkeypatch):
+    """GDN's scores formed in the state-in-registers scan (SCORES_IN_SCAN: no scores kernel; the
+    inverse kernel writes 1 / |q| and 1 / |k|), one chain and two (the second forms them for both;
+    K = V = 64 runs one): within the fp64 check, bit-stable over runs, close to the scores
+    kernel's call (both round the scores to bf16), and the scores kernel never launched."""
     from fastla.backends.gluon import chunk_delta as gluon_chunk
     from fastla.backends.gluon import chunk_scores_sm90
     from tests.helpers import gated_case
@@ -413,7 +415,7 @@ def test_scores_in_scan(case, monkeypatch):
         opts.update(gated, **extra)
     else:
         t = bf16_inputs(**shape)
-    monkeypatch.setattr(gluon_chunk, "REGS_CHAINS", 1)
+    monkeypatch.setattr(gluon_chunk, "REGS_CHAINS", chains)
     launches = []
     real = chunk_scores_sm90.launch
     monkeypatch.setattr(chunk_scores_sm90, "launch", lambda *a, **k: launches.append(1) or real(*a, **k))

@@ -100,11 +100,11 @@ INVERSE_EXP2 = False
 # 2441 instructions, stack 104 -> 48 bytes); off until its GPU tests and sweep
 # (`gluon-inverse-direct`) have run (gdn-prefill.md v30)
 INVERSE_DIRECT_OPERANDS = False
-# GDN's scores formed in the one-chain state-in-registers scan (chunk_delta_regs_sm90._form_scores:
-# Q K^T by wgmma from the tiles the step has, weighted in the exponent) instead of written by the
-# scores kernel and read back: no scores kernel (1x32k HV64: 190 us on the H200), 8 KB fewer a
-# program's step, ~220 more SASS instructions a step (714 -> 932); the inverse kernel writes
-# 1 / |q| and 1 / |k| instead. Where every pass of the call runs that scan (``scores_in_scan``);
+# GDN's scores formed in the state-in-registers scan (chunk_delta_regs_sm90._form_scores: Q K^T
+# by wgmma from the tiles the step has, weighted in the exponent; with two chains the second forms
+# them for both) instead of written by the scores kernel and read back: no scores kernel (1x32k
+# HV64: 190 us on the H200), 8 KB fewer a program's step, ~220 more SASS instructions a step for
+# the chain that forms them (714 -> 932); the inverse kernel writes 1 / |q| and 1 / |k| instead. Where every pass of the call runs that scan (``scores_in_scan``);
 # off until its GPU tests (`-k scores_in_scan`) and sweep (`gluon-scores-in-scan`) have run
 # (docs/notes/gdn-prefill.md v32)
 SCORES_IN_SCAN = False
@@ -369,7 +369,9 @@ def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments
 def _regs_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments, seg_state, programs: int, chains: int):
     """The sequence pass on the state-in-registers scan (chunk_delta_regs_sm90.py): 64 value
     columns a chain, ``chains`` a program, the [64, 64] tiles of the other scans."""
-    from fastla.backends.gluon.chunk_delta_regs_sm90 import BV_REGS, CHAIN_REGS, LOADER_REGS, _scan_regs_sm90_kernel
+    from fastla.backends.gluon.chunk_delta_regs_sm90 import (
+        BV_REGS, CHAIN_REGS, CHAIN_REGS_QK, LOADER_REGS, _scan_regs_sm90_kernel,
+    )
 
     BT = BK = BV_REGS.value
     BV = BT * chains
@@ -382,8 +384,8 @@ def _regs_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments, se
     SK, SV = (1, p.K) if p.state_v_first else (p.V, 1)
     gk = sp.kd is not None                              # KDA: gated keys and queries per value head, kd
     qk = sp.scores is None                              # the scores formed in the chains (scores_in_scan)
-    if qk and (gk or chains != 1):
-        raise RuntimeError("the scores are formed in the scan only on GDN's one-chain scan")
+    if qk and gk:
+        raise RuntimeError("the scores are formed in the scan only for GDN")
     qk_width = (p.HV if gk else p.H) * p.K
     k = desc(sp.k, qk_width)
     launcher(_scan_regs_sm90_kernel, sp.T, sp.NT)[(programs * p.HV * (p.V // BV),)](
@@ -394,7 +396,7 @@ def _regs_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments, se
         segments, seg_state, sp.T, sp.NT, rows, p.scale,
         H=p.H, HV=p.HV, K=p.K, V=p.V, SK=SK, SV=SV, HAS_H0=sp.h0 is not None, STORE_FINAL=sp.ht is not None,
         L2NORM=p.use_qk_l2norm and not gk, VARLEN=sp.cu_seqlens is not None, SEG=seg, BETA=sp.beta_mode,
-        STAGES=SCAN_STAGES, GK=gk, CHAINS=chains, CHAIN_NREG=CHAIN_REGS, LOADER_NREG=LOADER_REGS, QK=qk,
+        STAGES=SCAN_STAGES, GK=gk, CHAINS=chains, CHAIN_NREG=CHAIN_REGS_QK if qk else CHAIN_REGS, LOADER_NREG=LOADER_REGS, QK=qk,
         num_warps=4,
     )
 
@@ -430,8 +432,8 @@ def run(p: Problem):
 
 def scores_in_scan(p: Problem, config: triton_chunk.ChunkConfig, pieces: int) -> bool:
     """Whether GDN's scores are formed in the scan (SCORES_IN_SCAN): every sequence pass of the
-    call on the one-chain state-in-registers scan (a pipeline's pieces, or whole sequences with no
-    segments planned where ``regs_chains`` gives one chain), no chunk states."""
+    call on the state-in-registers scan (a pipeline's pieces, or whole sequences with no segments
+    planned where ``regs_chains`` gives one or two chains), no chunk states."""
     if not (SCORES_IN_SCAN and p.delta and p.gk is None and not p.return_intermediate_states):
         return False
     if pieces > 1:
@@ -440,7 +442,7 @@ def scores_in_scan(p: Problem, config: triton_chunk.ChunkConfig, pieces: int) ->
     if triton_chunk._segments(p, config, counts):
         return False
     lanes = p.HV * sum(counts) / max(max(counts), 1)
-    return regs_chains(p, 0, False, lanes, sm_count(p.device)) == 1
+    return regs_chains(p, 0, False, lanes, sm_count(p.device)) > 0
 
 
 def pipeline_pieces(p: Problem, config: triton_chunk.ChunkConfig) -> int:

@@ -50,6 +50,7 @@ from fastla.backends.triton.chunk_prepare import _activate_beta
 BV_REGS = gl.constexpr(64)      # value columns a chain: the M side of the transposed products
 LOADER_REGS = 48        # registers per thread of the loader warp (setmaxnreg)
 CHAIN_REGS = 232        # of the second chain with CHAINS = 2 (the first gets the rest)
+CHAIN_REGS_QK = 240     # the same with QK: the second chain forms the scores (232: 7 spill slots in its loop)
 N_VEC = gl.constexpr(4)    # per-token vectors a stage: rk e^G, beta, rk e^(G_last - G), scale rq e^G (GDN)
 N_VEC_QK = gl.constexpr(6)     # and with the scores formed in the chains: their rows' and columns' exponents
 LOG2E = gl.constexpr(1.4426950408889634)
@@ -138,29 +139,33 @@ def _form_scores(sc, a_t, vec_s, vb, acc: gl.constexpr):
 
 
 @gluon.jit
-def _chunk_step_t(k_t, q_t, kd_t, v_t, p_t, a_t, vec_s, vb, dec_t, S, b_egl, acc: gl.constexpr,
-                  accs: gl.constexpr, GK: gl.constexpr, QK: gl.constexpr):
+def _chunk_step_t(k_t, q_t, kd_t, v_t, p_t, a_t, vec_s, vb, dec_t, S, b_egl, scored, phase, acc: gl.constexpr,
+                  accs: gl.constexpr, GK: gl.constexpr, QK: gl.constexpr, FORM: gl.constexpr, SHARE: gl.constexpr):
     """One chunk's transposed products, its tiles landed (keys and queries ``[BT, K]``, values, P
     and A_qk, the per-token vectors at vec_s rows vb ..). Returns the new state S^T [BV, K] and
     the output O^T [BV, BT] (fp32). Each product is one wgmma op over its whole K: an accumulator
     chained from one op into the next makes ptxas wait for the first (C7517). GK (KDA): the
     keys and queries are the gated kg and qg, the update reads kd and the decays ``dec_t`` [K]:
     Y^T = (v^T - S^T kg^T) diag(beta), S^T = S^T diag(e^G_last) + V_new^T diag(mask) kd,
-    O^T = S^T qg^T + V_new^T diag(mask) A_qk^T. QK (GDN): A_qk formed here into the chain's tile
-    ``a_t`` from Q K^T, a product issued first and formed while X^T and Q^T run."""
+    O^T = S^T qg^T + V_new^T diag(mask) A_qk^T. QK (GDN): A_qk formed into the stage's tile ``a_t``
+    from Q K^T, a product issued first and formed while X^T and Q^T run, by the chain that FORMs
+    it; with two chains (SHARE) the first forms it and arrives on ``scored``, the second waits
+    there (``phase``) before its output's product."""
     cols: gl.constexpr = gl.SliceLayout(0, acc)
     dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc, k_width=2)
     dot_s: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=accs, k_width=2)
     zero = gl.zeros([BV_REGS, BT], gl.float32, acc)                 # (made here: not held across the loop)
-    if QK:                                                          # Q K^T [BT, BT]
+    if FORM:                                                        # Q K^T [BT, BT]
         sc = warpgroup_mma(q_t, k_t.permute((1, 0)), zero, use_acc=False, is_async=True)
     # X^T = S^T k^T and Q^T = S^T q^T (wait for X^T only)
     s_a = gl.convert_layout(S.to(gl.bfloat16), dot_a)
     x = warpgroup_mma(s_a, k_t.permute((1, 0)), zero, use_acc=False, is_async=True)
     qs = warpgroup_mma(s_a, q_t.permute((1, 0)), zero, use_acc=False, is_async=True)
-    if QK:
+    if FORM:
         sc = warpgroup_mma_wait(num_outstanding=2, deps=(sc,))
         _form_scores(sc, a_t, vec_s, vb, acc)
+        if SHARE:
+            mbarrier.arrive(scored, count=1)
     x = warpgroup_mma_wait(num_outstanding=1, deps=(x,))
     # Y^T = (v^T - X^T diag(rk e^G)) diag(beta);  V_new^T = Y^T P^T
     b_v = v_t.permute((1, 0)).load(acc).to(gl.float32)                     # v^T [BV, BT]
@@ -181,6 +186,8 @@ def _chunk_step_t(k_t, q_t, kd_t, v_t, p_t, a_t, vec_s, vb, dec_t, S, b_egl, acc
     else:
         S = warpgroup_mma(vd, k_t, S * b_egl, is_async=True)
         va = gl.convert_layout(vn.to(gl.bfloat16), dot_a)
+        if QK and not FORM:
+            mbarrier.wait(scored, phase)
         out = warpgroup_mma(va, a_t.permute((1, 0)), qs * vec_s.index(vb + 3).load(cols)[None, :], is_async=True)
     S, out, vd, va = warpgroup_mma_wait(num_outstanding=0, deps=(S, out, vd, va))
     return S, out
@@ -202,7 +209,7 @@ def _store_output_t(out, o_desc, o_s, o, t0, eos, r, o_v, i_hv, i_v, n_rows, HV:
 
 
 @gluon.jit
-def _chain_t(CH: gl.constexpr, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s, loaded, freed, o_desc, gcum, o, h0,
+def _chain_t(CH: gl.constexpr, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s, loaded, freed, scored, o_desc, gcum, o, h0,
              ht, seg_state, bos, eos, c_begin, n_chunks, is_last, i_n, i_s, i_hv, i_v, n_rows, HV: gl.constexpr,
              K: gl.constexpr, V: gl.constexpr, SK: gl.constexpr, SV: gl.constexpr, HAS_H0: gl.constexpr,
              STORE_FINAL: gl.constexpr, SEG: gl.constexpr, STAGES: gl.constexpr, GK: gl.constexpr,
@@ -239,8 +246,9 @@ def _chain_t(CH: gl.constexpr, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s,
 
         mbarrier.wait(loaded.index(stage), ((i // STAGES) & 1).to(gl.int32))
         S, out = _chunk_step_t(kk_s.index(stage), qq_s.index(stage), kkd_s.index(stage), v_s.index(stage * CHAINS + CH),
-                               p_s.index(stage), a_s.index(CH if QK else stage), vec_s, stage * NV, dec_s.index(stage),
-                               S, b_egl, acc, accs, GK, QK)
+                               p_s.index(stage), a_s.index(stage), vec_s, stage * NV, dec_s.index(stage),
+                               S, b_egl, scored.index(stage), ((i // STAGES) & 1).to(gl.int32), acc, accs, GK, QK,
+                               QK and CH == CHAINS - 1, QK and CHAINS == 2)
         mbarrier.arrive(freed.index(stage), count=1)                        # the loader may refill the stage
         _store_output_t(out, o_desc, o_s.index(CH), o, t0, eos, r, o_v, i_hv, i_v, n_rows, HV, V)
 
@@ -268,7 +276,7 @@ def _scan_regs_sm90_kernel(
     k_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES * NK, BT, BK], tile)
     q_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES * NK, BT, BK], tile)
     p_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, BT], tile)
-    a_s = gl.allocate_shared_memory(gl.bfloat16, [CHAINS if QK else STAGES, BT, BT], tile)   # QK: a chain's own
+    a_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, BT], tile)     # (QK: the first chain writes them)
     v_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES * CHAINS, BT, BV_REGS], v_desc.layout)
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     vec_s = gl.allocate_shared_memory(gl.float32, [STAGES * (N_VEC_QK if QK else N_VEC), BT], plain)
@@ -282,19 +290,26 @@ def _scan_regs_sm90_kernel(
     bar: gl.constexpr = mbarrier.MBarrierLayout()
     loaded = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
     freed = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
+    SHARE: gl.constexpr = QK and CHAINS == 2
+    if SHARE:                                       # the stage's scores formed by the first chain
+        scored = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
+    else:
+        scored = freed
     for st in gl.static_range(STAGES):
         mbarrier.init(loaded.index(st), count=2)        # the TMA bytes' expect and the vectors' arrival
         mbarrier.init(freed.index(st), count=CHAINS)
+        if SHARE:
+            mbarrier.init(scored.index(st), count=1)
     fence_async_shared()
 
     i_hv32 = i_hv.to(gl.int32)
     i_h32 = i_hv32 if GK else i_h.to(gl.int32)                           # the column block of k, q (and kd)
     if CHAINS == 2:
         gl.warp_specialize([
-            (_chain_t, (0, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s, loaded, freed, o_desc, gcum, o, h0, ht,
+            (_chain_t, (0, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s, loaded, freed, scored, o_desc, gcum, o, h0, ht,
                         seg_state, bos, eos, c_begin, n_chunks, is_last, i_n, i_s, i_hv32, i_v, n_rows, HV, K, V, SK,
                         SV, HAS_H0, STORE_FINAL, SEG, STAGES, GK, CHAINS, QK)),
-            (_chain_t, (1, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s, loaded, freed, o_desc, gcum, o, h0, ht,
+            (_chain_t, (1, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s, loaded, freed, scored, o_desc, gcum, o, h0, ht,
                         seg_state, bos, eos, c_begin, n_chunks, is_last, i_n, i_s, i_hv32, i_v, n_rows, HV, K, V, SK,
                         SV, HAS_H0, STORE_FINAL, SEG, STAGES, GK, CHAINS, QK)),
             (_loader_t, (k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s,
@@ -303,7 +318,7 @@ def _scan_regs_sm90_kernel(
         ], [4, 1], [CHAIN_NREG, LOADER_NREG])
     else:
         gl.warp_specialize([
-            (_chain_t, (0, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s, loaded, freed, o_desc, gcum, o, h0, ht,
+            (_chain_t, (0, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s, loaded, freed, scored, o_desc, gcum, o, h0, ht,
                         seg_state, bos, eos, c_begin, n_chunks, is_last, i_n, i_s, i_hv32, i_v, n_rows, HV, K, V, SK,
                         SV, HAS_H0, STORE_FINAL, SEG, STAGES, GK, CHAINS, QK)),
             (_loader_t, (k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s,
@@ -313,3 +328,5 @@ def _scan_regs_sm90_kernel(
     for st in gl.static_range(STAGES):
         mbarrier.invalidate(loaded.index(st))
         mbarrier.invalidate(freed.index(st))
+        if SHARE:
+            mbarrier.invalidate(scored.index(st))
