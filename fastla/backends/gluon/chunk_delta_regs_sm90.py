@@ -24,6 +24,9 @@ chains (4 warps each: the default partition and, with two, a worker) and a one-w
 (chunk_delta_dual_sm90._load_stage: the chunk's tiles, one value tile a chain; then the per-token
 vectors: rk e^G, beta, rk e^(G_last - G), scale rq e^G, or with GK beta, the rows' mask and the
 chunk's decays [K]). Two chains share the chunk's key, query, P and A_qk tiles and its vectors.
+QK (GDN, gluon/chunk_delta.SCORES_IN_SCAN): A_qk formed in the step from Q K^T (one more wgmma
+over the stage's tiles, _form_scores) into the stage's tile instead of loaded; with two chains
+the second forms it for both (an mbarrier a stage), at CHAIN_REGS_QK registers.
 Serves the delta rule (GDN, KDA), whole sequences (SEG 0) and segment replays (SEG 2), with h0 and
 the final state in either layout; the chunk states (a ``[BV, K]`` pointer tile spills), the
 segment summaries (SEG 1) and the plain rule stay on the two-chain and one-chain scans
@@ -62,7 +65,7 @@ def _loader_t(k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v
               scale, H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, L2NORM: gl.constexpr,
               BETA: gl.constexpr, SEG: gl.constexpr, STAGES: gl.constexpr, GK: gl.constexpr, CHAINS: gl.constexpr,
               QK: gl.constexpr):
-    """Each chunk's tiles by TMA, then its per-token vectors into the stage's ``vec_s`` rows
+    """Each chunk's tiles by TMA (QK: no A_qk tile), then its per-token vectors into the stage's ``vec_s`` rows
     (zero past the sequence's end): the keys' weight in Y, rk e^G; beta (activated); the update's
     row weights rk e^(G_last - G); the output's scale rq e^G. GK (KDA: the gates are in the
     prologue's tiles): beta, and the rows' mask in the third row; the chunk's decays e^G_last
@@ -149,8 +152,9 @@ def _chunk_step_t(k_t, q_t, kd_t, v_t, p_t, a_t, vec_s, vb, dec_t, S, b_egl, sco
     Y^T = (v^T - S^T kg^T) diag(beta), S^T = S^T diag(e^G_last) + V_new^T diag(mask) kd,
     O^T = S^T qg^T + V_new^T diag(mask) A_qk^T. QK (GDN): A_qk formed into the stage's tile ``a_t``
     from Q K^T, a product issued first and formed while X^T and Q^T run, by the chain that FORMs
-    it; with two chains (SHARE) the first forms it and arrives on ``scored``, the second waits
-    there (``phase``) before its output's product."""
+    it; with two chains (SHARE) the second forms it and arrives on ``scored``, the first waits
+    there (``phase``) before its output's product. The tile is rewritten two chunks later, after
+    the loader refilled the stage, which waits for both chains' ``freed``."""
     cols: gl.constexpr = gl.SliceLayout(0, acc)
     dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc, k_width=2)
     dot_s: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=accs, k_width=2)
@@ -276,7 +280,7 @@ def _scan_regs_sm90_kernel(
     k_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES * NK, BT, BK], tile)
     q_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES * NK, BT, BK], tile)
     p_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, BT], tile)
-    a_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, BT], tile)     # (QK: the first chain writes them)
+    a_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, BT], tile)     # (QK: the last chain writes them)
     v_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES * CHAINS, BT, BV_REGS], v_desc.layout)
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     vec_s = gl.allocate_shared_memory(gl.float32, [STAGES * (N_VEC_QK if QK else N_VEC), BT], plain)
@@ -291,7 +295,7 @@ def _scan_regs_sm90_kernel(
     loaded = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
     freed = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
     SHARE: gl.constexpr = QK and CHAINS == 2
-    if SHARE:                                       # the stage's scores formed by the first chain
+    if SHARE:                                       # the stage's scores formed by the second chain
         scored = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
     else:
         scored = freed
