@@ -164,13 +164,14 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
     left=$(cap 240)
     [ "$left" -gt 30 ] && timeout "$left" python3 benchmarks/gdn_prefill_sweep.py \
       --variants gluon,gluon-scores-in-scan \
-      --shapes gdn/h16-hv64/1x32768,gdn/h16-hv32/1x8192,gdn/h16-hv32/4x8192 --out "$out" 2>&1 | tail -12
+      --shapes gdn/h16-hv64/1x32768,gdn/h16-hv32/4x8192,gdn/h16-hv64/4x8192,gdn/h16-hv64/varlen9x16384 \
+      --out "$out" 2>&1 | tail -14
     echo "-- $(( $(date +%s) - start )) s"
     # then, in what is left, the registry rows it serves with the flag set by a driver
     left=$(cap 560)
     [ "$left" -gt 60 ] && timeout "$left" python3 -c "import sys; from fastla.backends.gluon import chunk_delta as c; \
 c.SCORES_IN_SCAN = True; from fastla import cli; sys.exit(cli.main(sys.argv[1:]))" bench --filter \
-      gdn/h16-hv64/1x32768,gdn/h16-hv64/4x8192,gdn/h16-hv32/1x8192,gdn/h16-hv64/varlen9x16384,gdn/h16-hv32/4x8192 \
+      gdn/h16-hv64/4x8192,gdn/h16-hv32/4x8192,gdn/h8-hv32/4x8192,gdn/h16-hv64/varlen9x16384,gdn/h16-hv64/1x32768 \
       --modes fwd --quick --no-cold --out "$out" 2>&1 | tail -10
     echo "-- $(( $(date +%s) - start )) s"
     ;;

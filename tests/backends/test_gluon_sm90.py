@@ -12,18 +12,18 @@ pytest.importorskip("triton.experimental.gluon")
 from tests.backends.test_triton_sm90 import _resources, _run_child  # noqa: E402
 
 
-def _compile_sm90(kern, sig: dict, consts: dict, folder: str, options: dict) -> dict:
+def _compile_sm90(kern, sig: dict, consts: dict, folder: str, options: dict, aligned: tuple = ()) -> dict:
     """Compile a Gluon kernel for sm_90 as a launch specializes it (every pointer argument 16-byte
     aligned: fresh tensors, and the Gluon tier's TMA needs it): the cubin's resources and its SASS
     counts of wgmma, TMA loads and stores, 16-byte global stores, the shared memory and the PTX's
-    register splits."""
+    register splits. ``aligned``: integer arguments a launch specializes as multiples of 16."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     names = kern.arg_names
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
-             if isinstance(t, str) and t.startswith("*")}
+             if isinstance(t, str) and t.startswith("*") or n in aligned}
     src = GluonASTSource(kern, sig, {(names.index(n),): v for n, v in consts.items()}, attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     res = _resources(kernel.asm["cubin"], folder)
@@ -526,10 +526,10 @@ def test_pipeline_plan_and_pieces(monkeypatch):
 
 def test_scores_in_scan_plan_and_launches(monkeypatch):
     """GDN's scores formed in the scan (chunk_delta.SCORES_IN_SCAN, scores_in_scan): planned where
-    every pass runs the one-chain state-in-registers scan (1x32k HV64, a pipeline's pieces), not
-    with two chains, segments, chunk states, KDA or the flag off; such a call launches the
-    inverse with the norms' buffers (``rq``, ``rk``, l2norm in the op), no scores kernel, and a
-    scan pass whose scores are None; pipelined, each piece launches its inverse and its scan."""
+    every pass runs the state-in-registers scan (1x32k HV64: one chain; 4x8k HV32: two), not for
+    a pipeline's pieces, segments, chunk states or the flag off; such a call launches the inverse
+    with the norms' buffers (``rq``, ``rk``, l2norm in the op), no scores kernel, and a scan pass
+    whose scores are None."""
     import torch
 
     from fastla.backends.gluon import chunk_delta as gluon_chunk
@@ -548,8 +548,8 @@ def test_scores_in_scan_plan_and_launches(monkeypatch):
 
     assert not planned(problem())                                            # the flag is off
     monkeypatch.setattr(gluon_chunk, "SCORES_IN_SCAN", True)
-    assert planned(problem()) and planned(problem(HV=32, T=8192))            # one chain; pieces
-    assert planned(problem(B=4, T=8192, HV=32))                              # two chains
+    assert planned(problem()) and planned(problem(B=4, T=8192, HV=32))       # one chain; two
+    assert not planned(problem(HV=32, T=8192))                               # pipelined
     assert not planned(problem(H=2, HV=8))                                   # segments planned
     assert not planned(problem(return_intermediate_states=True))
 
@@ -563,10 +563,6 @@ def test_scores_in_scan_plan_and_launches(monkeypatch):
     monkeypatch.setattr(gluon_chunk, "_regs_scan", scan)
     gluon_chunk.run(problem(T=4096, use_qk_l2norm=True))
     assert calls == [("inverse", ["rk", "rq"]), ("scan", None, 1)], calls
-    calls.clear()
-    p = problem(HV=32, T=8192)
-    gluon_chunk._run_pipelined(p, gluon_chunk.plan(p), 2, True)
-    assert calls == [("inverse", ["rk", "rq"]), ("scan", None, 1)] * 2, calls
 
 
 @pytest.mark.parametrize("kernel", ["dual", "plain", "ws"])
@@ -707,7 +703,7 @@ GDN_INVERSE_VARIANTS = {
 # than the Triton kernel on the H200 (docs/notes/gdn-prefill.md v18)
 GDN_INVERSE_STACK = {"gdn-inverse": 104, "gdn-inverse-one-head": 8, "gdn-inverse-varlen-k64-raw": 56,
                      "gdn-inverse-exp2": 88, "gdn-inverse-direct": 48, "gdn-inverse-exp2-direct": 48,
-                     "gdn-inverse-direct-varlen-k64": 48, "gdn-inverse-norms": 104, "gdn-inverse-norms-varlen-k64": 96}
+                     "gdn-inverse-direct-varlen-k64": 48, "gdn-inverse-norms": 104, "gdn-inverse-norms-varlen-k64": 104}
 
 
 def _child_gdn_inverse(name: str, folder: str) -> None:
@@ -720,10 +716,9 @@ def _child_gdn_inverse(name: str, folder: str) -> None:
     consts.update(GDN_INVERSE_VARIANTS[name])
     box = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
     pointers = {"g": "*fp32", "beta": "*bf16", "A_log": "*fp32", "dt_bias": "*fp32", "p_out": "*bf16",
-                "gcum": "*fp32", "cu_seqlens": "*i64", "chunk_index": "*i32", "q": "*bf16", "rq_out": "*fp32",
-                "rk_out": "*fp32"}
+                "gcum": "*fp32", "cu_seqlens": "*i64", "chunk_index": "*i32", "rq_out": "*fp32", "rk_out": "*fp32"}
     sig = {n: (f"tensordesc<bf16[64, 64],{box!r}>" if n.endswith("_desc") else pointers.get(n)
-               or ("constexpr" if n in consts else ("i32" if n in ("T", "NT", "q_row") else "fp32")))
+               or ("constexpr" if n in consts else ("i32" if n in ("T", "NT") else "fp32")))
            for n in kern.arg_names}
     res = _compile_sm90(kern, sig, consts, folder, {"num_warps": 1})
     print(json.dumps(res))

@@ -428,34 +428,3 @@ def test_scores_in_scan(case, chains, monkeypatch):
     in_scan = on("gluon", call_chunk, SPEC, t, output_final_state=True, **opts)
     for name, a, b in zip(("o", "final_state"), in_scan, kernel_call):
         assert rel_rms(a, b) <= 1e-2, f"{name}: {rel_rms(a, b):.2e} from the scores kernel's call"
-
-
-@pytest.mark.parametrize("pieces", [2, 5])
-def test_scores_in_scan_pipeline(pieces, monkeypatch):
-    """The pipeline with the scores formed in the scan (the side stream runs the inverse kernel
-    only, the piece's event after it): the unpipelined call's output and final state bit for bit,
-    within the fp64 check, and in a CUDA graph."""
-    from fastla.backends.gluon import chunk_delta as gluon_chunk
-    monkeypatch.setattr(gluon_chunk, "SCORES_IN_SCAN", True)
-    monkeypatch.setattr(gluon_chunk, "REGS_CHAINS", 1)
-    t = bf16_inputs(B=1, T=64 * 9 + 30, H=2, HV=8, K=128, V=128)
-    monkeypatch.setattr(gluon_chunk, "PIPELINE_PIECES", 1)
-    whole = on("gluon", call_chunk, SPEC, t, output_final_state=True)
-    monkeypatch.setattr(gluon_chunk, "PIPELINE_PIECES", pieces)
-    check(t)
-    piped = on("gluon", call_chunk, SPEC, t, output_final_state=True)
-    for name, a, b in zip(("o", "final_state"), whole, piped):
-        assert torch.equal(a, b), f"{name}: pipelined differs from whole ({(a.float() - b.float()).abs().max()})"
-    graph = torch.cuda.CUDAGraph()
-    u = bf16_inputs(B=1, T=64 * 9 + 30, H=2, HV=8, K=128, V=128)
-    want = on("gluon", call_chunk, SPEC, u, output_final_state=True)
-    with use_tier("gluon", strict=True), torch.no_grad():
-        call_chunk(SPEC, t, output_final_state=True)
-        with torch.cuda.graph(graph):
-            out = call_chunk(SPEC, t, output_final_state=True)
-    for name in t:
-        t[name].copy_(u[name])
-    graph.replay()
-    torch.cuda.synchronize()
-    for name, a, b in zip(("o", "final_state"), want, out):
-        assert torch.equal(a, b), name

@@ -423,7 +423,7 @@ def run(p: Problem):
     pieces = pipeline_pieces(p, config) if len(kernels) == 2 else 1
     in_scan = len(kernels) == 2 and scores_in_scan(p, config, pieces)
     if pieces > 1:
-        return _run_pipelined(p, config, pieces, in_scan)
+        return _run_pipelined(p, config, pieces)
     if in_scan:
         kernels.pop("gdn_scores")
     return triton_chunk.run(p, config, sequence_scan=_sequence_scan, summaries=summaries_sm90(p), dense=False,
@@ -432,12 +432,12 @@ def run(p: Problem):
 
 def scores_in_scan(p: Problem, config: triton_chunk.ChunkConfig, pieces: int) -> bool:
     """Whether GDN's scores are formed in the scan (SCORES_IN_SCAN): every sequence pass of the
-    call on the state-in-registers scan (a pipeline's pieces, or whole sequences with no segments
-    planned where ``regs_chains`` gives one or two chains), no chunk states."""
-    if not (SCORES_IN_SCAN and p.delta and p.gk is None and not p.return_intermediate_states):
+    call on the state-in-registers scan (whole sequences with no segments planned where
+    ``regs_chains`` gives one or two chains), no chunk states, not pipelined (the pieces' scores
+    kernel runs beside the scan, on idle SMs: h16-hv32/1x8192 240.7 -> 277.5 us with the scores in
+    the scan, gdn_prefill_sweep-v32-scores-in-scan.json)."""
+    if not (SCORES_IN_SCAN and p.delta and p.gk is None and not p.return_intermediate_states) or pieces > 1:
         return False
-    if pieces > 1:
-        return True
     counts = triton_chunk._chunk_counts(p)
     if triton_chunk._segments(p, config, counts):
         return False
@@ -468,7 +468,7 @@ def pipeline_pieces(p: Problem, config: triton_chunk.ChunkConfig) -> int:
 _SIDE_STREAMS: dict = {}         # (device, the caller's stream) -> its side stream
 
 
-def _run_pipelined(p: Problem, config: triton_chunk.ChunkConfig, pieces: int, in_scan: bool = False):
+def _run_pipelined(p: Problem, config: triton_chunk.ChunkConfig, pieces: int):
     """GDN's forward as ``pieces`` pieces (triton_chunk.run_in_pieces): each piece's inverse and
     scores kernels on a side stream (one per device and caller's stream, so that concurrent
     callers and graph captures on other streams never share it; forked from the caller's stream at
@@ -479,8 +479,7 @@ def _run_pipelined(p: Problem, config: triton_chunk.ChunkConfig, pieces: int, in
     (REGS_CHAINS 1) bit for bit: the same kernels and state; the plan's unpipelined call at these
     lane counts runs the two-chain scan, which measured bit-equal too (v26, v27 sweeps). The
     stream steps go through call_plan (fork, record_event, wait_event, join), so a plan replays
-    them. ``in_scan`` (scores_in_scan): the side stream runs the inverse kernel only, which also
-    writes the norms, and the piece's event follows it."""
+    them."""
     from fastla.backends.gluon import chunk_inverse_sm90 as gdn_inverse
     from fastla.backends.gluon import chunk_scores_sm90 as gdn_scores
     from fastla.core import call_plan
@@ -494,12 +493,12 @@ def _run_pipelined(p: Problem, config: triton_chunk.ChunkConfig, pieces: int, in
     held = []
 
     def on_side(launch, ready=None):
-        def run_side(*args, **kwargs):
-            held.append((args, kwargs))
+        def run_side(*args):
+            held.append(args)
             if side is None:                                # (the CPU host stub: one stream)
-                return launch(*args, **kwargs)
+                return launch(*args)
             with torch.cuda.stream(side):
-                launch(*args, **kwargs)
+                launch(*args)
             if ready is not None:
                 call_plan.record_event(ready, side)
         return run_side
@@ -512,9 +511,6 @@ def _run_pipelined(p: Problem, config: triton_chunk.ChunkConfig, pieces: int, in
                 call_plan.wait_event(ready, side)
             return _sequence_scan(*args, chains=1)
 
-        if in_scan:
-            return triton_chunk.run(sub, config, sequence_scan=scan, dense=False, out=out, scores_in_scan=True,
-                                    gdn_inverse=on_side(gdn_inverse.launch, ready))
         return triton_chunk.run(sub, config, sequence_scan=scan, dense=False, out=out,
                                 gdn_inverse=on_side(gdn_inverse.launch), gdn_scores=on_side(gdn_scores.launch, ready))
 

@@ -174,7 +174,7 @@ def _lower_inverse(dp_s, dT, a10, a20, a21, a30, a31, a32, DIRECT: gl.constexpr)
 
 @gluon.jit(do_not_specialize=["T", "NT"])
 def _gdn_inverse_sm90_kernel(
-    k_desc, q, q_row, g, beta, A_log, dt_bias, p_out, gcum, rq_out, rk_out, cu_seqlens, chunk_index, T, NT,
+    k_desc, q_desc, g, beta, A_log, dt_bias, p_out, gcum, rq_out, rk_out, cu_seqlens, chunk_index, T, NT,
     H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, VPP: gl.constexpr, L2NORM: gl.constexpr,
     GATE: gl.constexpr, HAS_BIAS: gl.constexpr, BETA: gl.constexpr, VARLEN: gl.constexpr, EXP2: gl.constexpr,
     DIRECT: gl.constexpr, NORMS: gl.constexpr,
@@ -208,19 +208,9 @@ def _gdn_inverse_sm90_kernel(
     mbarrier.expect(bar, NK * 64 * 64 * 2)
     for kk in gl.static_range(NK):
         tma.async_copy_global_to_shared(k_desc, [t0.to(gl.int32), i_h * K + kk * 64], bar, k_s.index(kk))
-    # NORMS (the scores formed in the scan): the first program of each q/k head writes 1 / |q| and
-    # 1 / |k| of the chunk's rows, the queries' while the keys are in flight
-    first = gl.program_id(1) % (HV // H // VPP) == 0
-    if NORMS:
-        rows_q: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [1, 1], [1, 0])     # a row's 16-byte runs in one lane
-        r_q = gl.arange(0, 64, layout=gl.SliceLayout(1, rows_q))
-        c_q = gl.arange(0, K, layout=gl.SliceLayout(0, rows_q))
-        xq = gl.load(q + (t0 + r_q)[:, None] * q_row + i_h * K + c_q[None, :], mask=(r_q < n_left)[:, None],
-                     other=0.0).to(gl.float32)
-        rq = gl.rsqrt(gl.sum(xq * xq, 1) + 1e-6)                           # [64]
-        gl.store(rq_out + (t0 + r_q) * H + i_h, rq, mask=(r_q < n_left) & first)
     mbarrier.wait(bar, 0)
-    mbarrier.invalidate(bar)
+    if not NORMS:
+        mbarrier.invalidate(bar)
 
     # the ten lower Gram blocks [16, 16] and the key norms from the diagonal ones
     g00 = _gram(k_s, 0, 0, NK)
@@ -234,18 +224,32 @@ def _gdn_inverse_sm90_kernel(
     g32 = _gram(k_s, 3, 2, NK)
     g33 = _gram(k_s, 3, 3, NK)
     o16 = gl.arange(0, 16, layout=ROWS)
+    eye = o16[:, None] == gl.arange(0, 16, layout=COLS)[None, :]
+    # NORMS (the scores formed in the scan): the first program of each q/k head writes 1 / |k| and
+    # 1 / |q| of the chunk's rows, the queries' from the Gram diagonals of their tiles, loaded by TMA
+    # where the keys were
+    first = gl.program_id(1) % (HV // H // VPP) == 0
+    if NORMS:
+        gl.thread_barrier()                                                 # (the keys' reads are done)
+        fence_async_shared()
+        mbarrier.expect(bar, NK * 64 * 64 * 2)
+        for kk in gl.static_range(NK):
+            tma.async_copy_global_to_shared(q_desc, [t0.to(gl.int32), i_h * K + kk * 64], bar, k_s.index(kk))
+        mbarrier.wait(bar, 1)
+        for b in gl.static_range(4):
+            rq = gl.rsqrt(gl.sum(gl.where(eye, _gram(k_s, b, b, NK), 0.0), 1) + 1e-6)
+            gl.store(rq_out + (t0 + 16 * b + o16) * H + i_h, rq, mask=first & (o16 + 16 * b < n_left))
+        mbarrier.invalidate(bar)
     if L2NORM:
-        eye = o16[:, None] == gl.arange(0, 16, layout=COLS)[None, :]
         r0 = gl.rsqrt(gl.sum(gl.where(eye, g00, 0.0), 1) + 1e-6)            # [16] rows
         r1 = gl.rsqrt(gl.sum(gl.where(eye, g11, 0.0), 1) + 1e-6)
         r2 = gl.rsqrt(gl.sum(gl.where(eye, g22, 0.0), 1) + 1e-6)
         r3 = gl.rsqrt(gl.sum(gl.where(eye, g33, 0.0), 1) + 1e-6)
         if NORMS:
-            m_k = first & (o16 < n_left)
-            gl.store(rk_out + (t0 + o16) * H + i_h, r0, mask=m_k)
-            gl.store(rk_out + (t0 + 16 + o16) * H + i_h, r1, mask=m_k & (o16 + 16 < n_left))
-            gl.store(rk_out + (t0 + 32 + o16) * H + i_h, r2, mask=m_k & (o16 + 32 < n_left))
-            gl.store(rk_out + (t0 + 48 + o16) * H + i_h, r3, mask=m_k & (o16 + 48 < n_left))
+            gl.store(rk_out + (t0 + o16) * H + i_h, r0, mask=first & (o16 < n_left))
+            gl.store(rk_out + (t0 + 16 + o16) * H + i_h, r1, mask=first & (o16 + 16 < n_left))
+            gl.store(rk_out + (t0 + 32 + o16) * H + i_h, r2, mask=first & (o16 + 32 < n_left))
+            gl.store(rk_out + (t0 + 48 + o16) * H + i_h, r3, mask=first & (o16 + 48 < n_left))
     else:
         r0 = gl.full([16], 1.0, gl.float32, ROWS)
         r1 = r0
@@ -399,7 +403,7 @@ def launch(p, g, beta, beta_mode: int, total: int, tables, gcum, inverse, dot, c
     With ``rq``, ``rk`` (the l2norm in the op and the scores formed in the scan, so that no scores
     kernel writes them): 1 / |q| and 1 / |k| into them ``[B, T, H]``."""
     from fastla.backends.gluon.chunk_delta import (
-        INVERSE_DIRECT_OPERANDS, INVERSE_EXP2, _tile_layout, row_stride, tma_descriptor,
+        INVERSE_DIRECT_OPERANDS, INVERSE_EXP2, _tile_layout, tma_descriptor,
     )
     from fastla.backends.triton import sm_count
     from fastla.backends.triton.chunk_prepare import values_per_program
@@ -413,9 +417,12 @@ def launch(p, g, beta, beta_mode: int, total: int, tables, gcum, inverse, dot, c
     norms = rq is not None
     if norms and not p.use_qk_l2norm:
         raise RuntimeError("the inverse kernel writes 1 / |q| and 1 / |k| only with the l2norm in the op")
+    def desc(x):
+        return tma_descriptor(x, p.B * p.T, p.H * p.K, [64, 64], _tile_layout(64, 64))
+
+    k = desc(p.k)
     launcher(_gdn_inverse_sm90_kernel, p.T, NT)[(total, p.HV // vpp)](
-        tma_descriptor(p.k, p.B * p.T, p.H * p.K, [64, 64], _tile_layout(64, 64)), p.q if norms else d,
-        row_stride(p.q) if norms else 0, g, beta,
+        k, desc(p.q) if norms else k, g, beta,
         p.A_log if p.A_log is not None else d, p.dt_bias if p.dt_bias is not None else d, inverse, gcum,
         rq if norms else d, rk if norms else d, cu if varlen else d, chunk_index if varlen else d, p.T, NT,
         H=p.H, HV=p.HV, K=p.K, VPP=vpp, L2NORM=p.use_qk_l2norm, GATE=p.gate_in_op == "gdn",
