@@ -24,9 +24,11 @@ chains (4 warps each: the default partition and, with two, a worker) and a one-w
 (chunk_delta_dual_sm90._load_stage: the chunk's tiles, one value tile a chain; then the per-token
 vectors: rk e^G, beta, rk e^(G_last - G), scale rq e^G, or with GK beta, the rows' mask and the
 chunk's decays [K]). Two chains share the chunk's key, query, P and A_qk tiles and its vectors.
-QK (GDN, gluon/chunk_delta.SCORES_IN_SCAN): A_qk formed in the step from Q K^T (one more wgmma
-over the stage's tiles, _form_scores) into the stage's tile instead of loaded; with two chains
-the second forms it for both (an mbarrier a stage), at CHAIN_REGS_QK registers.
+QK (GDN, gluon/chunk_delta.SCORES_IN_SCAN): A_qk formed from Q K^T (one more wgmma over the
+stage's tiles, _form_scores) into the stage's tile instead of loaded, the chains waiting for it on
+an mbarrier a stage before their output's product: with one chain by a scorer warpgroup of its own
+(SCORER_REGS registers; the chain keeps 256), with two by the second chain for both (at
+CHAIN_REGS_QK registers).
 Serves the delta rule (GDN, KDA), whole sequences (SEG 0) and segment replays (SEG 2), with h0 and
 the final state in either layout; the chunk states (a ``[BV, K]`` pointer tile spills), the
 segment summaries (SEG 1) and the plain rule stay on the two-chain and one-chain scans
@@ -54,6 +56,7 @@ BV_REGS = gl.constexpr(64)      # value columns a chain: the M side of the trans
 LOADER_REGS = 48        # registers per thread of the loader warp (setmaxnreg)
 CHAIN_REGS = 232        # of the second chain with CHAINS = 2 (the first gets the rest)
 CHAIN_REGS_QK = 240     # the same with QK: the second chain forms the scores (232: 7 spill slots in its loop)
+SCORER_REGS = gl.constexpr(128)     # of the scorer warpgroup (QK, one chain)
 N_VEC = gl.constexpr(4)    # per-token vectors a stage: rk e^G, beta, rk e^(G_last - G), scale rq e^G (GDN)
 N_VEC_QK = gl.constexpr(6)     # and with the scores formed in the chains: their rows' and columns' exponents
 LOG2E = gl.constexpr(1.4426950408889634)
@@ -127,8 +130,8 @@ def _initial_state_t(h0, seg_state, i_n, i_s, i_hv, o_v, o_k, p_state, accs: gl.
 @gluon.jit
 def _form_scores(sc, a_t, vec_s, vb, acc: gl.constexpr):
     """The causal scores A_qk = lower(scale rq_i rk_j (q_i . k_j) e^(G_i - G_j)) from Q K^T
-    ``sc`` [BT (i), BT (j)] into the chain's tile ``a_t`` (bf16), for the chain's own wgmma after
-    the barrier. The row and column weights ride in the exponent: (q_i . k_j) 2^(u_i - w_j) with
+    ``sc`` [BT (i), BT (j)] into the stage's tile ``a_t`` (bf16), fenced for wgmma and behind the
+    partition's barrier. The row and column weights ride in the exponent: (q_i . k_j) 2^(u_i - w_j) with
     u = G log2 e + log2(scale rq), w = G log2 e - log2 rk (the loader's rows), one exponential
     and one product an entry; the mask is 2^-inf = 0, and so are the rows and columns past the
     sequence's end (rq = rk = 0 there: u = -inf, w = +inf)."""
@@ -139,6 +142,24 @@ def _form_scores(sc, a_t, vec_s, vb, acc: gl.constexpr):
     a_t.store((sc * gl.exp2(gl.where(causal, d, float("-inf")))).to(gl.bfloat16))     # 0 above the diagonal
     fence_async_shared()
     gl.thread_barrier()
+
+
+@gluon.jit
+def _scorer_t(k_s, q_s, a_s, vec_s, loaded, freed, scored, n_chunks, K: gl.constexpr, STAGES: gl.constexpr):
+    """QK with one chain: a warpgroup of its own forms each chunk's scores (Q K^T by wgmma from the
+    stage's tiles, then _form_scores into the stage's tile) and arrives on the stage's ``scored``,
+    then on ``freed`` (its reads of the tiles are done), off the chain's critical path."""
+    acc: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+    kk_s = k_s._reinterpret(gl.bfloat16, [STAGES, BT, K], k_s.layout)
+    qq_s = q_s._reinterpret(gl.bfloat16, [STAGES, BT, K], q_s.layout)
+    for i in range(0, n_chunks):
+        stage = (i % STAGES).to(gl.int32)
+        mbarrier.wait(loaded.index(stage), ((i // STAGES) & 1).to(gl.int32))
+        sc = warpgroup_mma(qq_s.index(stage), kk_s.index(stage).permute((1, 0)),
+                           gl.zeros([BT, BT], gl.float32, acc), use_acc=False)
+        _form_scores(sc, a_s.index(stage), vec_s, stage * N_VEC_QK, acc)
+        mbarrier.arrive(scored.index(stage), count=1)
+        mbarrier.arrive(freed.index(stage), count=1)
 
 
 @gluon.jit
@@ -153,8 +174,9 @@ def _chunk_step_t(k_t, q_t, kd_t, v_t, p_t, a_t, vec_s, vb, dec_t, S, b_egl, sco
     O^T = S^T qg^T + V_new^T diag(mask) A_qk^T. QK (GDN): A_qk formed into the stage's tile ``a_t``
     from Q K^T, a product issued first and formed while X^T and Q^T run, by the chain that FORMs
     it; with two chains (SHARE) the second forms it and arrives on ``scored``, the first waits
-    there (``phase``) before its output's product. The tile is rewritten two chunks later, after
-    the loader refilled the stage, which waits for both chains' ``freed``."""
+    there (``phase``) before its output's product; with one, the scorer warpgroup forms it and
+    the chain waits there. The tile is rewritten two chunks later, after the loader refilled the
+    stage, which waits for every partition's ``freed``."""
     cols: gl.constexpr = gl.SliceLayout(0, acc)
     dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc, k_width=2)
     dot_s: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=accs, k_width=2)
@@ -252,7 +274,7 @@ def _chain_t(CH: gl.constexpr, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s,
         S, out = _chunk_step_t(kk_s.index(stage), qq_s.index(stage), kkd_s.index(stage), v_s.index(stage * CHAINS + CH),
                                p_s.index(stage), a_s.index(stage), vec_s, stage * NV, dec_s.index(stage),
                                S, b_egl, scored.index(stage), ((i // STAGES) & 1).to(gl.int32), acc, accs, GK, QK,
-                               QK and CH == CHAINS - 1, QK and CHAINS == 2)
+                               QK and CHAINS == 2 and CH == 1, QK and CHAINS == 2)
         mbarrier.arrive(freed.index(stage), count=1)                        # the loader may refill the stage
         _store_output_t(out, o_desc, o_s.index(CH), o, t0, eos, r, o_v, i_hv, i_v, n_rows, HV, V)
 
@@ -294,15 +316,15 @@ def _scan_regs_sm90_kernel(
     bar: gl.constexpr = mbarrier.MBarrierLayout()
     loaded = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
     freed = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
-    SHARE: gl.constexpr = QK and CHAINS == 2
-    if SHARE:                                       # the stage's scores formed by the second chain
+    SCORER: gl.constexpr = QK and CHAINS == 1        # a warpgroup of its own forms the scores
+    if QK:                                           # the stage's scores formed (by the scorer or chain 1)
         scored = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
     else:
         scored = freed
     for st in gl.static_range(STAGES):
         mbarrier.init(loaded.index(st), count=2)        # the TMA bytes' expect and the vectors' arrival
-        mbarrier.init(freed.index(st), count=CHAINS)
-        if SHARE:
+        mbarrier.init(freed.index(st), count=CHAINS + (1 if SCORER else 0))
+        if QK:
             mbarrier.init(scored.index(st), count=1)
     fence_async_shared()
 
@@ -320,6 +342,16 @@ def _scan_regs_sm90_kernel(
                          loaded, freed, beta, rq, rk, gcum, decay, bos, eos, c_begin, n_chunks, first_chunk, i_h32,
                          i_hv32, i_v, scale, H, HV, K, V, L2NORM, BETA, SEG, STAGES, GK, CHAINS, QK)),
         ], [4, 1], [CHAIN_NREG, LOADER_NREG])
+    elif SCORER:
+        gl.warp_specialize([
+            (_chain_t, (0, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s, loaded, freed, scored, o_desc, gcum, o, h0, ht,
+                        seg_state, bos, eos, c_begin, n_chunks, is_last, i_n, i_s, i_hv32, i_v, n_rows, HV, K, V, SK,
+                        SV, HAS_H0, STORE_FINAL, SEG, STAGES, GK, CHAINS, QK)),
+            (_scorer_t, (k_s, q_s, a_s, vec_s, loaded, freed, scored, n_chunks, K, STAGES)),
+            (_loader_t, (k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s,
+                         loaded, freed, beta, rq, rk, gcum, decay, bos, eos, c_begin, n_chunks, first_chunk, i_h32,
+                         i_hv32, i_v, scale, H, HV, K, V, L2NORM, BETA, SEG, STAGES, GK, CHAINS, QK)),
+        ], [4, 1], [SCORER_REGS, LOADER_NREG])
     else:
         gl.warp_specialize([
             (_chain_t, (0, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s, loaded, freed, scored, o_desc, gcum, o, h0, ht,
@@ -332,5 +364,5 @@ def _scan_regs_sm90_kernel(
     for st in gl.static_range(STAGES):
         mbarrier.invalidate(loaded.index(st))
         mbarrier.invalidate(freed.index(st))
-        if SHARE:
+        if QK:
             mbarrier.invalidate(scored.index(st))
