@@ -546,6 +546,7 @@ def test_scores_in_scan_plan_and_launches(monkeypatch):
         config = gluon_chunk.plan(p)
         return gluon_chunk.scores_in_scan(p, config, gluon_chunk.pipeline_pieces(p, config))
 
+    monkeypatch.setattr(gluon_chunk, "SCORES_IN_SCAN", False)
     assert not planned(problem())                                            # the flag is off
     monkeypatch.setattr(gluon_chunk, "SCORES_IN_SCAN", True)
     assert planned(problem()) and planned(problem(B=4, T=8192, HV=32))       # one chain; two

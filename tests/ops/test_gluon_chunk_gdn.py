@@ -185,8 +185,11 @@ def _compare_prologue_kernel(monkeypatch, sm90, triton_name, switch, tol, shape,
 @pytest.mark.parametrize("case", list(SCORES_CASES))
 def test_sm90_scores_match_triton(case, monkeypatch):
     """The sm_90 scores kernel's scores and norms (chunk_scores_sm90.py) against the Triton scores
-    kernel's (chunk_prepare.py) on the same inputs, and the whole op against fp64 with each (check)."""
+    kernel's (chunk_prepare.py) on the same inputs, and the whole op against fp64 with each (check),
+    the scores kernel run wherever the scan would form them (SCORES_IN_SCAN off)."""
+    from fastla.backends.gluon import chunk_delta as gluon_chunk
     from fastla.backends.gluon import chunk_scores_sm90 as sm90
+    monkeypatch.setattr(gluon_chunk, "SCORES_IN_SCAN", False)
     _compare_prologue_kernel(monkeypatch, sm90, "launch_scores", "GDN_SCORES_SM90",
                              dict(S=5e-3, rq=1e-5, rk=1e-5), *SCORES_CASES[case])
 
@@ -419,6 +422,7 @@ def test_scores_in_scan(case, chains, monkeypatch):
     launches = []
     real = chunk_scores_sm90.launch
     monkeypatch.setattr(chunk_scores_sm90, "launch", lambda *a, **k: launches.append(1) or real(*a, **k))
+    monkeypatch.setattr(gluon_chunk, "SCORES_IN_SCAN", False)
     kernel_call = on("gluon", call_chunk, SPEC, t, output_final_state=True, **opts)
     assert launches, "the scores kernel ran with the flag off"
     monkeypatch.setattr(gluon_chunk, "SCORES_IN_SCAN", True)

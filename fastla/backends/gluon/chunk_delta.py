@@ -100,14 +100,15 @@ INVERSE_EXP2 = False
 # 2441 instructions, stack 104 -> 48 bytes); off until its GPU tests and sweep
 # (`gluon-inverse-direct`) have run (gdn-prefill.md v30)
 INVERSE_DIRECT_OPERANDS = False
-# GDN's scores formed in the state-in-registers scan (chunk_delta_regs_sm90._form_scores: Q K^T
-# by wgmma from the tiles the step has, weighted in the exponent; with two chains the second forms
-# them for both) instead of written by the scores kernel and read back: no scores kernel (1x32k
-# HV64: 190 us on the H200), 8 KB fewer a program's step, ~220 more SASS instructions a step for
-# the chain that forms them (714 -> 932); the inverse kernel writes 1 / |q| and 1 / |k| instead. Where every pass of the call runs that scan (``scores_in_scan``);
-# off until its GPU tests (`-k scores_in_scan`) and sweep (`gluon-scores-in-scan`) have run
-# (docs/notes/gdn-prefill.md v32)
-SCORES_IN_SCAN = False
+# GDN's scores formed in the state-in-registers scan (chunk_delta_regs_sm90._form_scores: Q K^T by
+# wgmma from the stage's tiles, weighted in the exponent; with one chain by a scorer warpgroup of
+# its own, with two by the second chain for both) instead of written by the scores kernel and read
+# back; the inverse kernel writes 1 / |q| and 1 / |k| instead. Where every pass of the call runs
+# that scan (``scores_in_scan``; not the pipeline's pieces, whose scores kernel runs on idle SMs).
+# Measured (docs/notes/gdn-prefill.md v32, gdn_prefill_sweep-v32-scorer-h100.json, an H100, CUDA
+# graph, us): 1x32k HV64 1461.2 -> 1310.3, 4x8k HV32 736.5 -> 635.5, 4x8k HV64 1285.4 -> 1126.8,
+# varlen 9x16k HV64 685.6 -> 628.1. False: the scores kernel (A/B)
+SCORES_IN_SCAN = True
 SPECIALIZED_WIDTHS = (32, 64)
 # q, k and v views whose rows collapse into one strided [B * T, heads * D] array (split from one
 # projection: unit inner stride, heads adjacent, batch stride T token strides, 16-byte aligned base
