@@ -23,7 +23,7 @@
 #   bash benchmarks/gpu_checks.sh prologue-ab # the KDA prologue's bounded operands and whole chunks, GDN's
 #                                              # inverse on ex2.approx.ftz: GPU tests and A/B sweeps (docs/notes/
 #                                              # kda-prefill.md v19-v21, gdn-prefill.md v30; ~9 min)
-#   bash benchmarks/gpu_checks.sh scores-in-scan # GDN's scores formed in the one-chain scan: GPU tests and
+#   bash benchmarks/gpu_checks.sh scores-in-scan # GDN's scores formed in the scan: GPU tests and
 #                                              # the A/B sweep (docs/notes/gdn-prefill.md v32; ~9 min)
 #   bash benchmarks/gpu_checks.sh graph-eager  # why big rows' graph times exceed their eager ones: five
 #                                              # timings, SM clock and power (benchmarks/graph_vs_eager.py; ~3 min)
@@ -156,22 +156,22 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
     echo "-- $(( $(date +%s) - start )) s"
     ;;
   scores-in-scan)
-    # GDN's scores formed in the one-chain scan (docs/notes/gdn-prefill.md v32): its GPU tests, the
-    # inverse's parity tests (it writes the norms now), then the A/B sweep on the shapes it serves
+    # GDN's scores formed in the scan (docs/notes/gdn-prefill.md v32): its GPU tests, the inverse's
+    # parity tests (it writes the norms now), then the A/B sweep against the scores kernel on the
+    # shapes it serves
     start=$(date +%s)
     cap() { local left=$(( 575 - ($(date +%s) - start) )); echo $(( left < 1 ? 1 : (left < $1 ? left : $1) )); }
-    t "$(cap 200)" tests/ops/test_gluon_chunk_gdn.py -k "scores_in_scan or (sm90_inverse and default)"
-    left=$(cap 240)
+    t "$(cap 260)" tests/ops/test_gluon_chunk_gdn.py -k "scores_in_scan or (sm90_inverse and default)"
+    left=$(cap 200)
     [ "$left" -gt 30 ] && timeout "$left" python3 benchmarks/gdn_prefill_sweep.py \
-      --variants gluon,gluon-scores-in-scan \
+      --variants gluon,gluon-scores-kernel \
       --shapes gdn/h16-hv64/1x32768,gdn/h16-hv32/4x8192,gdn/h16-hv64/4x8192,gdn/h16-hv64/varlen9x16384 \
       --out "$out" 2>&1 | tail -14
     echo "-- $(( $(date +%s) - start )) s"
-    # then, in what is left, the registry rows it serves with the flag set by a driver
+    # then, in what is left, the registry rows it serves (the default since v32)
     left=$(cap 560)
-    [ "$left" -gt 60 ] && timeout "$left" python3 -c "import sys; from fastla.backends.gluon import chunk_delta as c; \
-c.SCORES_IN_SCAN = True; from fastla import cli; sys.exit(cli.main(sys.argv[1:]))" bench --filter \
-      gdn/h16-hv64/4x8192,gdn/h16-hv32/4x8192,gdn/h8-hv32/4x8192,gdn/h16-hv64/varlen9x16384,gdn/h16-hv64/1x32768 \
+    [ "$left" -gt 60 ] && timeout "$left" python3 -m fastla bench --filter \
+      gdn/h16-hv64/1x32768,gdn/h16-hv64/4x8192,gdn/h16-hv32/4x8192,gdn/h16-hv64/varlen9x16384,gdn/h8-hv32/4x8192,gdn/h16-hv64/1x8192,gdn/h16-hv32/varlen9x16384,gdn/h8-hv32/varlen9x16384,gdn/h4-hv16/4x8192,gdn/h4-hv16/varlen9x16384 \
       --modes fwd --quick --no-cold --out "$out" 2>&1 | tail -10
     echo "-- $(( $(date +%s) - start )) s"
     ;;
