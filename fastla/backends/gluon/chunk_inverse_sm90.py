@@ -7,7 +7,11 @@ Per 64-token chunk and value head, with G = cumsum(g) over the chunk and unit ke
 op) or raw keys:
     A = strict_lower(beta_i (k_i . k_j) rk_i rk_j e^(G_i - G_j))   [64, 64],   P = (I + A)^-1
 written as P ``[B, T, HV, 64]`` (bf16 whole rows, zeros above the block diagonal) and G
-``[B, T, HV]`` (fp32).
+``[B, T, HV]`` (fp32). NORMS (the scores formed in the scan, gluon/chunk_delta.scores_in_scan):
+also 1 / |k| and 1 / |q| ``[B, T, H]`` by the first program of each q/k head, the keys' from
+the Gram diagonals and the queries' from the diagonal blocks of their own Gram, the queries
+loaded by TMA into the keys' tiles once the keys' Gram is done (+~400 SASS instructions a program,
+one more TMA round trip; measured +14-24% on the kernel, docs/notes/gdn-prefill.md v32).
 
 Grid ``(chunks, HV / VPP)``, one warp: a program takes one chunk of VPP value heads sharing a q/k
 head. The chunk's keys by TMA ([64, 64] boxes); the ten lower [16, 16] Gram blocks K_b K_c^T by
