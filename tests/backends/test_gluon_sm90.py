@@ -550,9 +550,13 @@ def test_scores_in_scan_plan_and_launches(monkeypatch):
     assert not planned(problem())                                            # the flag is off
     monkeypatch.setattr(gluon_chunk, "SCORES_IN_SCAN", True)
     assert planned(problem()) and planned(problem(B=4, T=8192, HV=32))       # one chain; two
-    assert not planned(problem(HV=32, T=8192))                               # pipelined
-    assert not planned(problem(H=2, HV=8))                                   # segments planned
     assert not planned(problem(return_intermediate_states=True))
+    assert not planned(problem(scale=-0.1)) and planned(problem(scale=0.1))  # (log2 of the scale)
+    monkeypatch.setattr(gluon_chunk, "REGS_CHAINS", 1)                       # (the scan serves these
+    assert not planned(problem(HV=32, T=8192))                               # shapes): pipelined,
+    assert not planned(problem(H=2, HV=8))                                   # segments planned
+    monkeypatch.setattr(gluon_chunk, "PIPELINE", False)
+    assert planned(problem(HV=32, T=8192))
 
     calls = []
     monkeypatch.setattr(chunk_inverse_sm90, "launch", lambda p, *a, **kw: calls.append(("inverse", sorted(kw))))

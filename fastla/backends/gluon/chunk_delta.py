@@ -436,8 +436,11 @@ def scores_in_scan(p: Problem, config: triton_chunk.ChunkConfig, pieces: int) ->
     call on the state-in-registers scan (whole sequences with no segments planned where
     ``regs_chains`` gives one or two chains), no chunk states, not pipelined (the pieces' scores
     kernel runs beside the scan, on idle SMs: h16-hv32/1x8192 240.7 -> 277.5 us with the scores in
-    the scan, gdn_prefill_sweep-v32-scores-in-scan.json)."""
+    the scan, gdn_prefill_sweep-v32-scores-in-scan.json), a positive scale (it rides in the scores'
+    exponent as log2(scale rq): _form_scores)."""
     if not (SCORES_IN_SCAN and p.delta and p.gk is None and not p.return_intermediate_states) or pieces > 1:
+        return False
+    if not p.scale > 0:
         return False
     counts = triton_chunk._chunk_counts(p)
     if triton_chunk._segments(p, config, counts):
