@@ -157,15 +157,15 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
     ;;
   scores-in-scan)
     # GDN's scores formed in the scan (docs/notes/gdn-prefill.md v32): its GPU tests, the inverse's
-    # parity tests (it writes the norms now), then the A/B sweep against the scores kernel on the
-    # shapes it serves
+    # parity tests (it writes the norms now) and its early queries, then the A/B sweep against the
+    # scores kernel and the early queries on the shapes it serves
     start=$(date +%s)
     cap() { local left=$(( 575 - ($(date +%s) - start) )); echo $(( left < 1 ? 1 : (left < $1 ? left : $1) )); }
-    t "$(cap 260)" tests/ops/test_gluon_chunk_gdn.py -k "scores_in_scan or (sm90_inverse and default)"
+    t "$(cap 260)" tests/ops/test_gluon_chunk_gdn.py -k "scores_in_scan or (sm90_inverse and default) or early_queries"
     left=$(cap 200)
     [ "$left" -gt 30 ] && timeout "$left" python3 benchmarks/gdn_prefill_sweep.py \
-      --variants gluon,gluon-scores-kernel \
-      --shapes gdn/h16-hv64/1x32768,gdn/h16-hv32/4x8192,gdn/h16-hv64/4x8192,gdn/h16-hv64/varlen9x16384 \
+      --variants gluon,gluon-scores-kernel,gluon-inverse-early-q \
+      --shapes gdn/h16-hv64/1x32768,gdn/h16-hv32/4x8192,gdn/h16-hv64/varlen9x16384 \
       --out "$out" 2>&1 | tail -14
     echo "-- $(( $(date +%s) - start )) s"
     # then, in what is left, the registry rows it serves (the default since v32)

@@ -702,13 +702,15 @@ GDN_INVERSE_VARIANTS = {
     "gdn-inverse-direct-varlen-k64": dict(DIRECT=True, VARLEN=True, K=64),    # (its own scratch buffers)
     "gdn-inverse-norms": dict(NORMS=True),      # 1 / |q|, 1 / |k| too (the scores formed in the scan)
     "gdn-inverse-norms-varlen-k64": dict(NORMS=True, VARLEN=True, K=64),
+    "gdn-inverse-norms-early-q": dict(NORMS=True, EARLY_Q=True),   # the queries under the keys' Gram
 }
 # stack as launched (aligned pointers): at four value heads a program the ten Gram blocks (80
 # registers) live across the heads; the shipped build (gdn-inverse, 104 bytes) measured 8-12% faster
 # than the Triton kernel on the H200 (docs/notes/gdn-prefill.md v18)
 GDN_INVERSE_STACK = {"gdn-inverse": 104, "gdn-inverse-one-head": 8, "gdn-inverse-varlen-k64-raw": 56,
                      "gdn-inverse-exp2": 88, "gdn-inverse-direct": 48, "gdn-inverse-exp2-direct": 48,
-                     "gdn-inverse-direct-varlen-k64": 48, "gdn-inverse-norms": 104, "gdn-inverse-norms-varlen-k64": 104}
+                     "gdn-inverse-direct-varlen-k64": 48, "gdn-inverse-norms": 104, "gdn-inverse-norms-varlen-k64": 104,
+                     "gdn-inverse-norms-early-q": 104}
 
 
 def _child_gdn_inverse(name: str, folder: str) -> None:
@@ -717,7 +719,7 @@ def _child_gdn_inverse(name: str, folder: str) -> None:
     from fastla.backends.gluon.chunk_inverse_sm90 import _gdn_inverse_sm90_kernel as kern
 
     consts = dict(H=16, HV=64, K=128, VPP=4, L2NORM=True, GATE=True, HAS_BIAS=True, BETA=2, VARLEN=False,
-                  EXP2=False, DIRECT=False, NORMS=False)
+                  EXP2=False, DIRECT=False, NORMS=False, EARLY_Q=False)
     consts.update(GDN_INVERSE_VARIANTS[name])
     box = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
     pointers = {"g": "*fp32", "beta": "*bf16", "A_log": "*fp32", "dt_bias": "*fp32", "p_out": "*bf16",

@@ -432,3 +432,38 @@ def test_scores_in_scan(case, chains, monkeypatch):
     in_scan = on("gluon", call_chunk, SPEC, t, output_final_state=True, **opts)
     for name, a, b in zip(("o", "final_state"), in_scan, kernel_call):
         assert rel_rms(a, b) <= 1e-2, f"{name}: {rel_rms(a, b):.2e} from the scores kernel's call"
+
+
+@pytest.mark.parametrize("case", ["dense", "varlen", "gva-2-heads-a-program"])
+def test_inverse_early_queries(case, monkeypatch):
+    """The inverse kernel's queries loaded under its keys' Gram (INVERSE_EARLY_QUERIES, K = 128)
+    with the scores formed in the scan: the output and final state equal those of the queries
+    loaded after the Gram bit for bit (the same products in the same order), within the fp64
+    check; at two value heads a program of a 4:1 GVA too, where only a q/k head's first program
+    writes the norms."""
+    import dataclasses
+
+    from fastla.backends.gluon import chunk_delta as gluon_chunk
+    from fastla.backends.triton import chunk_delta, chunk_prepare
+    monkeypatch.setattr(gluon_chunk, "SCORES_IN_SCAN", True)
+    monkeypatch.setattr(gluon_chunk, "REGS_CHAINS", 1)
+    opts = dict(L2)
+    if case == "varlen":
+        lengths = [70, 1, 300, 64, 129]
+        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
+        t = bf16_inputs(B=1, T=sum(lengths), H=2, HV=4, K=128, V=128, N=len(lengths))
+        opts.update(cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu)
+    else:
+        t = bf16_inputs(B=2, T=200, H=2, HV=8 if case.startswith("gva") else 4, K=128, V=128)
+    if case.startswith("gva"):
+        monkeypatch.setattr(chunk_prepare, "INVERSE_PROGRAMS_PER_SM", 0)      # the heads a program asked for
+        original = chunk_delta.default_config
+        monkeypatch.setattr(chunk_delta, "default_config",
+                            lambda p, **kw: dataclasses.replace(original(p, **kw), inverse_heads=2))
+    monkeypatch.setattr(gluon_chunk, "INVERSE_EARLY_QUERIES", False)
+    want = on("gluon", call_chunk, SPEC, t, output_final_state=True, **opts)
+    monkeypatch.setattr(gluon_chunk, "INVERSE_EARLY_QUERIES", True)
+    check(t, **opts)
+    got = on("gluon", call_chunk, SPEC, t, output_final_state=True, **opts)
+    for name, a, b in zip(("o", "final_state"), got, want):
+        assert torch.equal(a, b), f"{name}: {(a.float() - b.float()).abs().max()} from the later-loaded queries' run"

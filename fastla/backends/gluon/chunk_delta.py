@@ -109,6 +109,13 @@ INVERSE_DIRECT_OPERANDS = False
 # graph, us): 1x32k HV64 1461.2 -> 1310.3, 4x8k HV32 736.5 -> 635.5, 4x8k HV64 1285.4 -> 1126.8,
 # varlen 9x16k HV64 685.6 -> 628.1. False: the scores kernel (A/B)
 SCORES_IN_SCAN = True
+# With it, the inverse kernel's queries loaded under its keys' Gram (chunk_inverse_sm90's EARLY_Q,
+# K = 128: the keys' Gram a slice at a time, the queries' first slice landing under the keys'
+# second, their second under their own first's products; the same products in the same order, so
+# bit-equal). The norms cost the inverse 14-24% on an H100 (v32), more than their ~400 SASS
+# instructions; this hides most of the second TMA round trip a program. Off until its GPU test
+# (`-k early_queries`) and sweep (`gluon-inverse-early-q`) have run (docs/notes/gdn-prefill.md v32)
+INVERSE_EARLY_QUERIES = False
 SPECIALIZED_WIDTHS = (32, 64)
 # q, k and v views whose rows collapse into one strided [B * T, heads * D] array (split from one
 # projection: unit inner stride, heads adjacent, batch stride T token strides, 16-byte aligned base

@@ -84,6 +84,15 @@ def _gram(k_s, b: gl.constexpr, c: gl.constexpr, NK: gl.constexpr):
 
 
 @gluon.jit
+def _gram_slice(kt, b: gl.constexpr, c: gl.constexpr, acc):
+    """acc + K_b K_c^T over one [64, 64] key slice ``kt`` (bf16 mma.sync): _gram a slice at a time,
+    the same products in the same order."""
+    da: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    db: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    return mma_v2(kt.slice(16 * b, 16, dim=0).load(da), kt.slice(16 * c, 16, dim=0).permute((1, 0)).load(db), acc)
+
+
+@gluon.jit
 def _a_block(gram, scale_r, rk_c, G_r, G_c, DIAG: gl.constexpr, EXP2: gl.constexpr):
     """A's block from a Gram block [16, 16]: scale_r = beta rk of the rows, rk_c of the columns,
     e^(G_i - G_j); strictly lower on a diagonal block (the exponent clamped where unused). EXP2
@@ -181,7 +190,7 @@ def _gdn_inverse_sm90_kernel(
     k_desc, q_desc, g, beta, A_log, dt_bias, p_out, gcum, rq_out, rk_out, cu_seqlens, chunk_index, T, NT,
     H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, VPP: gl.constexpr, L2NORM: gl.constexpr,
     GATE: gl.constexpr, HAS_BIAS: gl.constexpr, BETA: gl.constexpr, VARLEN: gl.constexpr, EXP2: gl.constexpr,
-    DIRECT: gl.constexpr, NORMS: gl.constexpr,
+    DIRECT: gl.constexpr, NORMS: gl.constexpr, EARLY_Q: gl.constexpr,
 ):
     gl.static_assert(K % 64 == 0, "K in [64, 64] boxes")
     NK: gl.constexpr = K // 64
@@ -216,24 +225,72 @@ def _gdn_inverse_sm90_kernel(
     if not NORMS:
         mbarrier.invalidate(bar)
 
-    # the ten lower Gram blocks [16, 16] and the key norms from the diagonal ones
-    g00 = _gram(k_s, 0, 0, NK)
-    g10 = _gram(k_s, 1, 0, NK)
-    g11 = _gram(k_s, 1, 1, NK)
-    g20 = _gram(k_s, 2, 0, NK)
-    g21 = _gram(k_s, 2, 1, NK)
-    g22 = _gram(k_s, 2, 2, NK)
-    g30 = _gram(k_s, 3, 0, NK)
-    g31 = _gram(k_s, 3, 1, NK)
-    g32 = _gram(k_s, 3, 2, NK)
-    g33 = _gram(k_s, 3, 3, NK)
+    # the ten lower Gram blocks [16, 16] and the key norms from the diagonal ones; EARLY_Q
+    # (INVERSE_EARLY_QUERIES, with NORMS at K = 128): a slice at a time, the queries' first slice
+    # loading by TMA into the keys' first under the keys' second, their second under their first
+    if NORMS and EARLY_Q and NK == 2:
+        z = gl.zeros([16, 16], gl.float32, MMA)
+        k0 = k_s.index(0)
+        g00 = _gram_slice(k0, 0, 0, z)
+        g10 = _gram_slice(k0, 1, 0, z)
+        g11 = _gram_slice(k0, 1, 1, z)
+        g20 = _gram_slice(k0, 2, 0, z)
+        g21 = _gram_slice(k0, 2, 1, z)
+        g22 = _gram_slice(k0, 2, 2, z)
+        g30 = _gram_slice(k0, 3, 0, z)
+        g31 = _gram_slice(k0, 3, 1, z)
+        g32 = _gram_slice(k0, 3, 2, z)
+        g33 = _gram_slice(k0, 3, 3, z)
+        gl.thread_barrier()                                                 # (slice 0's reads are done)
+        fence_async_shared()
+        mbarrier.expect(bar, 64 * 64 * 2)
+        tma.async_copy_global_to_shared(q_desc, [t0.to(gl.int32), i_h * K], bar, k0)
+        k1 = k_s.index(1)
+        g00 = _gram_slice(k1, 0, 0, g00)
+        g10 = _gram_slice(k1, 1, 0, g10)
+        g11 = _gram_slice(k1, 1, 1, g11)
+        g20 = _gram_slice(k1, 2, 0, g20)
+        g21 = _gram_slice(k1, 2, 1, g21)
+        g22 = _gram_slice(k1, 2, 2, g22)
+        g30 = _gram_slice(k1, 3, 0, g30)
+        g31 = _gram_slice(k1, 3, 1, g31)
+        g32 = _gram_slice(k1, 3, 2, g32)
+        g33 = _gram_slice(k1, 3, 3, g33)
+        gl.thread_barrier()
+        fence_async_shared()
+        mbarrier.wait(bar, 1)                                               # the queries' slice 0
+        mbarrier.expect(bar, 64 * 64 * 2)
+        tma.async_copy_global_to_shared(q_desc, [t0.to(gl.int32), i_h * K + 64], bar, k1)
+        q00 = _gram_slice(k0, 0, 0, z)
+        q11 = _gram_slice(k0, 1, 1, z)
+        q22 = _gram_slice(k0, 2, 2, z)
+        q33 = _gram_slice(k0, 3, 3, z)
+        mbarrier.wait(bar, 0)                                               # and slice 1
+        qd = (_gram_slice(k1, 0, 0, q00), _gram_slice(k1, 1, 1, q11), _gram_slice(k1, 2, 2, q22),
+              _gram_slice(k1, 3, 3, q33))
+        mbarrier.invalidate(bar)
+    else:
+        g00 = _gram(k_s, 0, 0, NK)
+        g10 = _gram(k_s, 1, 0, NK)
+        g11 = _gram(k_s, 1, 1, NK)
+        g20 = _gram(k_s, 2, 0, NK)
+        g21 = _gram(k_s, 2, 1, NK)
+        g22 = _gram(k_s, 2, 2, NK)
+        g30 = _gram(k_s, 3, 0, NK)
+        g31 = _gram(k_s, 3, 1, NK)
+        g32 = _gram(k_s, 3, 2, NK)
+        g33 = _gram(k_s, 3, 3, NK)
     o16 = gl.arange(0, 16, layout=ROWS)
     eye = o16[:, None] == gl.arange(0, 16, layout=COLS)[None, :]
     # NORMS (the scores formed in the scan): the first program of each q/k head writes 1 / |k| and
     # 1 / |q| of the chunk's rows, the queries' from the Gram diagonals of their tiles, loaded by TMA
     # where the keys were
     first = gl.program_id(1) % (HV // H // VPP) == 0
-    if NORMS:
+    if NORMS and EARLY_Q and NK == 2:
+        for b in gl.static_range(4):
+            rq = gl.rsqrt(gl.sum(gl.where(eye, qd[b], 0.0), 1) + 1e-6)
+            gl.store(rq_out + (t0 + 16 * b + o16) * H + i_h, rq, mask=first & (o16 + 16 * b < n_left))
+    if NORMS and not (EARLY_Q and NK == 2):
         gl.thread_barrier()                                                 # (the keys' reads are done)
         fence_async_shared()
         mbarrier.expect(bar, NK * 64 * 64 * 2)
@@ -407,7 +464,7 @@ def launch(p, g, beta, beta_mode: int, total: int, tables, gcum, inverse, dot, c
     With ``rq``, ``rk`` (the l2norm in the op and the scores formed in the scan, so that no scores
     kernel writes them): 1 / |q| and 1 / |k| into them ``[B, T, H]``."""
     from fastla.backends.gluon.chunk_delta import (
-        INVERSE_DIRECT_OPERANDS, INVERSE_EXP2, _tile_layout, tma_descriptor,
+        INVERSE_DIRECT_OPERANDS, INVERSE_EARLY_QUERIES, INVERSE_EXP2, _tile_layout, tma_descriptor,
     )
     from fastla.backends.triton import sm_count
     from fastla.backends.triton.chunk_prepare import values_per_program
@@ -431,5 +488,5 @@ def launch(p, g, beta, beta_mode: int, total: int, tables, gcum, inverse, dot, c
         rq if norms else d, rk if norms else d, cu if varlen else d, chunk_index if varlen else d, p.T, NT,
         H=p.H, HV=p.HV, K=p.K, VPP=vpp, L2NORM=p.use_qk_l2norm, GATE=p.gate_in_op == "gdn",
         HAS_BIAS=p.dt_bias is not None, BETA=beta_mode, VARLEN=varlen, EXP2=INVERSE_EXP2,
-        DIRECT=INVERSE_DIRECT_OPERANDS, NORMS=norms, num_warps=1,
+        DIRECT=INVERSE_DIRECT_OPERANDS, NORMS=norms, EARLY_Q=INVERSE_EARLY_QUERIES, num_warps=1,
     )
