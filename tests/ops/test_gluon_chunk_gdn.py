@@ -383,6 +383,13 @@ def test_pipeline_in_a_graph(monkeypatch):
 
 
 L2 = dict(use_qk_l2norm_in_kernel=True)
+
+
+def varlen_inputs(opts: dict, lengths=(70, 1, 300, 64, 129)) -> dict:
+    """A varlen batch of ``lengths`` (a length-1 sequence among them), its offsets added to ``opts``."""
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
+    opts.update(cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu)
+    return bf16_inputs(B=1, T=sum(lengths), H=2, HV=4, K=128, V=128, N=len(lengths))
 SCORES_IN_SCAN_CASES = {
     # name: (inputs, options); the scan's chains forced (REGS_CHAINS), no segments at these lengths
     "lengths": (dict(B=2, T=200, H=2, HV=4, K=128, V=128), L2),
@@ -408,10 +415,7 @@ def test_scores_in_scan(case, chains, monkeypatch):
     shape, opts = SCORES_IN_SCAN_CASES[case]
     opts = dict(opts)
     if shape == "varlen":
-        lengths = [70, 1, 300, 64, 129]
-        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
-        t = bf16_inputs(B=1, T=sum(lengths), H=2, HV=4, K=128, V=128, N=len(lengths))
-        opts.update(cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu)
+        t = varlen_inputs(opts)
     elif shape == "gated":
         t, extra, gated = gated_case("gdn", B=2, T=200, device="cuda")
         t = {n: (x if n == "initial_state" else x.bfloat16()) for n, x in t.items()}
@@ -449,10 +453,7 @@ def test_inverse_early_queries(case, monkeypatch):
     monkeypatch.setattr(gluon_chunk, "REGS_CHAINS", 1)
     opts = dict(L2)
     if case == "varlen":
-        lengths = [70, 1, 300, 64, 129]
-        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
-        t = bf16_inputs(B=1, T=sum(lengths), H=2, HV=4, K=128, V=128, N=len(lengths))
-        opts.update(cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu)
+        t = varlen_inputs(opts)
     else:
         t = bf16_inputs(B=2, T=200, H=2, HV=8 if case.startswith("gva") else 4, K=128, V=128)
     if case.startswith("gva"):

@@ -93,6 +93,15 @@ def _gram_slice(kt, b: gl.constexpr, c: gl.constexpr, acc):
 
 
 @gluon.jit
+def _gram_blocks(kt, g00, g10, g11, g20, g21, g22, g30, g31, g32, g33):
+    """The ten lower Gram blocks, each plus its products over one key slice ``kt``."""
+    return (_gram_slice(kt, 0, 0, g00), _gram_slice(kt, 1, 0, g10), _gram_slice(kt, 1, 1, g11),
+            _gram_slice(kt, 2, 0, g20), _gram_slice(kt, 2, 1, g21), _gram_slice(kt, 2, 2, g22),
+            _gram_slice(kt, 3, 0, g30), _gram_slice(kt, 3, 1, g31), _gram_slice(kt, 3, 2, g32),
+            _gram_slice(kt, 3, 3, g33))
+
+
+@gluon.jit
 def _a_block(gram, scale_r, rk_c, G_r, G_c, DIAG: gl.constexpr, EXP2: gl.constexpr):
     """A's block from a Gram block [16, 16]: scale_r = beta rk of the rows, rk_c of the columns,
     e^(G_i - G_j); strictly lower on a diagonal block (the exponent clamped where unused). EXP2
@@ -231,31 +240,14 @@ def _gdn_inverse_sm90_kernel(
     if NORMS and EARLY_Q and NK == 2:
         z = gl.zeros([16, 16], gl.float32, MMA)
         k0 = k_s.index(0)
-        g00 = _gram_slice(k0, 0, 0, z)
-        g10 = _gram_slice(k0, 1, 0, z)
-        g11 = _gram_slice(k0, 1, 1, z)
-        g20 = _gram_slice(k0, 2, 0, z)
-        g21 = _gram_slice(k0, 2, 1, z)
-        g22 = _gram_slice(k0, 2, 2, z)
-        g30 = _gram_slice(k0, 3, 0, z)
-        g31 = _gram_slice(k0, 3, 1, z)
-        g32 = _gram_slice(k0, 3, 2, z)
-        g33 = _gram_slice(k0, 3, 3, z)
+        g00, g10, g11, g20, g21, g22, g30, g31, g32, g33 = _gram_blocks(k0, z, z, z, z, z, z, z, z, z, z)
         gl.thread_barrier()                                                 # (slice 0's reads are done)
         fence_async_shared()
         mbarrier.expect(bar, 64 * 64 * 2)
         tma.async_copy_global_to_shared(q_desc, [t0.to(gl.int32), i_h * K], bar, k0)
         k1 = k_s.index(1)
-        g00 = _gram_slice(k1, 0, 0, g00)
-        g10 = _gram_slice(k1, 1, 0, g10)
-        g11 = _gram_slice(k1, 1, 1, g11)
-        g20 = _gram_slice(k1, 2, 0, g20)
-        g21 = _gram_slice(k1, 2, 1, g21)
-        g22 = _gram_slice(k1, 2, 2, g22)
-        g30 = _gram_slice(k1, 3, 0, g30)
-        g31 = _gram_slice(k1, 3, 1, g31)
-        g32 = _gram_slice(k1, 3, 2, g32)
-        g33 = _gram_slice(k1, 3, 3, g33)
+        g00, g10, g11, g20, g21, g22, g30, g31, g32, g33 = _gram_blocks(k1, g00, g10, g11, g20, g21, g22, g30,
+                                                                        g31, g32, g33)
         gl.thread_barrier()
         fence_async_shared()
         mbarrier.wait(bar, 1)                                               # the queries' slice 0
