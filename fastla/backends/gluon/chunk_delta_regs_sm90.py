@@ -50,6 +50,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from fastla.backends.gluon.chunk_delta_dual_sm90 import _load_stage
 from fastla.backends.gluon.chunk_delta_sm90 import BK, BT, _program
+from fastla.backends.gluon.chunk_scores_sm90 import LOG2E
 from fastla.backends.triton.chunk_prepare import _activate_beta
 
 BV_REGS = gl.constexpr(64)      # value columns a chain: the M side of the transposed products
@@ -59,7 +60,6 @@ CHAIN_REGS_QK = 240     # the same with QK: the second chain forms the scores (2
 SCORER_REGS = gl.constexpr(128)     # of the scorer warpgroup (QK, one chain)
 N_VEC = gl.constexpr(4)    # per-token vectors a stage: rk e^G, beta, rk e^(G_last - G), scale rq e^G (GDN)
 N_VEC_QK = gl.constexpr(6)     # and with the scores formed in the chains: their rows' and columns' exponents
-LOG2E = gl.constexpr(1.4426950408889634)
 
 
 @gluon.jit
@@ -164,7 +164,7 @@ def _scorer_t(k_s, q_s, a_s, vec_s, loaded, freed, scored, n_chunks, K: gl.const
 
 @gluon.jit
 def _chunk_step_t(k_t, q_t, kd_t, v_t, p_t, a_t, vec_s, vb, dec_t, S, b_egl, scored, phase, acc: gl.constexpr,
-                  accs: gl.constexpr, GK: gl.constexpr, QK: gl.constexpr, FORM: gl.constexpr, SHARE: gl.constexpr):
+                  accs: gl.constexpr, GK: gl.constexpr, QK: gl.constexpr, FORM: gl.constexpr):
     """One chunk's transposed products, its tiles landed (keys and queries ``[BT, K]``, values, P
     and A_qk, the per-token vectors at vec_s rows vb ..). Returns the new state S^T [BV, K] and
     the output O^T [BV, BT] (fp32). Each product is one wgmma op over its whole K: an accumulator
@@ -173,7 +173,7 @@ def _chunk_step_t(k_t, q_t, kd_t, v_t, p_t, a_t, vec_s, vb, dec_t, S, b_egl, sco
     Y^T = (v^T - S^T kg^T) diag(beta), S^T = S^T diag(e^G_last) + V_new^T diag(mask) kd,
     O^T = S^T qg^T + V_new^T diag(mask) A_qk^T. QK (GDN): A_qk formed into the stage's tile ``a_t``
     from Q K^T, a product issued first and formed while X^T and Q^T run, by the chain that FORMs
-    it; with two chains (SHARE) the second forms it and arrives on ``scored``, the first waits
+    it; with two chains the second forms it and arrives on ``scored``, the first waits
     there (``phase``) before its output's product; with one, the scorer warpgroup forms it and
     the chain waits there. The tile is rewritten two chunks later, after the loader refilled the
     stage, which waits for every partition's ``freed``."""
@@ -190,8 +190,7 @@ def _chunk_step_t(k_t, q_t, kd_t, v_t, p_t, a_t, vec_s, vb, dec_t, S, b_egl, sco
     if FORM:
         sc = warpgroup_mma_wait(num_outstanding=2, deps=(sc,))
         _form_scores(sc, a_t, vec_s, vb, acc)
-        if SHARE:
-            mbarrier.arrive(scored, count=1)
+        mbarrier.arrive(scored, count=1)
     x = warpgroup_mma_wait(num_outstanding=1, deps=(x,))
     # Y^T = (v^T - X^T diag(rk e^G)) diag(beta);  V_new^T = Y^T P^T
     b_v = v_t.permute((1, 0)).load(acc).to(gl.float32)                     # v^T [BV, BT]
@@ -274,7 +273,7 @@ def _chain_t(CH: gl.constexpr, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s,
         S, out = _chunk_step_t(kk_s.index(stage), qq_s.index(stage), kkd_s.index(stage), v_s.index(stage * CHAINS + CH),
                                p_s.index(stage), a_s.index(stage), vec_s, stage * NV, dec_s.index(stage),
                                S, b_egl, scored.index(stage), ((i // STAGES) & 1).to(gl.int32), acc, accs, GK, QK,
-                               QK and CHAINS == 2 and CH == 1, QK and CHAINS == 2)
+                               QK and CHAINS == 2 and CH == 1)
         mbarrier.arrive(freed.index(stage), count=1)                        # the loader may refill the stage
         _store_output_t(out, o_desc, o_s.index(CH), o, t0, eos, r, o_v, i_hv, i_v, n_rows, HV, V)
 
