@@ -274,6 +274,12 @@ def _or_dummy(sp: triton_chunk.SequencePass, *tensors):
     return [sp.dummy if x is None else x for x in tensors]
 
 
+def whole_lanes(p: Problem, counts) -> float:
+    """Lanes of a whole-sequence pass for the scans' plans: value heads times the sequences'
+    chunks over the longest one's (``counts``: chunks a sequence)."""
+    return p.HV * sum(counts) / max(max(counts), 1)
+
+
 def regs_chains(p: Problem, seg: int, chunk_states: bool, lanes: float, sms: int) -> int:
     """Chains a program of the state-in-registers scan for this pass, 0 where the two-chain scan
     runs it. It serves the delta rule (GDN, KDA) without chunk states, whole sequences or (forced)
@@ -303,8 +309,7 @@ def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments
     if seg:
         lanes = programs * p.HV                                             # segments of (about) one length
     else:
-        counts = triton_chunk._chunk_counts(p)
-        lanes = p.HV * sum(counts) / max(max(counts), 1)
+        lanes = whole_lanes(p, triton_chunk._chunk_counts(p))
     gk = sp.kd is not None
     if gk and SCAN_STAGES != 2:
         raise ValueError(f"SCAN_STAGES = {SCAN_STAGES}: KDA's scans run two stages (a third needs more than the "
@@ -452,8 +457,7 @@ def scores_in_scan(p: Problem, config: triton_chunk.ChunkConfig, pieces: int) ->
     counts = triton_chunk._chunk_counts(p)
     if triton_chunk._segments(p, config, counts):
         return False
-    lanes = p.HV * sum(counts) / max(max(counts), 1)
-    return regs_chains(p, 0, False, lanes, sm_count(p.device)) > 0
+    return regs_chains(p, 0, False, whole_lanes(p, counts), sm_count(p.device)) > 0
 
 
 def pipeline_pieces(p: Problem, config: triton_chunk.ChunkConfig) -> int:
