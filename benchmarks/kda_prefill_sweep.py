@@ -75,6 +75,11 @@ VARIANTS = {
     "no-from-x": dict(bounded_operands=False, full_chunks=False),
     "full": dict(bounded_operands=False, full_chunks=True),   # FULL_CHUNKS
     "from-x-full": dict(bounded_operands=True, full_chunks=True),
+    # KDA's gated keys and queries formed in the scan (GATES_IN_SCAN, docs/notes/kda-prefill.md v22):
+    # the gater warpgroup on one chain; the prologue stores no kg, kd nor qg
+    "gates-in-scan": dict(gates_in_scan=True),
+    "tiles": dict(gates_in_scan=False),
+    "regs1-tiles": dict(gates_in_scan=False, scan_regs=True, regs_chains=1),   # one chain, the prologue's tiles
 }
 SHAPES = "kda/h64/1x8192,kda/h64/2x16384,kda/h96/varlen8x15193"
 
@@ -116,6 +121,7 @@ def main() -> int:
     default_wide = wide.BLOCK_K, wide.WARPS, wide.STAGES
     default_dual = gluon_chunk.SCAN_DUAL
     default_regs = gluon_chunk.SCAN_REGS
+    default_gates = gluon_chunk.GATES_IN_SCAN
     for shape in args.shapes.split(","):
         kw = with_gate(call_kwargs(make_inputs(get_config(shape), "cuda")), args.gate)
         fla_o = fla_us = first_o = None
@@ -139,6 +145,7 @@ def main() -> int:
             gluon_chunk.LONGEST_FIRST = over.pop("longest_first", True)
             gluon_chunk.SCAN_REGS = over.pop("scan_regs", default_regs)
             gluon_chunk.REGS_CHAINS = over.pop("regs_chains", None)
+            gluon_chunk.GATES_IN_SCAN = over.pop("gates_in_scan", default_gates)
             chunk_delta.default_config = config_with(original, over)
             try:
                 with use_tier(args.tier, strict=True), torch.no_grad():
@@ -163,6 +170,7 @@ def main() -> int:
                 gluon_chunk.LONGEST_FIRST = True
                 gluon_chunk.SCAN_REGS = default_regs
                 gluon_chunk.REGS_CHAINS = None
+                gluon_chunk.GATES_IN_SCAN = default_gates
             prep = sum(v for k, v in split.items() if any(w in k for w in ("prepare", "prologue", "inverse", "wide", "list")))
             scan = sum(v for k, v in split.items() if "scan" in k)
             rows.append(dict(shape=shape, variant=name, tier=args.tier, gate=args.gate, us=us, prepare_us=prep, scan_us=scan, kernels=split,

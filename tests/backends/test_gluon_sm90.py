@@ -39,7 +39,7 @@ def _compile_sm90(kern, sig: dict, consts: dict, folder: str, options: dict, ali
 SCAN_POINTERS = {"beta": "*bf16", "rq": "*fp32", "rk": "*fp32", "gcum": "*fp32", "decay": "*fp32", "o": "*bf16",
                  "h0": "*fp32",
                  "ht": "*fp32", "h_chunks": "*bf16", "cu_seqlens": "*i64", "chunk_start": "*i64", "segments": "*i32",
-                 "seg_state": "*fp32"}
+                 "seg_state": "*fp32", "A_log": "*fp32", "dt_bias": "*fp32"}
 SCAN_VARIANTS = {
     # name: constexprs over the default launch (K = V = 128, BV 32, two stages, whole sequences)
     "bv32": {},
@@ -90,6 +90,10 @@ SCAN_VARIANTS = {
     "regs-qk-replay-varlen": dict(REGS=True, BV=64, SEG=2, VARLEN=True, QK=True),
     "regs-qk-k64-v-first-raw-beta": dict(REGS=True, BV=64, K=64, V=64, SK=1, SV=64, BETA=1, L2NORM=False, QK=True),
     "regs2-qk": dict(REGS=True, BV=128, QK=True),       # (the second chain forms them for both)
+    # KDA's gated keys and queries formed in the scan by a gater warpgroup (the bounded gate in the op)
+    "regs-kda-gates": dict(REGS=True, BV=64, GK=True, GATES=True, HAS_A=True, HAS_BIAS=True),
+    "regs-kda-gates-varlen-k64-bare": dict(REGS=True, BV=64, GK=True, GATES=True, K=64, V=64, SK=1, SV=64,
+                                           VARLEN=True, L2NORM=False, BETA=1),
 }
 
 
@@ -111,6 +115,8 @@ def _child_scan(name: str, folder: str) -> None:
     elif consts.pop("REGS", False):
         kern = regs._scan_regs_sm90_kernel
         consts.setdefault("QK", False)
+        for n in ("GATES", "HAS_A", "HAS_BIAS"):
+            consts.setdefault(n, False)
         consts.update(CHAINS=consts["BV"] // 64, LOADER_NREG=regs.LOADER_REGS,
                       CHAIN_NREG=regs.CHAIN_REGS_QK if consts["QK"] else regs.CHAIN_REGS)
         for n in ("WARPGROUPS", "DELTA", "BV", "STORE_STATES"):
@@ -570,6 +576,50 @@ def test_scores_in_scan_plan_and_launches(monkeypatch):
     assert calls == [("inverse", ["rk", "rq"]), ("scan", None, 1)], calls
 
 
+def test_gates_in_scan_plan_and_launches(monkeypatch):
+    """KDA's gated keys and queries formed in the scan (chunk_delta.GATES_IN_SCAN, gates_in_scan):
+    planned for the bounded gate where the call is one pass of the state-in-registers scan (1x8k
+    H64; 2x16k H64 too, on one chain), not with the flag off, an unbounded gate, chunk states,
+    segments or an fp32 gate; such a call launches the prologue without kg, kd nor qg and a
+    one-chain scan pass that reads the raw q, k and the gate's input."""
+    import torch
+
+    from fastla.backends.gluon import chunk_delta as gluon_chunk
+    from fastla.backends.gluon import chunk_prepare_kda_sm90
+    from fastla.core.validation import build_problem
+
+    def problem(B=1, T=8192, H=64, gate=torch.bfloat16, lower_bound=-5.0, **opts):
+        bf = dict(dtype=torch.bfloat16)
+        return build_problem("chunk_kda", q=torch.empty(B, T, H, 128, **bf), k=torch.empty(B, T, H, 128, **bf),
+                             v=torch.empty(B, T, H, 128, **bf), gk=torch.empty(B, T, H, 128, dtype=gate),
+                             beta=torch.empty(B, T, H, **bf), delta=True, gva=True, gate_in_op="kda",
+                             A_log=torch.zeros(H), dt_bias=torch.zeros(H * 128), lower_bound=lower_bound,
+                             use_qk_l2norm=True, **opts)
+
+    def planned(p):
+        return gluon_chunk.gates_in_scan(p, gluon_chunk.plan(p))
+
+    monkeypatch.setattr(gluon_chunk, "GATES_IN_SCAN", False)
+    assert not planned(problem())
+    monkeypatch.setattr(gluon_chunk, "GATES_IN_SCAN", True)
+    assert planned(problem()) and planned(problem(B=2, T=16384))
+    assert not planned(problem(lower_bound=None)) and not planned(problem(gate=torch.float32))
+    assert not planned(problem(return_intermediate_states=True))
+    assert not planned(problem(H=4))                                        # few lanes: other scans
+
+    calls = []
+    monkeypatch.setattr(chunk_prepare_kda_sm90, "launch",
+                        lambda p, beta, mode, total, tables, inverse, scores, kg, kd, qg, decay:
+                        calls.append(("prologue", kg, kd, qg)))
+
+    def scan(p, sp, seg, segments, seg_state, programs, chains):
+        calls.append(("scan", sp.gates, chains, sp.q is p.q, sp.k is p.k, sp.kd is p.gk))
+
+    monkeypatch.setattr(gluon_chunk, "_regs_scan", scan)
+    gluon_chunk.run(problem(B=2, T=16384))
+    assert calls == [("prologue", None, None, None), ("scan", True, 1, True, True, True)], calls
+
+
 @pytest.mark.parametrize("kernel", ["dual", "plain", "ws"])
 def test_scan_profile_markers_match_the_kernels(kernel):
     """benchmarks/gdn_scan_profile.py instruments a copy of each Gluon scan at marker lines: every
@@ -602,6 +652,9 @@ KDA_PROLOGUE_VARIANTS = {
     # whole chunks without row masks (chunk_prepare_kda_sm90.FULL_CHUNKS), with each form of operands
     "kda-prologue-full": dict(FULL=True),
     "kda-prologue-from-x-full": dict(FROM_X=True, FULL=True),
+    # the gated keys and queries formed in the scan (gluon/chunk_delta.gates_in_scan): not stored here
+    "kda-prologue-from-x-full-ungated": dict(FROM_X=True, FULL=True, GATED=False),
+    "kda-prologue-from-x-varlen-ungated": dict(FROM_X=True, VARLEN=True, GATED=False),
     # unbounded gates with the block flags: given (bf16 and fp32) and softplus
     "kda-prologue-given-gate": dict(GATE=0, HAS_A=False, HAS_BIAS=False, FLAG=True),
     "kda-prologue-given-fp32-gate": dict(GATE=0, HAS_A=False, HAS_BIAS=False, FLAG=True, GATE_FP32=True),
@@ -627,7 +680,7 @@ def _child_kda_prologue(name: str, folder: str) -> None:
     from fastla.backends.gluon.chunk_prepare_kda_sm90 import _kda_prologue_sm90_kernel as kern
 
     consts = dict(H=32, HV=64, K=128, L2NORM=True, GATE=3, HAS_A=True, HAS_BIAS=True, BETA=2, VARLEN=False,
-                  FLAG=False, DELTA=True, FROM_X=False, FULL=False)
+                  FLAG=False, DELTA=True, FROM_X=False, FULL=False, GATED=True)
     consts.update(KDA_PROLOGUE_VARIANTS[name])
     gate_fp32 = consts.pop("GATE_FP32", False)
     consts["QK_BUFFERS"] = 1 if gate_fp32 else 2                           # as launch()

@@ -50,6 +50,36 @@ def test_state_in_registers_scan(case, chains, monkeypatch):
         check_fp64(*bf16_case(case), tier="gluon")
 
 
+@pytest.mark.parametrize("case", ["bounded-gate", "bounded-gate-whole", "bounded-varlen", "bounded-k64",
+                                  "bounded-plain", "bounded-neg-eigval"])
+def test_gates_in_scan(case, monkeypatch):
+    """KDA's gated keys and queries formed in the scan (GATES_IN_SCAN: the gater warpgroup of the
+    one-chain state-in-registers scan; the prologue stores no kg, kd nor qg) on the bounded gate:
+    planned, with outputs poisoned first within the fp64 check, equal over two runs, and close to
+    the call that reads the prologue's gated tiles (both round them to bf16)."""
+    from fastla.backends.gluon import chunk_delta as gluon_chunk
+    from tests.helpers import poison, rel_rms
+    monkeypatch.setattr(gluon_chunk, "REGS_CHAINS", 1)      # (the small shapes plan the other scans)
+    planned = []
+    real = gluon_chunk.gates_in_scan
+    monkeypatch.setattr(gluon_chunk, "gates_in_scan", lambda p, c: planned.append(real(p, c)) or planned[-1])
+    t, opts = bf16_case(case)
+    monkeypatch.setattr(gluon_chunk, "GATES_IN_SCAN", False)
+    tiles = on_tier(call_chunk, SPEC, t, tier="gluon", output_final_state=True, **opts)
+    assert planned == [False]
+    monkeypatch.setattr(gluon_chunk, "GATES_IN_SCAN", True)
+    poison()
+    check_fp64(t, opts, tier="gluon")
+    assert planned[-1], "the gates were not planned in the scan"
+    poison()
+    first = on_tier(call_chunk, SPEC, t, tier="gluon", output_final_state=True, **opts)
+    poison()
+    again = on_tier(call_chunk, SPEC, t, tier="gluon", output_final_state=True, **opts)
+    for name, a, b, c in zip(("o", "final_state"), first, again, tiles):
+        assert torch.equal(a, b), f"{name} moved between two runs"
+        assert rel_rms(a, c) <= 1e-2, f"{name}: {rel_rms(a, c):.2e} from the prologue's gated tiles"
+
+
 @pytest.mark.parametrize("in_place", [False, True], ids=["copies", "strided-tma"])
 def test_strided_inputs(in_place, monkeypatch):
     """Strided views of every input (q, k, v, the raw gate, beta, the state, the offsets, A_log and

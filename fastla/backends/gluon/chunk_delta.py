@@ -116,6 +116,14 @@ SCORES_IN_SCAN = True
 # instructions; this hides most of the second TMA round trip a program. Off until its GPU test
 # (`-k early_queries`) and sweep (`gluon-inverse-early-q`) have run (docs/notes/gdn-prefill.md v32)
 INVERSE_EARLY_QUERIES = False
+# KDA's gated keys and queries formed in the state-in-registers scan from q, k and the gate's input
+# (chunk_delta_regs_sm90._gater_t: a warpgroup of its own, one chain a program) instead of written
+# by the sm_90 prologue and read back: the prologue's stores a chunk and head 120 -> 72 KB and its
+# slice loop 891 -> 722 SASS instructions a thread (K = 128), the scan's reads unchanged (raw q,
+# k and the gate for kg, qg and kd); the gater ~2090 instructions and 260 MUFU a thread a chunk
+# (docs/notes/kda-prefill.md v22). Where ``gates_in_scan`` plans it (the bounded gate). Off until
+# its GPU tests and sweep (`kda_prefill_sweep.py --tier gluon --variants default,gates-in-scan`) have run
+GATES_IN_SCAN = False
 SPECIALIZED_WIDTHS = (32, 64)
 # q, k and v views whose rows collapse into one strided [B * T, heads * D] array (split from one
 # projection: unit inner stride, heads adjacent, batch stride T token strides, 16-byte aligned base
@@ -316,6 +324,8 @@ def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments
                          "227 KB of shared memory at 64 columns)")
     if chains is None:                                                      # (a pipeline's pieces: one)
         chains = regs_chains(p, seg, sp.h_chunks is not None, lanes, sm_count(p.device))
+    if sp.gates:                                                            # (the gater's warpgroup: one)
+        chains = 1
     if chains:
         return _regs_scan(p, sp, seg, segments, seg_state, programs, chains)
     h_chunks = None if seg == 1 else sp.h_chunks                            # (a summary stores no chunk states)
@@ -399,18 +409,22 @@ def _regs_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments, se
     qk = sp.scores is None                              # the scores formed in the chains (scores_in_scan)
     if qk and gk:
         raise RuntimeError("the scores are formed in the scan only for GDN")
-    qk_width = (p.HV if gk else p.H) * p.K
+    if sp.gates and (chains != 1 or seg):
+        raise RuntimeError("the gater serves one chain a program on whole sequences")
+    qk_width = (p.HV if gk and not sp.gates else p.H) * p.K  # (the gater reads the raw q and k)
     k = desc(sp.k, qk_width)
     launcher(_scan_regs_sm90_kernel, sp.T, sp.NT)[(programs * p.HV * (p.V // BV),)](
         k, desc(sp.q, qk_width), desc(sp.kd, qk_width) if gk else k, desc(sp.v, p.HV * p.V),
         desc(sp.inverse, p.HV * BT), k if qk else desc(sp.scores, p.HV * BT), desc(sp.o, p.HV * p.V),
         sp.beta, sp.rq, sp.rk, *_or_dummy(sp, sp.gcum, sp.decay if gk else None), sp.o,
         *_or_dummy(sp, sp.h0, sp.ht, sp.cu_seqlens, sp.chunk_start),
-        segments, seg_state, sp.T, sp.NT, rows, p.scale,
+        segments, seg_state, *_or_dummy(sp, p.A_log if sp.gates else None, p.dt_bias if sp.gates else None),
+        sp.T, sp.NT, rows, p.scale, float(p.lower_bound or 0.0) if sp.gates else 0.0,
         H=p.H, HV=p.HV, K=p.K, V=p.V, SK=SK, SV=SV, HAS_H0=sp.h0 is not None, STORE_FINAL=sp.ht is not None,
-        L2NORM=p.use_qk_l2norm and not gk, VARLEN=sp.cu_seqlens is not None, SEG=seg, BETA=sp.beta_mode,
-        STAGES=SCAN_STAGES, GK=gk, CHAINS=chains, CHAIN_NREG=CHAIN_REGS_QK if qk else CHAIN_REGS, LOADER_NREG=LOADER_REGS, QK=qk,
-        num_warps=4,
+        L2NORM=p.use_qk_l2norm and (sp.gates or not gk), VARLEN=sp.cu_seqlens is not None, SEG=seg,
+        BETA=sp.beta_mode, STAGES=SCAN_STAGES, GK=gk, CHAINS=chains,
+        CHAIN_NREG=CHAIN_REGS_QK if qk else CHAIN_REGS, LOADER_NREG=LOADER_REGS, QK=qk, GATES=sp.gates,
+        HAS_A=sp.gates and p.A_log is not None, HAS_BIAS=sp.gates and p.dt_bias is not None, num_warps=4,
     )
 
 
@@ -439,8 +453,9 @@ def run(p: Problem):
         return _run_pipelined(p, config, pieces)
     if in_scan:
         kernels.pop("gdn_scores")
+    gates = "kda_prologue" in kernels and gates_in_scan(p, config)
     return triton_chunk.run(p, config, sequence_scan=_sequence_scan, summaries=summaries_sm90(p), dense=False,
-                            scores_in_scan=in_scan, **kernels)
+                            scores_in_scan=in_scan, gates_in_scan=gates, **kernels)
 
 
 def scores_in_scan(p: Problem, config: triton_chunk.ChunkConfig, pieces: int) -> bool:
@@ -453,6 +468,27 @@ def scores_in_scan(p: Problem, config: triton_chunk.ChunkConfig, pieces: int) ->
     if not (SCORES_IN_SCAN and p.delta and p.gk is None and not p.return_intermediate_states) or pieces > 1:
         return False
     if not p.scale > 0:
+        return False
+    counts = triton_chunk._chunk_counts(p)
+    if triton_chunk._segments(p, config, counts):
+        return False
+    return regs_chains(p, 0, False, whole_lanes(p, counts), sm_count(p.device)) > 0
+
+
+def gates_in_scan(p: Problem, config: triton_chunk.ChunkConfig) -> bool:
+    """Whether KDA's gated keys and queries are formed in the scan (GATES_IN_SCAN): the bounded
+    gate in the op on the sm_90 prologue, bf16 q, k and gate, K and V multiples of 64, no chunk
+    states, and the whole call one pass of the state-in-registers scan (no segments planned, the
+    plan's chains > 0; it then runs one chain a program: the gater's registers leave no room for
+    a second)."""
+    from fastla.backends.gluon import chunk_prepare_kda_sm90 as kda_prologue
+    from fastla.backends.triton.chunk_prepare_kda import bounded_spans
+
+    if not (GATES_IN_SCAN and KDA_PROLOGUE_SM90 and p.delta and p.gk is not None and bounded_spans(p)):
+        return False
+    if p.return_intermediate_states or p.K % 64 or p.V % 64 or kda_prologue.serves(p) is not None:
+        return False
+    if any(x.dtype != torch.bfloat16 for x in (p.q, p.k, p.gk)):
         return False
     counts = triton_chunk._chunk_counts(p)
     if triton_chunk._segments(p, config, counts):

@@ -50,7 +50,8 @@ def _load_stage(k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s,
     tile of BV / CHAINS columns per chain; returns the stage. A segment summary (SEG 1) loads no
     queries nor scores, and the value tiles of its identity columns (past V) from column 0 of the
     head (read as zeros by the chains). DELTA False (the plain rule): no P, and with GK no gated
-    keys (the update reads kd). SCORES False: no A_qk tile (the chains form the scores)."""
+    keys (the update reads kd). SCORES False: no A_qk tile (the chains form the scores). Keys and
+    queries are those of head i_h, the kd tiles (GK) of value head i_hv."""
     NK: gl.constexpr = K // BK
     BVC: gl.constexpr = BV // CHAINS
     OUTPUT: gl.constexpr = SEG != 1
@@ -70,7 +71,7 @@ def _load_stage(k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s,
         if OUTPUT:
             tma.async_copy_global_to_shared(q_desc, [t0, i_h * K + j * BK], bar, q_s.index(stage * NK + j))
         if GK:
-            tma.async_copy_global_to_shared(kd_desc, [t0, i_h * K + j * BK], bar, kd_s.index(stage * NK + j))
+            tma.async_copy_global_to_shared(kd_desc, [t0, i_hv * K + j * BK], bar, kd_s.index(stage * NK + j))
     for ch in gl.static_range(CHAINS):
         if OUTPUT:
             col = i_hv * V + i_v * BV + ch * BVC

@@ -50,6 +50,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from fastla.backends.gluon.chunk_delta_dual_sm90 import _load_stage
 from fastla.backends.gluon.chunk_delta_sm90 import BK, BT, _program
+from fastla.backends.gluon.chunk_prepare_kda_sm90 import _add, _rcp_approx, _row_norms
 from fastla.backends.gluon.chunk_scores_sm90 import LOG2E
 from fastla.backends.triton.chunk_prepare import _activate_beta
 
@@ -58,6 +59,7 @@ LOADER_REGS = 48        # registers per thread of the loader warp (setmaxnreg)
 CHAIN_REGS = 232        # of the second chain with CHAINS = 2 (the first gets the rest)
 CHAIN_REGS_QK = 240     # the same with QK: the second chain forms the scores (232: 7 spill slots in its loop)
 SCORER_REGS = gl.constexpr(128)     # of the scorer warpgroup (QK, one chain)
+GATER_REGS = gl.constexpr(192)      # of the gater warpgroup (GATES, one chain; the chain keeps 256)
 N_VEC = gl.constexpr(4)    # per-token vectors a stage: rk e^G, beta, rk e^(G_last - G), scale rq e^G (GDN)
 N_VEC_QK = gl.constexpr(6)     # and with the scores formed in the chains: their rows' and columns' exponents
 
@@ -163,6 +165,73 @@ def _scorer_t(k_s, q_s, a_s, vec_s, loaded, freed, scored, n_chunks, K: gl.const
 
 
 @gluon.jit
+def _gater_t(k_s, q_s, kd_s, sums_s, loaded, gated, A_log, dt_bias, lower_bound, scale, bos, eos, c_begin, n_chunks,
+             i_hv, K: gl.constexpr, STAGES: gl.constexpr, L2NORM: gl.constexpr, HAS_A: gl.constexpr,
+             HAS_BIAS: gl.constexpr):
+    """GATES (KDA's bounded gate, gluon/chunk_delta.gates_in_scan): a warpgroup of its own forms
+    each chunk's gated keys and queries from the raw tiles the loader brought (q and k of the
+    q/k head, the gate's input of the value head in the kd tiles), in place, and arrives on the
+    stage's ``gated``; the chain waits there instead of reading tiles the prologue wrote. Per
+    [64, 64] box of channels, in [4, 16, 64] tiles (warp = 16-row block, lane = two channels, a
+    block's 16 rows in one thread, as the prologue's slices): the log decay in log2 units
+    x = lower_bound log2 e sigmoid(a (g + dt_bias)) (0 past the sequence's end), G its cumsum
+    over the chunk (in-thread within a block, the four block sums through ``sums_s``), then
+    kg = rk k 2^G, qg = scale rq q 2^G, kd = rk k 2^(G_last - G), with 1 / |k|, 1 / |q| from the
+    diagonals of K K^T and Q Q^T (wgmma on the tiles) under L2NORM. Every factor is at most 1
+    (G decreases), so nothing overflows; the prologue's decays e^G_last come by the loader."""
+    NK: gl.constexpr = K // BK
+    L3: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16, 2], threads_per_warp=[1, 1, 32],
+                                        warps_per_cta=[4, 1, 1], order=[2, 1, 0])
+    L_bc: gl.constexpr = gl.SliceLayout(1, L3)                              # [4, 64] (block, channel)
+    L4: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4, 2], threads_per_warp=[1, 1, 32],
+                                        warps_per_cta=[4, 1, 1], order=[2, 1, 0])   # [1, 4, 64]: every block's sums
+    box: gl.constexpr = gl.BlockedLayout([16, 2], [1, 32], [4, 1], [0, 1])  # a [64, 64] box as the [4, 16, 64] tiles
+    ib3 = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))[:, None, None]
+    ir3 = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))[None, :, None]
+    t = ib3 * 16 + ir3                                                      # [4, 16, 1] chunk rows
+    o_c = gl.arange(0, BK, layout=gl.SliceLayout(0, L_bc))[None, None, :]  # [1, 1, 64]
+    ib4 = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, L4)))[:, None, None]
+    ic4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, L4)))[None, :, None]
+    if HAS_A:
+        a_h = gl.exp(gl.load(A_log + i_hv).to(gl.float32))
+    else:
+        a_h = 1.0
+    for i in range(0, n_chunks):
+        stage = (i % STAGES).to(gl.int32)
+        mbarrier.wait(loaded.index(stage), ((i // STAGES) & 1).to(gl.int32))
+        valid = t < eos - (bos + (c_begin + i) * BT)
+        if L2NORM:
+            rk = gl.where(valid, _row_norms(k_s, stage * NK, NK, L3), 0.0)
+            rq = gl.where(valid, _row_norms(q_s, stage * NK, NK, L3) * scale, 0.0)
+        else:
+            rk = gl.where(valid, 1.0, 0.0)
+            rq = gl.where(valid, scale, 0.0)
+        for j in gl.static_range(NK):
+            b = stage * NK + j
+            x = gl.convert_layout(gl.reshape(kd_s.index(b).load(box), [4, 16, BK]), L3).to(gl.float32)
+            if HAS_BIAS:
+                x = x + gl.load(dt_bias + i_hv * K + j * BK + o_c).to(gl.float32)
+            x = gl.where(valid, (LOG2E * lower_bound) * _rcp_approx(1.0 + gl.exp2(-LOG2E * a_h * x)), 0.0)
+            s = gl.sum(x, 1)                                                # [4, 64] block sums
+            gl.thread_barrier()                                             # (the last box's sums read)
+            sums_s.store(s)
+            ends = gl.associative_scan(gl.expand_dims(sums_s.load(gl.SliceLayout(0, L4)), 0), 1, _add)   # c_c
+            start = gl.convert_layout(gl.sum(gl.where(ic4 == ib4, ends, 0.0), 1), L_bc) - s     # [4, 64] c_(b-1)
+            last = gl.convert_layout(gl.sum(gl.where(ic4 == 3, ends, 0.0), 1), L_bc)            # [1, 64] G_last
+            G = gl.associative_scan(x, 1, _add) + gl.expand_dims(start, 1)  # [4, 16, 64] G <= 0
+            kb = gl.convert_layout(gl.reshape(k_s.index(b).load(box), [4, 16, BK]), L3).to(gl.float32) * rk
+            kd = kb * gl.exp2(gl.expand_dims(last, 1) - G)
+            kd_s.index(b).store(gl.convert_layout(gl.reshape(kd.to(gl.bfloat16), [64, BK]), box))
+            e = gl.exp2(G)
+            k_s.index(b).store(gl.convert_layout(gl.reshape((kb * e).to(gl.bfloat16), [64, BK]), box))
+            qb = gl.convert_layout(gl.reshape(q_s.index(b).load(box), [4, 16, BK]), L3).to(gl.float32) * rq
+            q_s.index(b).store(gl.convert_layout(gl.reshape((qb * e).to(gl.bfloat16), [64, BK]), box))
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(gated.index(stage), count=1)
+
+
+@gluon.jit
 def _chunk_step_t(k_t, q_t, kd_t, v_t, p_t, a_t, vec_s, vb, dec_t, S, b_egl, scored, phase, acc: gl.constexpr,
                   accs: gl.constexpr, GK: gl.constexpr, QK: gl.constexpr, FORM: gl.constexpr):
     """One chunk's transposed products, its tiles landed (keys and queries ``[BT, K]``, values, P
@@ -238,9 +307,10 @@ def _chain_t(CH: gl.constexpr, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s,
              ht, seg_state, bos, eos, c_begin, n_chunks, is_last, i_n, i_s, i_hv, i_v, n_rows, HV: gl.constexpr,
              K: gl.constexpr, V: gl.constexpr, SK: gl.constexpr, SV: gl.constexpr, HAS_H0: gl.constexpr,
              STORE_FINAL: gl.constexpr, SEG: gl.constexpr, STAGES: gl.constexpr, GK: gl.constexpr,
-             CHAINS: gl.constexpr, QK: gl.constexpr):
+             CHAINS: gl.constexpr, QK: gl.constexpr, GATES: gl.constexpr):
     """Chain CH: the 64 columns of value tile CHAINS i_v + CH, chunk by chunk (one warpgroup); GDN's
-    e^G_last is the one value it loads itself (a chunk ahead)."""
+    e^G_last is the one value it loads itself (a chunk ahead). GATES: each stage's gated keys and
+    queries are the gater's (``scored`` is its barrier), waited for before the step."""
     i_v = i_v * CHAINS + CH
     NV: gl.constexpr = N_VEC_QK if QK else N_VEC
     acc: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
@@ -270,6 +340,8 @@ def _chain_t(CH: gl.constexpr, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s,
             n_Gl = gl.load(gcum + (gl.minimum(eos, t0 + 2 * BT) - 1) * HV + i_hv, mask=i + 1 < n_chunks, other=0.0)
 
         mbarrier.wait(loaded.index(stage), ((i // STAGES) & 1).to(gl.int32))
+        if GATES:
+            mbarrier.wait(scored.index(stage), ((i // STAGES) & 1).to(gl.int32))
         S, out = _chunk_step_t(kk_s.index(stage), qq_s.index(stage), kkd_s.index(stage), v_s.index(stage * CHAINS + CH),
                                p_s.index(stage), a_s.index(stage), vec_s, stage * NV, dec_s.index(stage),
                                S, b_egl, scored.index(stage), ((i // STAGES) & 1).to(gl.int32), acc, accs, GK, QK,
@@ -285,13 +357,14 @@ def _chain_t(CH: gl.constexpr, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s,
 @gluon.jit(do_not_specialize=["T", "NT", "n_rows"])     # T = 1 would compile a variant of its own
 def _scan_regs_sm90_kernel(
     k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, o_desc,
-    beta, rq, rk, gcum, decay, o, h0, ht, cu_seqlens, chunk_start, segments, seg_state,
-    T, NT, n_rows, scale,
+    beta, rq, rk, gcum, decay, o, h0, ht, cu_seqlens, chunk_start, segments, seg_state, A_log, dt_bias,
+    T, NT, n_rows, scale, lower_bound,
     H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
     SK: gl.constexpr, SV: gl.constexpr, HAS_H0: gl.constexpr, STORE_FINAL: gl.constexpr,
     L2NORM: gl.constexpr, VARLEN: gl.constexpr, SEG: gl.constexpr, BETA: gl.constexpr,
     STAGES: gl.constexpr, GK: gl.constexpr, CHAINS: gl.constexpr, CHAIN_NREG: gl.constexpr,
-    LOADER_NREG: gl.constexpr, QK: gl.constexpr,
+    LOADER_NREG: gl.constexpr, QK: gl.constexpr, GATES: gl.constexpr, HAS_A: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
 ):
     NK: gl.constexpr = K // BK
     i_v, i_hv, i_h, i_s, i_n, bos, eos, first_chunk, c_begin, n_chunks, is_last = _program(
@@ -316,36 +389,50 @@ def _scan_regs_sm90_kernel(
     loaded = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
     freed = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
     SCORER: gl.constexpr = QK and CHAINS == 1        # a warpgroup of its own forms the scores
-    if QK:                                           # the stage's scores formed (by the scorer or chain 1)
+    gl.static_assert(not GATES or (GK and CHAINS == 1 and not QK), "the gater serves KDA's one-chain scan")
+    if QK or GATES:             # the stage's scores formed (by the scorer or chain 1), or its gated tiles
         scored = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
     else:
         scored = freed
+    if GATES:                   # the gater's block sums
+        sums_s = gl.allocate_shared_memory(gl.float32, [4, BK], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
     for st in gl.static_range(STAGES):
         mbarrier.init(loaded.index(st), count=2)        # the TMA bytes' expect and the vectors' arrival
         mbarrier.init(freed.index(st), count=CHAINS + (1 if SCORER else 0))
-        if QK:
+        if QK or GATES:
             mbarrier.init(scored.index(st), count=1)
     fence_async_shared()
 
     i_hv32 = i_hv.to(gl.int32)
-    i_h32 = i_hv32 if GK else i_h.to(gl.int32)                           # the column block of k, q (and kd)
+    i_h32 = i_hv32 if GK and not GATES else i_h.to(gl.int32)             # the column block of k, q
     if CHAINS == 2:
         gl.warp_specialize([
             (_chain_t, (0, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s, loaded, freed, scored, o_desc, gcum, o, h0, ht,
                         seg_state, bos, eos, c_begin, n_chunks, is_last, i_n, i_s, i_hv32, i_v, n_rows, HV, K, V, SK,
-                        SV, HAS_H0, STORE_FINAL, SEG, STAGES, GK, CHAINS, QK)),
+                        SV, HAS_H0, STORE_FINAL, SEG, STAGES, GK, CHAINS, QK, GATES)),
             (_chain_t, (1, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s, loaded, freed, scored, o_desc, gcum, o, h0, ht,
                         seg_state, bos, eos, c_begin, n_chunks, is_last, i_n, i_s, i_hv32, i_v, n_rows, HV, K, V, SK,
-                        SV, HAS_H0, STORE_FINAL, SEG, STAGES, GK, CHAINS, QK)),
+                        SV, HAS_H0, STORE_FINAL, SEG, STAGES, GK, CHAINS, QK, GATES)),
             (_loader_t, (k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s,
                          loaded, freed, beta, rq, rk, gcum, decay, bos, eos, c_begin, n_chunks, first_chunk, i_h32,
                          i_hv32, i_v, scale, H, HV, K, V, L2NORM, BETA, SEG, STAGES, GK, CHAINS, QK)),
         ], [4, 1], [CHAIN_NREG, LOADER_NREG])
+    elif GATES:
+        gl.warp_specialize([
+            (_chain_t, (0, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s, loaded, freed, scored, o_desc, gcum, o, h0, ht,
+                        seg_state, bos, eos, c_begin, n_chunks, is_last, i_n, i_s, i_hv32, i_v, n_rows, HV, K, V, SK,
+                        SV, HAS_H0, STORE_FINAL, SEG, STAGES, GK, CHAINS, QK, GATES)),
+            (_gater_t, (k_s, q_s, kd_s, sums_s, loaded, scored, A_log, dt_bias, lower_bound, scale, bos, eos, c_begin,
+                        n_chunks, i_hv32, K, STAGES, L2NORM, HAS_A, HAS_BIAS)),
+            (_loader_t, (k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s,
+                         loaded, freed, beta, rq, rk, gcum, decay, bos, eos, c_begin, n_chunks, first_chunk, i_h32,
+                         i_hv32, i_v, scale, H, HV, K, V, L2NORM, BETA, SEG, STAGES, GK, CHAINS, QK)),
+        ], [4, 1], [GATER_REGS, LOADER_NREG])
     elif SCORER:
         gl.warp_specialize([
             (_chain_t, (0, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s, loaded, freed, scored, o_desc, gcum, o, h0, ht,
                         seg_state, bos, eos, c_begin, n_chunks, is_last, i_n, i_s, i_hv32, i_v, n_rows, HV, K, V, SK,
-                        SV, HAS_H0, STORE_FINAL, SEG, STAGES, GK, CHAINS, QK)),
+                        SV, HAS_H0, STORE_FINAL, SEG, STAGES, GK, CHAINS, QK, GATES)),
             (_scorer_t, (k_s, q_s, a_s, vec_s, loaded, freed, scored, n_chunks, K, STAGES)),
             (_loader_t, (k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s,
                          loaded, freed, beta, rq, rk, gcum, decay, bos, eos, c_begin, n_chunks, first_chunk, i_h32,
@@ -355,7 +442,7 @@ def _scan_regs_sm90_kernel(
         gl.warp_specialize([
             (_chain_t, (0, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s, loaded, freed, scored, o_desc, gcum, o, h0, ht,
                         seg_state, bos, eos, c_begin, n_chunks, is_last, i_n, i_s, i_hv32, i_v, n_rows, HV, K, V, SK,
-                        SV, HAS_H0, STORE_FINAL, SEG, STAGES, GK, CHAINS, QK)),
+                        SV, HAS_H0, STORE_FINAL, SEG, STAGES, GK, CHAINS, QK, GATES)),
             (_loader_t, (k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s,
                          loaded, freed, beta, rq, rk, gcum, decay, bos, eos, c_begin, n_chunks, first_chunk, i_h32,
                          i_hv32, i_v, scale, H, HV, K, V, L2NORM, BETA, SEG, STAGES, GK, CHAINS, QK)),
@@ -363,5 +450,5 @@ def _scan_regs_sm90_kernel(
     for st in gl.static_range(STAGES):
         mbarrier.invalidate(loaded.index(st))
         mbarrier.invalidate(freed.index(st))
-        if QK:
+        if QK or GATES:
             mbarrier.invalidate(scored.index(st))

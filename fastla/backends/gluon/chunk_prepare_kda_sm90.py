@@ -233,7 +233,7 @@ def _kda_prologue_sm90_kernel(
     cu_seqlens, chunk_index, T, NT, total,
     H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, L2NORM: gl.constexpr, GATE: gl.constexpr,
     HAS_A: gl.constexpr, HAS_BIAS: gl.constexpr, BETA: gl.constexpr, VARLEN: gl.constexpr, FLAG: gl.constexpr,
-    QK_BUFFERS: gl.constexpr, DELTA: gl.constexpr, FROM_X: gl.constexpr, FULL: gl.constexpr,
+    QK_BUFFERS: gl.constexpr, DELTA: gl.constexpr, FROM_X: gl.constexpr, FULL: gl.constexpr, GATED: gl.constexpr,
 ):
     """Persistent: program p takes items p, p + programs, ... (``total`` chunks x HV value heads,
     chunks fastest). GATE as recurrent.py numbers it: 3 the bounded gate in the op; 2
@@ -249,7 +249,8 @@ def _kda_prologue_sm90_kernel(
     by _rcp_approx (its denominator 1 + 2^z >= 1). FULL (a dense batch of whole chunks,
     FULL_CHUNKS): the gate's activation and the stores of kd, kg, qg, A and Aqk without row masks.
     The masked stores take a predicate a row, and with seven predicate registers the compiler
-    recomputes them at every store."""
+    recomputes them at every store. GATED False (the scan forms kg, qg and kd from q, k and the
+    gate: gluon/chunk_delta.gates_in_scan): none of the three is computed nor stored."""
     gl.static_assert(K % BC == 0, "K in slices of 32 channels")
     NS: gl.constexpr = K // BC
     gl.static_assert(NS % 2 == 0, "the gate's slices alternate between two slots")
@@ -383,10 +384,12 @@ def _kda_prologue_sm90_kernel(
             R = kb * gl.exp2(gl.expand_dims(0.5 * s, 1) - L)                # k 2^(M_b - G)
             f_s.store(gl.reshape(gl.permute(R, (0, 2, 1)), [4 * BC, 16]).to(gl.bfloat16))
             out = gate_base + t * (HV * K) + o_k
-            if FULL:                            # (not _store_rows: through it the masked builds that ran on the
-                gl.store(kd + out, (R * gl.expand_dims(gl.exp2(c_last - mid), 1)).to(kd.dtype.element_ty))
-            else:                               # H200 compile to a different schedule)
-                gl.store(kd + out, (R * gl.expand_dims(gl.exp2(c_last - mid), 1)).to(kd.dtype.element_ty), mask=valid)
+            if GATED:
+                if FULL:                        # (not _store_rows: through it the masked builds that ran on the
+                    gl.store(kd + out, (R * gl.expand_dims(gl.exp2(c_last - mid), 1)).to(kd.dtype.element_ty))
+                else:                           # H200 compile to a different schedule)
+                    gl.store(kd + out, (R * gl.expand_dims(gl.exp2(c_last - mid), 1)).to(kd.dtype.element_ty),
+                             mask=valid)
             if not FROM_X:
                 e_half = gl.expand_dims(gl.exp2(0.5 * s), 1)                # 2^(M_b - c_(b-1)) in [2^-100, 1]
                 X = kmid * e_half                                           # k 2^(G - c_(b-1)) <= |k|
@@ -405,10 +408,11 @@ def _kda_prologue_sm90_kernel(
             k2, q2 = _products(x_s, q_s, f_s, 2, k2, q2, DELTA)
             k3, q3 = _products(x_s, q_s, f_s, 3, k3, q3, DELTA)
             # the gated keys and queries from the chunk's start (while the products run)
-            e_start = gl.expand_dims(gl.exp2(start), 1)                     # 2^(c_(b-1)) <= 1
-            if DELTA:
-                _store_rows(kg + out, (X * e_start).to(kg.dtype.element_ty), valid, FULL)
-            _store_rows(qg + out, (Q * e_start).to(qg.dtype.element_ty), valid, FULL)
+            if GATED:
+                e_start = gl.expand_dims(gl.exp2(start), 1)                 # 2^(c_(b-1)) <= 1
+                if DELTA:
+                    _store_rows(kg + out, (X * e_start).to(kg.dtype.element_ty), valid, FULL)
+                _store_rows(qg + out, (Q * e_start).to(qg.dtype.element_ty), valid, FULL)
             gl.store(decay + (i_c * HV + i_hv) * K + ks * BC + o_c2, gl.exp2(c_last))   # (the same from every warp)
             if DELTA:
                 k0, k1, k2, k3, q0, q1, q2, q3 = warpgroup_mma_wait(num_outstanding=0,
@@ -490,7 +494,8 @@ def launch(p, beta, beta_mode: int, total: int, tables, inverse, scores, kg, kd,
     """Runs the prologue over ``total`` chunks (``tables`` = (cu_seqlens, chunk index) or Nones):
     P into ``inverse`` and Aqk into ``scores`` ``[B, T, HV, 64]``, the gated keys and queries into
     ``kg``, ``kd``, ``qg`` ``[B, T, HV, K]``, e^(G_last) into ``decay`` ``[total, HV, K]``. For GLA
-    (``p.delta`` False: no beta, A, kg nor inverse) Aqk, kd, qg and decay."""
+    (``p.delta`` False: no beta, A, kg nor inverse) Aqk, kd, qg and decay. ``kg``, ``kd`` and ``qg``
+    None: the scan forms them (gluon/chunk_delta.gates_in_scan; the bounded gate only)."""
     from fastla.backends.gluon.chunk_delta import _tile_layout, tma_descriptor
     from fastla.backends.gluon import chunk_inverse_sm90
     from fastla.backends.triton import chunk_prepare_kda, chunk_prepare_kda_wide
@@ -505,6 +510,11 @@ def launch(p, beta, beta_mode: int, total: int, tables, inverse, scores, kg, kd,
     NT = -(-p.T // 64)
     a_kk = call_plan.empty((p.B, p.T, p.HV, 64), torch.float32, p.device) if p.delta else decay    # (GLA: no A)
     flag = not chunk_prepare_kda.bounded_spans(p)           # unbounded spans: flag the blocks past SPAN_LIMIT
+    gated = kg is not None
+    if not gated and (flag or not p.delta):
+        raise ValueError("the scan forms the gated keys for KDA's bounded gate only")
+    if not gated:
+        kg = kd = qg = decay
     flags = call_plan.empty((total, p.HV), torch.int32, p.device) if flag else decay
     items = total * p.HV
     programs = min(items, PROGRAMS_PER_SM * sm_count(p.device)) if PROGRAMS_PER_SM else items
@@ -516,7 +526,7 @@ def launch(p, beta, beta_mode: int, total: int, tables, inverse, scores, kg, kd,
         HAS_A=p.A_log is not None, HAS_BIAS=p.dt_bias is not None, BETA=beta_mode, VARLEN=varlen, FLAG=flag,
         QK_BUFFERS=2 if p.gk.dtype == torch.bfloat16 else 1, DELTA=p.delta,
         FROM_X=BOUNDED_OPERANDS and not flag and p.use_qk_l2norm, FULL=FULL_CHUNKS and not varlen and p.T % 64 == 0,
-        num_warps=4, **({"maxnreg": MAXNREG} if MAXNREG and p.K == 128 else {}),
+        GATED=gated, num_warps=4, **({"maxnreg": MAXNREG} if MAXNREG and p.K == 128 else {}),
     )
     if flag:                                                # the flagged blocks again, exactly
         chunk_prepare_kda_wide.launch(p, beta, beta_mode, total, tables, a_kk, scores, kg, kd, qg, flags)

@@ -583,11 +583,12 @@ class SequencePass:
     dummy: torch.Tensor
     kd: torch.Tensor | None = None          # KDA (per-channel gates): q, k are qg, kg [B, T, HV, K]; kd
     decay: torch.Tensor | None = None       # and e^(G_last) [chunks, HV, K] for the GK step
+    gates: bool = False                     # KDA with the gates formed in the scan: q, k raw, kd the gate's input
 
 
 def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, kda_prologue=None, summaries=False,
         gdn_scores=None, gdn_inverse=None, dense: bool = True, out: torch.Tensor | None = None,
-        scores_in_scan: bool = False):
+        scores_in_scan: bool = False, gates_in_scan: bool = False):
     """The chunked forward. ``sequence_scan(p, SequencePass, seg, segments, seg_state, programs)``,
     when given, launches the sequence passes (seg 0 or 2; seg 0's ``segments`` are varlen's
     sequence orders, _varlen_index) instead of the Triton scan; it must
@@ -601,9 +602,14 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, kda_p
     ``out``: the output's buffer ([B, T, HV, V], contiguous, ``p.o_dtype``) instead of a new one.
     ``scores_in_scan`` (GDN with ``gdn_inverse`` and a ``sequence_scan`` that forms the scores,
     gluon/chunk_delta.scores_in_scan): no scores are written (SequencePass.scores is None), and
-    ``gdn_inverse`` also writes 1 / |q| and 1 / |k| (its ``rq``, ``rk``)."""
+    ``gdn_inverse`` also writes 1 / |q| and 1 / |k| (its ``rq``, ``rk``). ``gates_in_scan`` (KDA's
+    bounded gate with the caller's ``kda_prologue`` and a ``sequence_scan`` that gates the keys and
+    queries itself, gluon/chunk_delta.gates_in_scan): the prologue writes no kg, kd nor qg, and the
+    pass reads the raw q, k and the gate's input (SequencePass.gates)."""
     if scores_in_scan and not (p.delta and p.gk is None and gdn_inverse is not None and sequence_scan is not None):
         raise ValueError("scores_in_scan: GDN with the caller's inverse kernel and sequence scan")
+    if gates_in_scan and not (p.delta and p.gk is not None and kda_prologue is not None and sequence_scan is not None):
+        raise ValueError("gates_in_scan: KDA with the caller's prologue and sequence scan")
     if dense:
         p = dense_inputs(p)
     config = config or default_config(p)
@@ -641,12 +647,17 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, kda_p
     if channel_gate:
         # KDA: the scan reads the gated queries and keys of the prologue (per value head); GLA (the
         # plain rule) reads no gated keys
-        q, kd = (call_plan.empty((B, T, HV, K), op_dtype, dev) for _ in range(2))
         decay = call_plan.empty((max(total, 1), HV, K), torch.float32, dev)
-        k = call_plan.empty((B, T, HV, K), op_dtype, dev) if p.delta else decay
+        if gates_in_scan:
+            q, k, kd = p.q, p.k, p.gk           # (gated in the scan)
+        else:
+            q, kd = (call_plan.empty((B, T, HV, K), op_dtype, dev) for _ in range(2))
+            k = call_plan.empty((B, T, HV, K), op_dtype, dev) if p.delta else decay
         gcum = rq = rk = None
         dummy = decay
-        if total and kda_prologue is not None:
+        if total and gates_in_scan:
+            kda_prologue(p, beta, beta_mode, total, tables, inverse, scores, None, None, None, decay)
+        elif total and kda_prologue is not None:
             kda_prologue(p, beta, beta_mode, total, tables, inverse, scores, k, kd, q, decay)
         elif total:
             chunk_prepare_kda.launch(p, p.q, p.k, beta, beta_mode, total, tables, inverse, scores, k, kd, q, decay,
@@ -681,6 +692,8 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, kda_p
     h0 = p.initial_state
     counts = _chunk_counts(p)
     length = _segments(p, config, counts)
+    if gates_in_scan and (length or store_states):
+        raise RuntimeError("gates_in_scan: whole sequences without chunk states only")
     common = dict(H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, SK=SK, SV=SV, DOT=dot, HAS_H0=h0 is not None,
                   STORE_FINAL=ht is not None, L2NORM=p.use_qk_l2norm and not channel_gate, VARLEN=varlen,
                   BETA=beta_mode, GK=channel_gate, DELTA=p.delta,
@@ -694,7 +707,7 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, kda_p
     if sequence_scan is not None:
         seq_pass = SequencePass(q, k, p.v, beta, beta_mode, inverse, scores, rq, rk, gcum, o, h0, ht,
                                 h_chunks if store_states else None, cu if varlen else None,
-                                chunk_start if varlen else None, T, NT, dummy, kd, decay)
+                                chunk_start if varlen else None, T, NT, dummy, kd, decay, gates_in_scan)
     if length:
         segments, seq_segments, n_seg, summarized, n_sum = _segment_plan(p, counts, length)
         summary = call_plan.empty((n_sum, HV, K, V + K), torch.float32, dev)
