@@ -163,10 +163,10 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
     # gater), then in what is left the GDN registry row issue 3 still owes on the H200
     start=$(date +%s)
     cap() { local left=$(( 575 - ($(date +%s) - start) )); echo $(( left < 1 ? 1 : (left < $1 ? left : $1) )); }
-    t "$(cap 200)" tests/ops/test_gluon_chunk_kda.py -x -k "gates_in_scan"
+    t "$(cap 200)" tests/ops/test_gluon_chunk_kda.py -k "gates_in_scan"
     timeout "$(cap 220)" python3 benchmarks/kda_prefill_sweep.py --tier gluon \
-      --variants tiles,regs1-tiles,gates-in-scan \
-      --shapes kda/h64/1x8192,kda/h64/2x16384,kda/h96/varlen8x15193 --out "$out" 2>&1 | tail -13
+      --variants ${VARIANTS:-tiles,regs1-tiles,gates-in-scan} \
+      --shapes ${SHAPES:-kda/h64/1x8192,kda/h64/2x16384,kda/h96/varlen8x15193} --out "$out" 2>&1 | tail -13
     echo "-- $(( $(date +%s) - start )) s"
     left=$(cap 200)
     [ "$left" -gt 60 ] && timeout "$left" python3 -m fastla bench --filter gdn/h16-hv64/1x32768 \

@@ -147,9 +147,10 @@ def _child_scan(name: str, folder: str) -> None:
 # the state-in-registers scan keeps two words there (replay) and with two chains the final store's
 # pointers (chains at 224 + 232 registers, the loader's warpgroup at 48): stored before the loop,
 # reloaded after it; with the scores formed in the second chain (240 registers) 88 bytes, and in
-# the scorer warpgroup of one chain's replays 40 bytes, none of them in a loop
+# the scorer warpgroup of one chain's replays 40 bytes, and with KDA's two gater warpgroups (120
+# registers each) 24 bytes, none of them in a loop
 SCAN_SPILLS = {"dual-bv128": 64, "regs-replay-varlen": 8, "regs2": 72, "regs2-kda": 24, "regs2-qk": 88,
-               "regs-qk-replay-varlen": 40}
+               "regs-qk-replay-varlen": 40, "regs-kda-gates": 24}
 
 
 @pytest.mark.parametrize("name", list(SCAN_VARIANTS))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fastla.backends.gluon import available
-from tests.helpers import assert_close, strided_inputs
+from tests.helpers import assert_close, call_chunk, strided_inputs
 from tests.ops.test_triton_chunk_kda import SPEC, bf16_case, check_fp64, on_tier
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
@@ -87,7 +87,6 @@ def test_strided_inputs(in_place, monkeypatch):
     projection (read in place with STRIDED_TMA): the contiguous inputs' results, bit for bit."""
     from fastla.backends.gluon import chunk_delta as gluon_chunk
     from fastla.bench.host_stub import split_views
-    from tests.helpers import call_chunk
     monkeypatch.setattr(gluon_chunk, "STRIDED_TMA", in_place)
     kept, real = [], gluon_chunk.in_place_views
     monkeypatch.setattr(gluon_chunk, "in_place_views", lambda p: kept.append(real(p)) or kept[-1])

@@ -59,7 +59,7 @@ LOADER_REGS = 48        # registers per thread of the loader warp (setmaxnreg)
 CHAIN_REGS = 232        # of the second chain with CHAINS = 2 (the first gets the rest)
 CHAIN_REGS_QK = 240     # the same with QK: the second chain forms the scores (232: 7 spill slots in its loop)
 SCORER_REGS = gl.constexpr(128)     # of the scorer warpgroup (QK, one chain)
-GATER_REGS = gl.constexpr(192)      # of the gater warpgroup (GATES, one chain; the chain keeps 256)
+GATER_REGS = gl.constexpr(120)      # of each gater warpgroup (GATES, one chain, K / 64 of them; the chain keeps 256)
 N_VEC = gl.constexpr(4)    # per-token vectors a stage: rk e^G, beta, rk e^(G_last - G), scale rq e^G (GDN)
 N_VEC_QK = gl.constexpr(6)     # and with the scores formed in the chains: their rows' and columns' exponents
 
@@ -165,15 +165,17 @@ def _scorer_t(k_s, q_s, a_s, vec_s, loaded, freed, scored, n_chunks, K: gl.const
 
 
 @gluon.jit
-def _gater_t(k_s, q_s, kd_s, sums_s, loaded, gated, A_log, dt_bias, lower_bound, scale, bos, eos, c_begin, n_chunks,
-             i_hv, K: gl.constexpr, STAGES: gl.constexpr, L2NORM: gl.constexpr, HAS_A: gl.constexpr,
-             HAS_BIAS: gl.constexpr):
-    """GATES (KDA's bounded gate, gluon/chunk_delta.gates_in_scan): a warpgroup of its own forms
-    each chunk's gated keys and queries from the raw tiles the loader brought (q and k of the
-    q/k head, the gate's input of the value head in the kd tiles), in place, and arrives on the
-    stage's ``gated``; the chain waits there instead of reading tiles the prologue wrote. Per
-    [64, 64] box of channels, in [4, 16, 64] tiles (warp = 16-row block, lane = two channels, a
-    block's 16 rows in one thread, as the prologue's slices): the log decay in log2 units
+def _gater_t(W: gl.constexpr, k_s, q_s, kd_s, sums_s, loaded, normed, gated, A_log, dt_bias, lower_bound, scale, bos,
+             eos, c_begin, n_chunks, i_hv, K: gl.constexpr, STAGES: gl.constexpr, L2NORM: gl.constexpr,
+             HAS_A: gl.constexpr, HAS_BIAS: gl.constexpr):
+    """GATES (KDA's bounded gate, gluon/chunk_delta.gates_in_scan): gater W, a warpgroup of its
+    own, forms the gated keys and queries of each chunk's channels 64 W .. 64 W + 63 (one of the
+    K / 64 gaters, one a [64, 64] box) from the raw tiles the loader brought (q and k of the q/k
+    head, the gate's input of the value head in the kd tiles), in place, and arrives on the
+    stage's ``gated``; the chain waits there instead of reading tiles the prologue wrote. The
+    gaters meet at ``normed`` once each has read every box for the rows' norms, before any
+    writes its own. In [4, 16, 64] tiles (warp = 16-row block, lane = two channels, a block's 16
+    rows in one thread, as the prologue's slices): the log decay in log2 units
     x = lower_bound log2 e sigmoid(a (g + dt_bias)) (0 past the sequence's end), G its cumsum
     over the chunk (in-thread within a block, the four block sums through ``sums_s``), then
     kg = rk k 2^G, qg = scale rq q 2^G, kd = rk k 2^(G_last - G), with 1 / |k|, 1 / |q| from the
@@ -206,26 +208,28 @@ def _gater_t(k_s, q_s, kd_s, sums_s, loaded, gated, A_log, dt_bias, lower_bound,
         else:
             rk = gl.where(valid, 1.0, 0.0)
             rq = gl.where(valid, scale, 0.0)
-        for j in gl.static_range(NK):
-            b = stage * NK + j
-            x = gl.convert_layout(gl.reshape(kd_s.index(b).load(box), [4, 16, BK]), L3).to(gl.float32)
-            if HAS_BIAS:
-                x = x + gl.load(dt_bias + i_hv * K + j * BK + o_c).to(gl.float32)
-            x = gl.where(valid, (LOG2E * lower_bound) * _rcp_approx(1.0 + gl.exp2(-LOG2E * a_h * x)), 0.0)
-            s = gl.sum(x, 1)                                                # [4, 64] block sums
-            gl.thread_barrier()                                             # (the last box's sums read)
-            sums_s.store(s)
-            ends = gl.associative_scan(gl.expand_dims(sums_s.load(gl.SliceLayout(0, L4)), 0), 1, _add)   # c_c
-            start = gl.convert_layout(gl.sum(gl.where(ic4 == ib4, ends, 0.0), 1), L_bc) - s     # [4, 64] c_(b-1)
-            last = gl.convert_layout(gl.sum(gl.where(ic4 == 3, ends, 0.0), 1), L_bc)            # [1, 64] G_last
-            G = gl.associative_scan(x, 1, _add) + gl.expand_dims(start, 1)  # [4, 16, 64] G <= 0
-            kb = gl.convert_layout(gl.reshape(k_s.index(b).load(box), [4, 16, BK]), L3).to(gl.float32) * rk
-            kd = kb * gl.exp2(gl.expand_dims(last, 1) - G)
-            kd_s.index(b).store(gl.convert_layout(gl.reshape(kd.to(gl.bfloat16), [64, BK]), box))
-            e = gl.exp2(G)
-            k_s.index(b).store(gl.convert_layout(gl.reshape((kb * e).to(gl.bfloat16), [64, BK]), box))
-            qb = gl.convert_layout(gl.reshape(q_s.index(b).load(box), [4, 16, BK]), L3).to(gl.float32) * rq
-            q_s.index(b).store(gl.convert_layout(gl.reshape((qb * e).to(gl.bfloat16), [64, BK]), box))
+        if NK > 1:                                                          # (the others' boxes read)
+            mbarrier.arrive(normed.index(stage), count=1)
+            mbarrier.wait(normed.index(stage), ((i // STAGES) & 1).to(gl.int32))
+        b = stage * NK + W
+        x = gl.convert_layout(gl.reshape(kd_s.index(b).load(box), [4, 16, BK]), L3).to(gl.float32)
+        if HAS_BIAS:
+            x = x + gl.load(dt_bias + i_hv * K + W * BK + o_c).to(gl.float32)
+        x = gl.where(valid, (LOG2E * lower_bound) * _rcp_approx(1.0 + gl.exp2(-LOG2E * a_h * x)), 0.0)
+        s = gl.sum(x, 1)                                                    # [4, 64] block sums
+        gl.thread_barrier()                                                 # (the last chunk's sums read)
+        sums_s.store(s)
+        ends = gl.associative_scan(gl.expand_dims(sums_s.load(gl.SliceLayout(0, L4)), 0), 1, _add)   # c_c
+        start = gl.convert_layout(gl.sum(gl.where(ic4 == ib4, ends, 0.0), 1), L_bc) - s     # [4, 64] c_(b-1)
+        last = gl.convert_layout(gl.sum(gl.where(ic4 == 3, ends, 0.0), 1), L_bc)            # [1, 64] G_last
+        G = gl.associative_scan(x, 1, _add) + gl.expand_dims(start, 1)      # [4, 16, 64] G <= 0
+        kb = gl.convert_layout(gl.reshape(k_s.index(b).load(box), [4, 16, BK]), L3).to(gl.float32) * rk
+        kd = kb * gl.exp2(gl.expand_dims(last, 1) - G)
+        kd_s.index(b).store(gl.convert_layout(gl.reshape(kd.to(gl.bfloat16), [64, BK]), box))
+        e = gl.exp2(G)
+        k_s.index(b).store(gl.convert_layout(gl.reshape((kb * e).to(gl.bfloat16), [64, BK]), box))
+        qb = gl.convert_layout(gl.reshape(q_s.index(b).load(box), [4, 16, BK]), L3).to(gl.float32) * rq
+        q_s.index(b).store(gl.convert_layout(gl.reshape((qb * e).to(gl.bfloat16), [64, BK]), box))
         fence_async_shared()
         gl.thread_barrier()
         mbarrier.arrive(gated.index(stage), count=1)
@@ -394,13 +398,18 @@ def _scan_regs_sm90_kernel(
         scored = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
     else:
         scored = freed
-    if GATES:                   # the gater's block sums
+    if GATES:                   # the gaters' block sums, and where they meet once the norms are read
         sums_s = gl.allocate_shared_memory(gl.float32, [4, BK], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+        sums1_s = gl.allocate_shared_memory(gl.float32, [4, BK], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+        normed = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
     for st in gl.static_range(STAGES):
         mbarrier.init(loaded.index(st), count=2)        # the TMA bytes' expect and the vectors' arrival
         mbarrier.init(freed.index(st), count=CHAINS + (1 if SCORER else 0))
-        if QK or GATES:
+        if QK:
             mbarrier.init(scored.index(st), count=1)
+        if GATES:
+            mbarrier.init(scored.index(st), count=NK)
+            mbarrier.init(normed.index(st), count=NK)
     fence_async_shared()
 
     i_hv32 = i_hv.to(gl.int32)
@@ -417,13 +426,26 @@ def _scan_regs_sm90_kernel(
                          loaded, freed, beta, rq, rk, gcum, decay, bos, eos, c_begin, n_chunks, first_chunk, i_h32,
                          i_hv32, i_v, scale, H, HV, K, V, L2NORM, BETA, SEG, STAGES, GK, CHAINS, QK)),
         ], [4, 1], [CHAIN_NREG, LOADER_NREG])
+    elif GATES and NK == 2:
+        gl.warp_specialize([
+            (_chain_t, (0, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s, loaded, freed, scored, o_desc, gcum, o, h0, ht,
+                        seg_state, bos, eos, c_begin, n_chunks, is_last, i_n, i_s, i_hv32, i_v, n_rows, HV, K, V, SK,
+                        SV, HAS_H0, STORE_FINAL, SEG, STAGES, GK, CHAINS, QK, GATES)),
+            (_gater_t, (0, k_s, q_s, kd_s, sums_s, loaded, normed, scored, A_log, dt_bias, lower_bound, scale,
+                        bos, eos, c_begin, n_chunks, i_hv32, K, STAGES, L2NORM, HAS_A, HAS_BIAS)),
+            (_gater_t, (1, k_s, q_s, kd_s, sums1_s, loaded, normed, scored, A_log, dt_bias, lower_bound, scale,
+                        bos, eos, c_begin, n_chunks, i_hv32, K, STAGES, L2NORM, HAS_A, HAS_BIAS)),
+            (_loader_t, (k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s,
+                         loaded, freed, beta, rq, rk, gcum, decay, bos, eos, c_begin, n_chunks, first_chunk, i_h32,
+                         i_hv32, i_v, scale, H, HV, K, V, L2NORM, BETA, SEG, STAGES, GK, CHAINS, QK)),
+        ], [4, 4, 1], [GATER_REGS, GATER_REGS, LOADER_NREG])
     elif GATES:
         gl.warp_specialize([
             (_chain_t, (0, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s, loaded, freed, scored, o_desc, gcum, o, h0, ht,
                         seg_state, bos, eos, c_begin, n_chunks, is_last, i_n, i_s, i_hv32, i_v, n_rows, HV, K, V, SK,
                         SV, HAS_H0, STORE_FINAL, SEG, STAGES, GK, CHAINS, QK, GATES)),
-            (_gater_t, (k_s, q_s, kd_s, sums_s, loaded, scored, A_log, dt_bias, lower_bound, scale, bos, eos, c_begin,
-                        n_chunks, i_hv32, K, STAGES, L2NORM, HAS_A, HAS_BIAS)),
+            (_gater_t, (0, k_s, q_s, kd_s, sums_s, loaded, normed, scored, A_log, dt_bias, lower_bound, scale,
+                        bos, eos, c_begin, n_chunks, i_hv32, K, STAGES, L2NORM, HAS_A, HAS_BIAS)),
             (_loader_t, (k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s,
                          loaded, freed, beta, rq, rk, gcum, decay, bos, eos, c_begin, n_chunks, first_chunk, i_h32,
                          i_hv32, i_v, scale, H, HV, K, V, L2NORM, BETA, SEG, STAGES, GK, CHAINS, QK)),
@@ -452,3 +474,5 @@ def _scan_regs_sm90_kernel(
         mbarrier.invalidate(freed.index(st))
         if QK or GATES:
             mbarrier.invalidate(scored.index(st))
+        if GATES:
+            mbarrier.invalidate(normed.index(st))
