@@ -414,7 +414,7 @@ def _regs_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments, se
     qk_width = (p.HV if gk and not sp.gates else p.H) * p.K  # (the gater reads the raw q and k)
     k = desc(sp.k, qk_width)
     launcher(_scan_regs_sm90_kernel, sp.T, sp.NT)[(programs * p.HV * (p.V // BV),)](
-        k, desc(sp.q, qk_width), desc(sp.kd, qk_width) if gk else k, desc(sp.v, p.HV * p.V),
+        k, desc(sp.q, qk_width), desc(sp.kd, p.HV * p.K) if gk else k, desc(sp.v, p.HV * p.V),
         desc(sp.inverse, p.HV * BT), k if qk else desc(sp.scores, p.HV * BT), desc(sp.o, p.HV * p.V),
         sp.beta, sp.rq, sp.rk, *_or_dummy(sp, sp.gcum, sp.decay if gk else None), sp.o,
         *_or_dummy(sp, sp.h0, sp.ht, sp.cu_seqlens, sp.chunk_start),

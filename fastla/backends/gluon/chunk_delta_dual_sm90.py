@@ -45,19 +45,20 @@ LOADER_REGS = 32        # of the loader's warpgroup (chain 0 gets the rest: 128 
 def _load_stage(k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s, loaded, freed,
                 i, bos, c_begin, i_h, i_hv, i_v, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
                 STAGES: gl.constexpr, GK: gl.constexpr, SEG: gl.constexpr, DELTA: gl.constexpr, CHAINS: gl.constexpr,
-                SCORES: gl.constexpr = True):
+                SCORES: gl.constexpr = True, QKD: gl.constexpr = True):
     """Chunk i's tiles into stage i % STAGES once every chain has freed it (chunk i - STAGES), a value
     tile of BV / CHAINS columns per chain; returns the stage. A segment summary (SEG 1) loads no
     queries nor scores, and the value tiles of its identity columns (past V) from column 0 of the
     head (read as zeros by the chains). DELTA False (the plain rule): no P, and with GK no gated
     keys (the update reads kd). SCORES False: no A_qk tile (the chains form the scores). Keys and
-    queries are those of head i_h, the kd tiles (GK) of value head i_hv."""
+    queries are those of head i_h, the kd tiles (GK) of value head i_hv. QKD False: none of the key,
+    query and kd tiles (another ring holds them: chunk_delta_regs_sm90's GATES)."""
     NK: gl.constexpr = K // BK
     BVC: gl.constexpr = BV // CHAINS
     OUTPUT: gl.constexpr = SEG != 1
     LOAD_A: gl.constexpr = OUTPUT and SCORES
     LOAD_K: gl.constexpr = DELTA or not GK
-    n_qk: gl.constexpr = (1 if OUTPUT else 0) + (1 if GK else 0) + (1 if LOAD_K else 0)
+    n_qk: gl.constexpr = ((1 if OUTPUT else 0) + (1 if GK else 0) + (1 if LOAD_K else 0)) if QKD else 0
     n_sq: gl.constexpr = (1 if LOAD_A else 0) + (1 if DELTA else 0)               # A_qk and P tiles
     nbytes: gl.constexpr = (n_qk * NK * BT * BK + BT * BV + n_sq * BT * BT) * 2
     stage = (i % STAGES).to(gl.int32)
@@ -65,7 +66,7 @@ def _load_stage(k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s,
     t0 = (bos + (c_begin + i) * BT).to(gl.int32)
     bar = loaded.index(stage)
     mbarrier.expect(bar, nbytes)
-    for j in gl.static_range(NK):
+    for j in gl.static_range(NK if QKD else 0):
         if LOAD_K:
             tma.async_copy_global_to_shared(k_desc, [t0, i_h * K + j * BK], bar, k_s.index(stage * NK + j))
         if OUTPUT:

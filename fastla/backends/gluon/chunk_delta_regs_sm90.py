@@ -59,23 +59,43 @@ LOADER_REGS = 48        # registers per thread of the loader warp (setmaxnreg)
 CHAIN_REGS = 232        # of the second chain with CHAINS = 2 (the first gets the rest)
 CHAIN_REGS_QK = 240     # the same with QK: the second chain forms the scores (232: 7 spill slots in its loop)
 SCORER_REGS = gl.constexpr(128)     # of the scorer warpgroup (QK, one chain)
+SLOTS = gl.constexpr(3)    # GATES: the key, query and kd tiles' ring (the rest of a stage keeps STAGES)
 GATER_REGS = gl.constexpr(120)      # of each gater warpgroup (GATES, one chain, K / 64 of them; the chain keeps 256)
 N_VEC = gl.constexpr(4)    # per-token vectors a stage: rk e^G, beta, rk e^(G_last - G), scale rq e^G (GDN)
 N_VEC_QK = gl.constexpr(6)     # and with the scores formed in the chains: their rows' and columns' exponents
 
 
 @gluon.jit
+def _load_raw(k_desc, q_desc, g_desc, k_s, q_s, g_s, raw_loaded, raw_freed, i, bos, c_begin, i_h, i_hv,
+              K: gl.constexpr):
+    """GATES: chunk i's raw keys and queries (head i_h) and the gate's input (value head i_hv) by
+    TMA into slot i % SLOTS of the key, query and kd tiles, once the chain has freed it (chunk
+    i - SLOTS); the gaters turn them into kg, qg and kd in place."""
+    NK: gl.constexpr = K // BK
+    slot = (i % SLOTS).to(gl.int32)
+    mbarrier.wait(raw_freed.index(slot), (((i // SLOTS) & 1) ^ 1).to(gl.int32))
+    t0 = (bos + (c_begin + i) * BT).to(gl.int32)
+    bar = raw_loaded.index(slot)
+    mbarrier.expect(bar, 3 * NK * BT * BK * 2)
+    for j in gl.static_range(NK):
+        tma.async_copy_global_to_shared(k_desc, [t0, i_h * K + j * BK], bar, k_s.index(slot * NK + j))
+        tma.async_copy_global_to_shared(q_desc, [t0, i_h * K + j * BK], bar, q_s.index(slot * NK + j))
+        tma.async_copy_global_to_shared(g_desc, [t0, i_hv * K + j * BK], bar, g_s.index(slot * NK + j))
+
+
+@gluon.jit
 def _loader_t(k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s,
-              loaded, freed, beta, rq, rk, gcum, decay, bos, eos, c_begin, n_chunks, first_chunk, i_h, i_hv, i_v,
-              scale, H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, L2NORM: gl.constexpr,
-              BETA: gl.constexpr, SEG: gl.constexpr, STAGES: gl.constexpr, GK: gl.constexpr, CHAINS: gl.constexpr,
-              QK: gl.constexpr):
+              loaded, freed, raw_loaded, raw_freed, beta, rq, rk, gcum, decay, bos, eos, c_begin, n_chunks,
+              first_chunk, i_h, i_hv, i_v, scale, H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr,
+              V: gl.constexpr, L2NORM: gl.constexpr, BETA: gl.constexpr, SEG: gl.constexpr, STAGES: gl.constexpr,
+              GK: gl.constexpr, CHAINS: gl.constexpr, QK: gl.constexpr, GATES: gl.constexpr):
     """Each chunk's tiles by TMA (QK: no A_qk tile), then its per-token vectors into the stage's ``vec_s`` rows
     (zero past the sequence's end): the keys' weight in Y, rk e^G; beta (activated); the update's
     row weights rk e^(G_last - G); the output's scale rq e^G. GK (KDA: the gates are in the
     prologue's tiles): beta, and the rows' mask in the third row; the chunk's decays e^G_last
     [K] into ``dec_s``. QK (the scores formed in the chains, GDN): also the scores' exponents
-    G log2 e + log2(scale rq) and G log2 e - log2 rk (_form_scores).
+    G log2 e + log2(scale rq) and G log2 e - log2 rk (_form_scores). GATES: the raw keys, queries
+    and gate of each chunk into their own ring of SLOTS first (_load_raw), the stage the rest.
     The chains share the vectors (one value head); each has its value tile. The stage's ``loaded``
     barrier completes on the TMA bytes and this warp's arrival after its stores."""
     NV: gl.constexpr = N_VEC_QK if QK else N_VEC
@@ -83,9 +103,11 @@ def _loader_t(k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v
     r = gl.arange(0, BT, layout=vec)
     o_k = gl.arange(0, K, layout=gl.BlockedLayout([K // 32], [32], [1], [0]))
     for i in range(0, n_chunks):
+        if GATES:               # the raw q, k and gate of chunk i into its slot, once the chain has read chunk i - SLOTS
+            _load_raw(k_desc, q_desc, kd_desc, k_s, q_s, kd_s, raw_loaded, raw_freed, i, bos, c_begin, i_h, i_hv, K)
         stage = _load_stage(k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s, loaded,
                             freed, i, bos, c_begin, i_h, i_hv, i_v, K, V, BV_REGS * CHAINS, STAGES, GK, SEG, True,
-                            CHAINS, not QK)
+                            CHAINS, not QK, not GATES)
         t0 = bos + (c_begin + i) * BT
         m_t = r < eos - t0
         row = (t0 + r) * HV + i_hv
@@ -165,9 +187,9 @@ def _scorer_t(k_s, q_s, a_s, vec_s, loaded, freed, scored, n_chunks, K: gl.const
 
 
 @gluon.jit
-def _gater_t(W: gl.constexpr, k_s, q_s, kd_s, sums_s, loaded, normed, gated, A_log, dt_bias, lower_bound, scale, bos,
-             eos, c_begin, n_chunks, i_hv, K: gl.constexpr, STAGES: gl.constexpr, L2NORM: gl.constexpr,
-             HAS_A: gl.constexpr, HAS_BIAS: gl.constexpr):
+def _gater_t(W: gl.constexpr, k_s, q_s, kd_s, sums_s, raw_loaded, normed, gated, A_log, dt_bias, lower_bound, scale,
+             bos, eos, c_begin, n_chunks, i_hv, K: gl.constexpr, L2NORM: gl.constexpr, HAS_A: gl.constexpr,
+             HAS_BIAS: gl.constexpr):
     """GATES (KDA's bounded gate, gluon/chunk_delta.gates_in_scan): gater W, a warpgroup of its
     own, forms the gated keys and queries of each chunk's channels 64 W .. 64 W + 63 (one of the
     K / 64 gaters, one a [64, 64] box) from the raw tiles the loader brought (q and k of the q/k
@@ -198,23 +220,24 @@ def _gater_t(W: gl.constexpr, k_s, q_s, kd_s, sums_s, loaded, normed, gated, A_l
         a_h = gl.exp(gl.load(A_log + i_hv).to(gl.float32))
     else:
         a_h = 1.0
+    dt = gl.zeros([1, 1, BK], gl.float32, L3)
+    if HAS_BIAS:
+        dt = gl.load(dt_bias + i_hv * K + W * BK + o_c).to(gl.float32)
     for i in range(0, n_chunks):
-        stage = (i % STAGES).to(gl.int32)
-        mbarrier.wait(loaded.index(stage), ((i // STAGES) & 1).to(gl.int32))
+        slot = (i % SLOTS).to(gl.int32)
+        mbarrier.wait(raw_loaded.index(slot), ((i // SLOTS) & 1).to(gl.int32))
         valid = t < eos - (bos + (c_begin + i) * BT)
         if L2NORM:
-            rk = gl.where(valid, _row_norms(k_s, stage * NK, NK, L3), 0.0)
-            rq = gl.where(valid, _row_norms(q_s, stage * NK, NK, L3) * scale, 0.0)
+            rk = gl.where(valid, _row_norms(k_s, slot * NK, NK, L3), 0.0)
+            rq = gl.where(valid, _row_norms(q_s, slot * NK, NK, L3) * scale, 0.0)
         else:
             rk = gl.where(valid, 1.0, 0.0)
             rq = gl.where(valid, scale, 0.0)
         if NK > 1:                                                          # (the others' boxes read)
-            mbarrier.arrive(normed.index(stage), count=1)
-            mbarrier.wait(normed.index(stage), ((i // STAGES) & 1).to(gl.int32))
-        b = stage * NK + W
-        x = gl.convert_layout(gl.reshape(kd_s.index(b).load(box), [4, 16, BK]), L3).to(gl.float32)
-        if HAS_BIAS:
-            x = x + gl.load(dt_bias + i_hv * K + W * BK + o_c).to(gl.float32)
+            mbarrier.arrive(normed.index(slot), count=1)
+            mbarrier.wait(normed.index(slot), ((i // SLOTS) & 1).to(gl.int32))
+        b = slot * NK + W
+        x = gl.convert_layout(gl.reshape(kd_s.index(b).load(box), [4, 16, BK]), L3).to(gl.float32) + dt
         x = gl.where(valid, (LOG2E * lower_bound) * _rcp_approx(1.0 + gl.exp2(-LOG2E * a_h * x)), 0.0)
         s = gl.sum(x, 1)                                                    # [4, 64] block sums
         gl.thread_barrier()                                                 # (the last chunk's sums read)
@@ -232,7 +255,7 @@ def _gater_t(W: gl.constexpr, k_s, q_s, kd_s, sums_s, loaded, normed, gated, A_l
         q_s.index(b).store(gl.convert_layout(gl.reshape((qb * e).to(gl.bfloat16), [64, BK]), box))
         fence_async_shared()
         gl.thread_barrier()
-        mbarrier.arrive(gated.index(stage), count=1)
+        mbarrier.arrive(gated.index(slot), count=1)
 
 
 @gluon.jit
@@ -307,14 +330,15 @@ def _store_output_t(out, o_desc, o_s, o, t0, eos, r, o_v, i_hv, i_v, n_rows, HV:
 
 
 @gluon.jit
-def _chain_t(CH: gl.constexpr, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s, loaded, freed, scored, o_desc, gcum, o, h0,
-             ht, seg_state, bos, eos, c_begin, n_chunks, is_last, i_n, i_s, i_hv, i_v, n_rows, HV: gl.constexpr,
+def _chain_t(CH: gl.constexpr, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s, loaded, freed, scored, raw_freed, o_desc,
+             gcum, o, h0, ht, seg_state, bos, eos, c_begin, n_chunks, is_last, i_n, i_s, i_hv, i_v, n_rows, HV: gl.constexpr,
              K: gl.constexpr, V: gl.constexpr, SK: gl.constexpr, SV: gl.constexpr, HAS_H0: gl.constexpr,
              STORE_FINAL: gl.constexpr, SEG: gl.constexpr, STAGES: gl.constexpr, GK: gl.constexpr,
              CHAINS: gl.constexpr, QK: gl.constexpr, GATES: gl.constexpr):
     """Chain CH: the 64 columns of value tile CHAINS i_v + CH, chunk by chunk (one warpgroup); GDN's
-    e^G_last is the one value it loads itself (a chunk ahead). GATES: each stage's gated keys and
-    queries are the gater's (``scored`` is its barrier), waited for before the step."""
+    e^G_last is the one value it loads itself (a chunk ahead). GATES: the key, query and kd tiles
+    are slot i % SLOTS of their ring, gated by the gaters (``scored`` is their barrier) and waited
+    for before the step; the chain frees the slot (``raw_freed``) with the stage."""
     i_v = i_v * CHAINS + CH
     NV: gl.constexpr = N_VEC_QK if QK else N_VEC
     acc: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
@@ -326,9 +350,10 @@ def _chain_t(CH: gl.constexpr, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s,
     p_state = o_vs[:, None] * SV + o_k[None, :] * SK                      # [BV, K] in one head's state
     # the stages' key and query tiles as [BT, K] (the loader's [BT, 64] boxes lie side by side:
     # a [64, 128] tile of this swizzle is its two 64-column halves, 8 KB apart, as TMA splits it)
-    kk_s = k_s._reinterpret(gl.bfloat16, [STAGES, BT, K], k_s.layout)
-    qq_s = q_s._reinterpret(gl.bfloat16, [STAGES, BT, K], q_s.layout)
-    kkd_s = kd_s._reinterpret(gl.bfloat16, [STAGES, BT, K], kd_s.layout)
+    QS: gl.constexpr = SLOTS if GATES else STAGES
+    kk_s = k_s._reinterpret(gl.bfloat16, [QS, BT, K], k_s.layout)
+    qq_s = q_s._reinterpret(gl.bfloat16, [QS, BT, K], q_s.layout)
+    kkd_s = kd_s._reinterpret(gl.bfloat16, [QS, BT, K], kd_s.layout)
 
     S = _initial_state_t(h0, seg_state, i_n, i_s, i_hv, o_vs, o_k, p_state, accs, HV, K, V, HAS_H0, SEG)
     t_last = gl.minimum(eos, bos + c_begin * BT + BT) - 1
@@ -343,14 +368,17 @@ def _chain_t(CH: gl.constexpr, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s,
         if not GK:
             n_Gl = gl.load(gcum + (gl.minimum(eos, t0 + 2 * BT) - 1) * HV + i_hv, mask=i + 1 < n_chunks, other=0.0)
 
+        slot = (i % QS).to(gl.int32)
         mbarrier.wait(loaded.index(stage), ((i // STAGES) & 1).to(gl.int32))
         if GATES:
-            mbarrier.wait(scored.index(stage), ((i // STAGES) & 1).to(gl.int32))
-        S, out = _chunk_step_t(kk_s.index(stage), qq_s.index(stage), kkd_s.index(stage), v_s.index(stage * CHAINS + CH),
+            mbarrier.wait(scored.index(slot), ((i // QS) & 1).to(gl.int32))
+        S, out = _chunk_step_t(kk_s.index(slot), qq_s.index(slot), kkd_s.index(slot), v_s.index(stage * CHAINS + CH),
                                p_s.index(stage), a_s.index(stage), vec_s, stage * NV, dec_s.index(stage),
                                S, b_egl, scored.index(stage), ((i // STAGES) & 1).to(gl.int32), acc, accs, GK, QK,
                                QK and CHAINS == 2 and CH == 1)
         mbarrier.arrive(freed.index(stage), count=1)                        # the loader may refill the stage
+        if GATES:
+            mbarrier.arrive(raw_freed.index(slot), count=1)
         _store_output_t(out, o_desc, o_s.index(CH), o, t0, eos, r, o_v, i_hv, i_v, n_rows, HV, V)
 
     tma.store_wait(0)
@@ -375,15 +403,16 @@ def _scan_regs_sm90_kernel(
         segments, cu_seqlens, chunk_start, T, NT, H, HV, K, V, BV_REGS * CHAINS, VARLEN, SEG)
 
     tile: gl.constexpr = k_desc.layout
-    k_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES * NK, BT, BK], tile)
-    q_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES * NK, BT, BK], tile)
+    QS: gl.constexpr = SLOTS if GATES else STAGES               # the key, query and kd tiles' ring
+    k_s = gl.allocate_shared_memory(gl.bfloat16, [QS * NK, BT, BK], tile)
+    q_s = gl.allocate_shared_memory(gl.bfloat16, [QS * NK, BT, BK], tile)
     p_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, BT], tile)
     a_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, BT], tile)     # (QK: the last chain writes them)
     v_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES * CHAINS, BT, BV_REGS], v_desc.layout)
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     vec_s = gl.allocate_shared_memory(gl.float32, [STAGES * (N_VEC_QK if QK else N_VEC), BT], plain)
     if GK:                                  # the gated keys' kd tiles and the chunks' decays
-        kd_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES * NK, BT, BK], tile)
+        kd_s = gl.allocate_shared_memory(gl.bfloat16, [QS * NK, BT, BK], tile)
         dec_s = gl.allocate_shared_memory(gl.float32, [STAGES, K], plain)
     else:
         kd_s = k_s
@@ -394,85 +423,102 @@ def _scan_regs_sm90_kernel(
     freed = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
     SCORER: gl.constexpr = QK and CHAINS == 1        # a warpgroup of its own forms the scores
     gl.static_assert(not GATES or (GK and CHAINS == 1 and not QK), "the gater serves KDA's one-chain scan")
-    if QK or GATES:             # the stage's scores formed (by the scorer or chain 1), or its gated tiles
-        scored = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
+    if QK or GATES:             # the stage's scores formed (by the scorer or chain 1), or a slot's gated tiles
+        scored = gl.allocate_shared_memory(gl.int64, [QS, 1], bar)
     else:
         scored = freed
-    if GATES:                   # the gaters' block sums, and where they meet once the norms are read
+    if GATES:                   # the raw tiles' ring, the gaters' block sums and where they meet once the norms are read
+        raw_loaded = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], bar)
+        raw_freed = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], bar)
+        normed = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], bar)
         sums_s = gl.allocate_shared_memory(gl.float32, [4, BK], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
         sums1_s = gl.allocate_shared_memory(gl.float32, [4, BK], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
-        normed = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
+    else:
+        raw_loaded = loaded
+        raw_freed = freed
     for st in gl.static_range(STAGES):
         mbarrier.init(loaded.index(st), count=2)        # the TMA bytes' expect and the vectors' arrival
         mbarrier.init(freed.index(st), count=CHAINS + (1 if SCORER else 0))
         if QK:
             mbarrier.init(scored.index(st), count=1)
-        if GATES:
-            mbarrier.init(scored.index(st), count=NK)
-            mbarrier.init(normed.index(st), count=NK)
+    if GATES:
+        for sl in gl.static_range(SLOTS):
+            mbarrier.init(scored.index(sl), count=NK)            # each gater's arrival
+            mbarrier.init(normed.index(sl), count=NK)
+            mbarrier.init(raw_loaded.index(sl), count=1)         # the TMA bytes' expect
+            mbarrier.init(raw_freed.index(sl), count=1)          # the chain's arrival
     fence_async_shared()
 
     i_hv32 = i_hv.to(gl.int32)
     i_h32 = i_hv32 if GK and not GATES else i_h.to(gl.int32)             # the column block of k, q
     if CHAINS == 2:
         gl.warp_specialize([
-            (_chain_t, (0, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s, loaded, freed, scored, o_desc, gcum, o, h0, ht,
-                        seg_state, bos, eos, c_begin, n_chunks, is_last, i_n, i_s, i_hv32, i_v, n_rows, HV, K, V, SK,
+            (_chain_t, (0, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s, loaded, freed, scored, raw_freed, o_desc, gcum, o, h0,
+                        ht, seg_state, bos, eos, c_begin, n_chunks, is_last, i_n, i_s, i_hv32, i_v, n_rows, HV, K, V, SK,
                         SV, HAS_H0, STORE_FINAL, SEG, STAGES, GK, CHAINS, QK, GATES)),
-            (_chain_t, (1, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s, loaded, freed, scored, o_desc, gcum, o, h0, ht,
-                        seg_state, bos, eos, c_begin, n_chunks, is_last, i_n, i_s, i_hv32, i_v, n_rows, HV, K, V, SK,
+            (_chain_t, (1, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s, loaded, freed, scored, raw_freed, o_desc, gcum, o, h0,
+                        ht, seg_state, bos, eos, c_begin, n_chunks, is_last, i_n, i_s, i_hv32, i_v, n_rows, HV, K, V, SK,
                         SV, HAS_H0, STORE_FINAL, SEG, STAGES, GK, CHAINS, QK, GATES)),
             (_loader_t, (k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s,
-                         loaded, freed, beta, rq, rk, gcum, decay, bos, eos, c_begin, n_chunks, first_chunk, i_h32,
-                         i_hv32, i_v, scale, H, HV, K, V, L2NORM, BETA, SEG, STAGES, GK, CHAINS, QK)),
+                         loaded, freed, raw_loaded, raw_freed, beta, rq, rk, gcum, decay, bos, eos, c_begin, n_chunks,
+                         first_chunk, i_h32, i_hv32, i_v, scale, H, HV, K, V, L2NORM, BETA, SEG, STAGES, GK, CHAINS, QK,
+                         GATES)),
         ], [4, 1], [CHAIN_NREG, LOADER_NREG])
     elif GATES and NK == 2:
         gl.warp_specialize([
-            (_chain_t, (0, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s, loaded, freed, scored, o_desc, gcum, o, h0, ht,
-                        seg_state, bos, eos, c_begin, n_chunks, is_last, i_n, i_s, i_hv32, i_v, n_rows, HV, K, V, SK,
+            (_chain_t, (0, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s, loaded, freed, scored, raw_freed, o_desc, gcum, o, h0,
+                        ht, seg_state, bos, eos, c_begin, n_chunks, is_last, i_n, i_s, i_hv32, i_v, n_rows, HV, K, V, SK,
                         SV, HAS_H0, STORE_FINAL, SEG, STAGES, GK, CHAINS, QK, GATES)),
-            (_gater_t, (0, k_s, q_s, kd_s, sums_s, loaded, normed, scored, A_log, dt_bias, lower_bound, scale,
-                        bos, eos, c_begin, n_chunks, i_hv32, K, STAGES, L2NORM, HAS_A, HAS_BIAS)),
-            (_gater_t, (1, k_s, q_s, kd_s, sums1_s, loaded, normed, scored, A_log, dt_bias, lower_bound, scale,
-                        bos, eos, c_begin, n_chunks, i_hv32, K, STAGES, L2NORM, HAS_A, HAS_BIAS)),
+            (_gater_t, (0, k_s, q_s, kd_s, sums_s, raw_loaded, normed, scored, A_log, dt_bias, lower_bound,
+                        scale, bos, eos, c_begin, n_chunks, i_hv32, K, L2NORM, HAS_A, HAS_BIAS)),
+            (_gater_t, (1, k_s, q_s, kd_s, sums1_s, raw_loaded, normed, scored, A_log, dt_bias, lower_bound,
+                        scale, bos, eos, c_begin, n_chunks, i_hv32, K, L2NORM, HAS_A, HAS_BIAS)),
             (_loader_t, (k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s,
-                         loaded, freed, beta, rq, rk, gcum, decay, bos, eos, c_begin, n_chunks, first_chunk, i_h32,
-                         i_hv32, i_v, scale, H, HV, K, V, L2NORM, BETA, SEG, STAGES, GK, CHAINS, QK)),
+                         loaded, freed, raw_loaded, raw_freed, beta, rq, rk, gcum, decay, bos, eos, c_begin, n_chunks,
+                         first_chunk, i_h32, i_hv32, i_v, scale, H, HV, K, V, L2NORM, BETA, SEG, STAGES, GK, CHAINS, QK,
+                         GATES)),
         ], [4, 4, 1], [GATER_REGS, GATER_REGS, LOADER_NREG])
     elif GATES:
         gl.warp_specialize([
-            (_chain_t, (0, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s, loaded, freed, scored, o_desc, gcum, o, h0, ht,
-                        seg_state, bos, eos, c_begin, n_chunks, is_last, i_n, i_s, i_hv32, i_v, n_rows, HV, K, V, SK,
+            (_chain_t, (0, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s, loaded, freed, scored, raw_freed, o_desc, gcum, o, h0,
+                        ht, seg_state, bos, eos, c_begin, n_chunks, is_last, i_n, i_s, i_hv32, i_v, n_rows, HV, K, V, SK,
                         SV, HAS_H0, STORE_FINAL, SEG, STAGES, GK, CHAINS, QK, GATES)),
-            (_gater_t, (0, k_s, q_s, kd_s, sums_s, loaded, normed, scored, A_log, dt_bias, lower_bound, scale,
-                        bos, eos, c_begin, n_chunks, i_hv32, K, STAGES, L2NORM, HAS_A, HAS_BIAS)),
+            (_gater_t, (0, k_s, q_s, kd_s, sums_s, raw_loaded, normed, scored, A_log, dt_bias, lower_bound,
+                        scale, bos, eos, c_begin, n_chunks, i_hv32, K, L2NORM, HAS_A, HAS_BIAS)),
             (_loader_t, (k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s,
-                         loaded, freed, beta, rq, rk, gcum, decay, bos, eos, c_begin, n_chunks, first_chunk, i_h32,
-                         i_hv32, i_v, scale, H, HV, K, V, L2NORM, BETA, SEG, STAGES, GK, CHAINS, QK)),
+                         loaded, freed, raw_loaded, raw_freed, beta, rq, rk, gcum, decay, bos, eos, c_begin, n_chunks,
+                         first_chunk, i_h32, i_hv32, i_v, scale, H, HV, K, V, L2NORM, BETA, SEG, STAGES, GK, CHAINS, QK,
+                         GATES)),
         ], [4, 1], [GATER_REGS, LOADER_NREG])
     elif SCORER:
         gl.warp_specialize([
-            (_chain_t, (0, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s, loaded, freed, scored, o_desc, gcum, o, h0, ht,
-                        seg_state, bos, eos, c_begin, n_chunks, is_last, i_n, i_s, i_hv32, i_v, n_rows, HV, K, V, SK,
+            (_chain_t, (0, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s, loaded, freed, scored, raw_freed, o_desc, gcum, o, h0,
+                        ht, seg_state, bos, eos, c_begin, n_chunks, is_last, i_n, i_s, i_hv32, i_v, n_rows, HV, K, V, SK,
                         SV, HAS_H0, STORE_FINAL, SEG, STAGES, GK, CHAINS, QK, GATES)),
             (_scorer_t, (k_s, q_s, a_s, vec_s, loaded, freed, scored, n_chunks, K, STAGES)),
             (_loader_t, (k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s,
-                         loaded, freed, beta, rq, rk, gcum, decay, bos, eos, c_begin, n_chunks, first_chunk, i_h32,
-                         i_hv32, i_v, scale, H, HV, K, V, L2NORM, BETA, SEG, STAGES, GK, CHAINS, QK)),
+                         loaded, freed, raw_loaded, raw_freed, beta, rq, rk, gcum, decay, bos, eos, c_begin, n_chunks,
+                         first_chunk, i_h32, i_hv32, i_v, scale, H, HV, K, V, L2NORM, BETA, SEG, STAGES, GK, CHAINS, QK,
+                         GATES)),
         ], [4, 1], [SCORER_REGS, LOADER_NREG])
     else:
         gl.warp_specialize([
-            (_chain_t, (0, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s, loaded, freed, scored, o_desc, gcum, o, h0, ht,
-                        seg_state, bos, eos, c_begin, n_chunks, is_last, i_n, i_s, i_hv32, i_v, n_rows, HV, K, V, SK,
+            (_chain_t, (0, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s, loaded, freed, scored, raw_freed, o_desc, gcum, o, h0,
+                        ht, seg_state, bos, eos, c_begin, n_chunks, is_last, i_n, i_s, i_hv32, i_v, n_rows, HV, K, V, SK,
                         SV, HAS_H0, STORE_FINAL, SEG, STAGES, GK, CHAINS, QK, GATES)),
             (_loader_t, (k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s,
-                         loaded, freed, beta, rq, rk, gcum, decay, bos, eos, c_begin, n_chunks, first_chunk, i_h32,
-                         i_hv32, i_v, scale, H, HV, K, V, L2NORM, BETA, SEG, STAGES, GK, CHAINS, QK)),
+                         loaded, freed, raw_loaded, raw_freed, beta, rq, rk, gcum, decay, bos, eos, c_begin, n_chunks,
+                         first_chunk, i_h32, i_hv32, i_v, scale, H, HV, K, V, L2NORM, BETA, SEG, STAGES, GK, CHAINS, QK,
+                         GATES)),
         ], [1], [LOADER_NREG])
     for st in gl.static_range(STAGES):
         mbarrier.invalidate(loaded.index(st))
         mbarrier.invalidate(freed.index(st))
-        if QK or GATES:
+        if QK:
             mbarrier.invalidate(scored.index(st))
-        if GATES:
-            mbarrier.invalidate(normed.index(st))
+    if GATES:
+        for sl in gl.static_range(SLOTS):
+            mbarrier.invalidate(scored.index(sl))
+            mbarrier.invalidate(normed.index(sl))
+            mbarrier.invalidate(raw_loaded.index(sl))
+            mbarrier.invalidate(raw_freed.index(sl))
