@@ -117,12 +117,13 @@ SCORES_IN_SCAN = True
 # (`-k early_queries`) and sweep (`gluon-inverse-early-q`) have run (docs/notes/gdn-prefill.md v32)
 INVERSE_EARLY_QUERIES = False
 # KDA's gated keys and queries formed in the state-in-registers scan from q, k and the gate's input
-# (chunk_delta_regs_sm90._gater_t: a warpgroup of its own, one chain a program) instead of written
-# by the sm_90 prologue and read back: the prologue's stores a chunk and head 120 -> 72 KB and its
-# slice loop 891 -> 722 SASS instructions a thread (K = 128), the scan's reads unchanged (raw q,
-# k and the gate for kg, qg and kd); the gater ~2090 instructions and 260 MUFU a thread a chunk
-# (docs/notes/kda-prefill.md v22). Where ``gates_in_scan`` plans it (the bounded gate). Off until
-# its GPU tests and sweep (`kda_prefill_sweep.py --tier gluon --variants default,gates-in-scan`) have run
+# (chunk_delta_regs_sm90._gater_t: K / 64 gater warpgroups beside one chain, the key, query and kd
+# tiles in a ring of three slots gated in place) instead of written by the sm_90 prologue and read
+# back: the prologue's stores a chunk and head 120 -> 72 KB, the scan's reads unchanged. Where
+# ``gates_in_scan`` plans it (the bounded gate). Correct (GPU tests), but slower: on an H100 the
+# prologue 495 -> 397 us and the scan 305 -> 508 at 1x8k H64 (call 802 -> 910), 2x16k 3095 ->
+# 3481: the prologue-tiles scan is DRAM-bound (80%), the gated one issue-bound (IPC 1.72, ~12.7K
+# warp instructions a chunk, the gaters' ~10K of them; docs/notes/kda-prefill.md v22). Off
 GATES_IN_SCAN = False
 SPECIALIZED_WIDTHS = (32, 64)
 # q, k and v views whose rows collapse into one strided [B * T, heads * D] array (split from one
