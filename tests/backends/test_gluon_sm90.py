@@ -582,7 +582,8 @@ def test_gates_in_scan_plan_and_launches(monkeypatch):
     planned for the bounded gate where the call is one pass of the state-in-registers scan (1x8k
     H64; 2x16k H64 too, on one chain), not with the flag off, an unbounded gate, chunk states,
     segments or an fp32 gate; such a call launches the prologue without kg, kd nor qg and a
-    one-chain scan pass that reads the raw q, k and the gate's input."""
+    one-chain scan pass that reads the raw q, k and the gate's input, the prologue writing the rows'
+    norms."""
     import torch
 
     from fastla.backends.gluon import chunk_delta as gluon_chunk
@@ -610,15 +611,16 @@ def test_gates_in_scan_plan_and_launches(monkeypatch):
 
     calls = []
     monkeypatch.setattr(chunk_prepare_kda_sm90, "launch",
-                        lambda p, beta, mode, total, tables, inverse, scores, kg, kd, qg, decay:
-                        calls.append(("prologue", kg, kd, qg)))
+                        lambda p, beta, mode, total, tables, inverse, scores, kg, kd, qg, decay, rq, rk:
+                        calls.append(("prologue", kg, kd, qg, rq.shape, rk.shape)))
 
     def scan(p, sp, seg, segments, seg_state, programs, chains):
         calls.append(("scan", sp.gates, chains, sp.q is p.q, sp.k is p.k, sp.kd is p.gk))
 
     monkeypatch.setattr(gluon_chunk, "_regs_scan", scan)
     gluon_chunk.run(problem(B=2, T=16384))
-    assert calls == [("prologue", None, None, None), ("scan", True, 1, True, True, True)], calls
+    rows = (2, 16384, 64)                                                   # the norms (l2norm in the op)
+    assert calls == [("prologue", None, None, None, rows, rows), ("scan", True, 1, True, True, True)], calls
 
 
 @pytest.mark.parametrize("kernel", ["dual", "plain", "ws"])
@@ -689,7 +691,7 @@ def _child_kda_prologue(name: str, folder: str) -> None:
     gate_box = gl.NVMMASharedLayout.get_default_for([64, 32], gl.float32) if gate_fp32 else box
     pointers = {"beta": "*bf16", "A_log": "*fp32", "dt_bias": "*fp32", "a_kk": "*fp32", "a_qk": "*bf16",
                 "kg": "*bf16", "kd": "*bf16", "qg": "*bf16", "decay": "*fp32", "flags": "*i32",
-                "cu_seqlens": "*i64", "chunk_index": "*i32"}
+                "rq_out": "*fp32", "rk_out": "*fp32", "cu_seqlens": "*i64", "chunk_index": "*i32"}
     names = kern.arg_names
     sig = {}
     for n in names:

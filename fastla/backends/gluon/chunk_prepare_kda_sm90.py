@@ -230,7 +230,7 @@ def _load_gate(g_desc, g_in, bar, slot, t0, i_hv, ks, pred, K: gl.constexpr):
 @gluon.jit(do_not_specialize=["T", "NT", "total"])
 def _kda_prologue_sm90_kernel(
     q_desc, k_desc, g_desc, beta, A_log, dt_bias, lower_bound, scale, a_kk, a_qk, kg, kd, qg, decay, flags,
-    cu_seqlens, chunk_index, T, NT, total,
+    rq_out, rk_out, cu_seqlens, chunk_index, T, NT, total,
     H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, L2NORM: gl.constexpr, GATE: gl.constexpr,
     HAS_A: gl.constexpr, HAS_BIAS: gl.constexpr, BETA: gl.constexpr, VARLEN: gl.constexpr, FLAG: gl.constexpr,
     QK_BUFFERS: gl.constexpr, DELTA: gl.constexpr, FROM_X: gl.constexpr, FULL: gl.constexpr, GATED: gl.constexpr,
@@ -250,7 +250,9 @@ def _kda_prologue_sm90_kernel(
     FULL_CHUNKS): the gate's activation and the stores of kd, kg, qg, A and Aqk without row masks.
     The masked stores take a predicate a row, and with seven predicate registers the compiler
     recomputes them at every store. GATED False (the scan forms kg, qg and kd from q, k and the
-    gate: gluon/chunk_delta.gates_in_scan): none of the three is computed nor stored."""
+    gate: gluon/chunk_delta.gates_in_scan): none of the three is computed nor stored, and with
+    L2NORM the rows' 1 / |q| and 1 / |k| go to ``rq_out``, ``rk_out`` ``[B * T, H]`` instead (by
+    the items of each q/k head's first value head; the scan weights its products by them)."""
     gl.static_assert(K % BC == 0, "K in slices of 32 channels")
     NS: gl.constexpr = K // BC
     gl.static_assert(NS % 2 == 0, "the gate's slices alternate between two slots")
@@ -320,7 +322,12 @@ def _kda_prologue_sm90_kernel(
 
         if L2NORM:
             rk = _row_norms(k_in, buf * NS, NS, L3)
-            rq = _row_norms(q_in, buf * NS, NS, L3) * scale
+            nq = _row_norms(q_in, buf * NS, NS, L3)
+            if not GATED:
+                first = valid & (i_hv % (HV // H) == 0)
+                gl.store(rk_out + (t0 + t) * H + i_h, rk, mask=first)
+                gl.store(rq_out + (t0 + t) * H + i_h, nq, mask=first)
+            rq = nq * scale
         else:
             rk = gl.full([4, 16, 1], 1.0, gl.float32, L3)
             rq = gl.full([4, 16, 1], 1.0, gl.float32, L3) * scale
@@ -490,12 +497,13 @@ def serves(p) -> str | None:
     return None
 
 
-def launch(p, beta, beta_mode: int, total: int, tables, inverse, scores, kg, kd, qg, decay) -> None:
+def launch(p, beta, beta_mode: int, total: int, tables, inverse, scores, kg, kd, qg, decay, rq=None, rk=None) -> None:
     """Runs the prologue over ``total`` chunks (``tables`` = (cu_seqlens, chunk index) or Nones):
     P into ``inverse`` and Aqk into ``scores`` ``[B, T, HV, 64]``, the gated keys and queries into
     ``kg``, ``kd``, ``qg`` ``[B, T, HV, K]``, e^(G_last) into ``decay`` ``[total, HV, K]``. For GLA
     (``p.delta`` False: no beta, A, kg nor inverse) Aqk, kd, qg and decay. ``kg``, ``kd`` and ``qg``
-    None: the scan forms them (gluon/chunk_delta.gates_in_scan; the bounded gate only)."""
+    None: the scan forms them (gluon/chunk_delta.gates_in_scan; the bounded gate only), and with
+    the l2norm in the op 1 / |q| and 1 / |k| go to ``rq``, ``rk`` ``[B, T, H]``."""
     from fastla.backends.gluon.chunk_delta import _tile_layout, tma_descriptor
     from fastla.backends.gluon import chunk_inverse_sm90
     from fastla.backends.triton import chunk_prepare_kda, chunk_prepare_kda_wide
@@ -515,13 +523,16 @@ def launch(p, beta, beta_mode: int, total: int, tables, inverse, scores, kg, kd,
         raise ValueError("the scan forms the gated keys for KDA's bounded gate only")
     if not gated:
         kg = kd = qg = decay
+    if not gated and p.use_qk_l2norm and (rq is None or rk is None):
+        raise ValueError("the scan's gated keys need the rows' norms: rq and rk")
     flags = call_plan.empty((total, p.HV), torch.int32, p.device) if flag else decay
     items = total * p.HV
     programs = min(items, PROGRAMS_PER_SM * sm_count(p.device)) if PROGRAMS_PER_SM else items
     launcher(_kda_prologue_sm90_kernel, p.T, NT)[(programs,)](
         desc(p.q, p.H), desc(p.k, p.H), desc(p.gk, p.HV), beta, p.A_log if p.A_log is not None else decay,
         p.dt_bias if p.dt_bias is not None else decay, float(p.lower_bound or 0.0), p.scale,
-        a_kk, scores, kg, kd, qg, decay, flags, cu if varlen else decay, chunk_index if varlen else decay, p.T, NT,
+        a_kk, scores, kg, kd, qg, decay, flags, rq if rq is not None else decay, rk if rk is not None else decay,
+        cu if varlen else decay, chunk_index if varlen else decay, p.T, NT,
         total, H=p.H, HV=p.HV, K=p.K, L2NORM=p.use_qk_l2norm, GATE=chunk_prepare_kda.gate_mode(p),
         HAS_A=p.A_log is not None, HAS_BIAS=p.dt_bias is not None, BETA=beta_mode, VARLEN=varlen, FLAG=flag,
         QK_BUFFERS=2 if p.gk.dtype == torch.bfloat16 else 1, DELTA=p.delta,

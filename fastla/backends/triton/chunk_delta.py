@@ -654,9 +654,11 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, kda_p
             q, kd = (call_plan.empty((B, T, HV, K), op_dtype, dev) for _ in range(2))
             k = call_plan.empty((B, T, HV, K), op_dtype, dev) if p.delta else decay
         gcum = rq = rk = None
+        if gates_in_scan and p.use_qk_l2norm:         # (the prologue's norms: the scan weights by them)
+            rq, rk = (call_plan.empty((B, T, H), torch.float32, dev) for _ in range(2))
         dummy = decay
         if total and gates_in_scan:
-            kda_prologue(p, beta, beta_mode, total, tables, inverse, scores, None, None, None, decay)
+            kda_prologue(p, beta, beta_mode, total, tables, inverse, scores, None, None, None, decay, rq=rq, rk=rk)
         elif total and kda_prologue is not None:
             kda_prologue(p, beta, beta_mode, total, tables, inverse, scores, k, kd, q, decay)
         elif total:
