@@ -425,8 +425,7 @@ def _regs_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments, se
         L2NORM=p.use_qk_l2norm and (sp.gates or not gk), VARLEN=sp.cu_seqlens is not None, SEG=seg,
         BETA=sp.beta_mode, STAGES=SCAN_STAGES, GK=gk, CHAINS=chains,
         CHAIN_NREG=CHAIN_REGS_QK if qk else CHAIN_REGS, LOADER_NREG=LOADER_REGS, QK=qk, GATES=sp.gates,
-        HAS_A=sp.gates and p.A_log is not None, HAS_BIAS=sp.gates and p.dt_bias is not None,
-        FULL=sp.gates and sp.cu_seqlens is None and p.T % BT == 0, num_warps=4,
+        HAS_A=sp.gates and p.A_log is not None, HAS_BIAS=sp.gates and p.dt_bias is not None, num_warps=4,
     )
 
 

@@ -95,10 +95,11 @@ def _loader_t(k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v
     prologue's tiles): beta, and the rows' mask in the third row; the chunk's decays e^G_last
     [K] into ``dec_s``. QK (the scores formed in the chains, GDN): also the scores' exponents
     G log2 e + log2(scale rq) and G log2 e - log2 rk (_form_scores). GATES: the raw keys, queries
-    and gate of each chunk into their own ring of SLOTS first (_load_raw), the stage the rest.
+    and gate of each chunk into their own ring of SLOTS first (_load_raw), the stage the rest; the
+    vectors rk, beta, rk (the update's rows, 0 past the end), scale rq and the rows' mask.
     The chains share the vectors (one value head); each has its value tile. The stage's ``loaded``
     barrier completes on the TMA bytes and this warp's arrival after its stores."""
-    NV: gl.constexpr = N_VEC_QK if QK else N_VEC
+    NV: gl.constexpr = N_VEC_QK if QK or GATES else N_VEC
     vec: gl.constexpr = gl.BlockedLayout([2], [32], [1], [0])
     r = gl.arange(0, BT, layout=vec)
     o_k = gl.arange(0, K, layout=gl.BlockedLayout([K // 32], [32], [1], [0]))
@@ -112,7 +113,20 @@ def _loader_t(k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v
         m_t = r < eos - t0
         row = (t0 + r) * HV + i_hv
         b_beta = _activate_beta(gl.load(beta + row, mask=m_t, other=0.0), m_t, BETA)
-        if GK:
+        if GATES:               # the rows' norms as the chain's column weights (the gated tiles have none)
+            if L2NORM:
+                b_rk = gl.load(rk + (t0 + r) * H + i_h, mask=m_t, other=0.0)
+                b_rq = gl.load(rq + (t0 + r) * H + i_h, mask=m_t, other=0.0)
+            else:
+                b_rk = gl.where(m_t, 1.0, 0.0)
+                b_rq = b_rk
+            vec_s.index(stage * NV).store(b_rk)
+            vec_s.index(stage * NV + 1).store(b_beta)
+            vec_s.index(stage * NV + 2).store(b_rk)
+            vec_s.index(stage * NV + 3).store(scale * b_rq)
+            vec_s.index(stage * NV + 4).store(gl.where(m_t, 1.0, 0.0))
+            dec_s.index(stage).store(gl.load(decay + ((first_chunk + c_begin + i) * HV + i_hv) * K + o_k))
+        elif GK:
             vec_s.index(stage * NV + 1).store(b_beta)
             vec_s.index(stage * NV + 2).store(gl.where(m_t, 1.0, 0.0))
             dec_s.index(stage).store(gl.load(decay + ((first_chunk + c_begin + i) * HV + i_hv) * K + o_k))
@@ -187,21 +201,19 @@ def _scorer_t(k_s, q_s, a_s, vec_s, loaded, freed, scored, n_chunks, K: gl.const
 
 
 @gluon.jit
-def _gater_t(W: gl.constexpr, k_s, q_s, kd_s, sums_s, raw_loaded, gated, A_log, dt_bias, lower_bound, rq, rk, scale,
-             bos, eos, c_begin, n_chunks, i_h, i_hv, H: gl.constexpr, K: gl.constexpr, L2NORM: gl.constexpr,
-             HAS_A: gl.constexpr, HAS_BIAS: gl.constexpr, FULL: gl.constexpr):
+def _gater_t(W: gl.constexpr, k_s, q_s, kd_s, sums_s, raw_loaded, gated, A_log, dt_bias, lower_bound, bos, eos,
+             c_begin, n_chunks, i_hv, K: gl.constexpr, HAS_A: gl.constexpr, HAS_BIAS: gl.constexpr):
     """GATES (KDA's bounded gate, gluon/chunk_delta.gates_in_scan): gater W, a warpgroup of its
-    own, forms each chunk's kg = rk k 2^G, qg = scale rq q 2^G and kd = rk k 2^(G_last - G) on
-    channels 64 W .. 64 W + 63 (one of the K / 64 gaters, one [64, 64] box each) from the raw tiles
-    of the ring's slot (q and k of the q/k head, the gate's input of the value head in the kd
-    tiles), in place, and arrives on the slot's ``gated``; the chain waits there and runs its GK
-    step as on the prologue's tiles. 1 / |k|, 1 / |q| (L2NORM) are the prologue's, loaded before
-    the wait. In [4, 16, 64] tiles (warp = 16-row block, lane = two channels, a block's 16 rows in
-    one thread, as the prologue's slices): r = sigmoid(a (g + dt_bias)) (0 past the sequence's
-    end; FULL, whole chunks: no mask) on one FFMA, two MUFU and an add; its cumsum in-thread
-    within a block, the four block sums through ``sums_s``; G = lower_bound log2 e cumsum(r) <= 0,
-    so every factor is at most 1 and nothing overflows. The prologue's decays e^G_last come by
-    the loader."""
+    own, forms each chunk's kg = k 2^G, qg = q 2^G and kd = k 2^(G_last - G) on channels 64 W ..
+    64 W + 63 (one of the K / 64 gaters, one [64, 64] box each) from the raw tiles of the ring's
+    slot (q and k of the q/k head, the gate's input of the value head in the kd tiles), in place,
+    and arrives on the slot's ``gated``; the chain waits there. The rows' norms and the scale are
+    not applied here: the chain takes them as column weights (the loader's vectors, from the
+    norms the prologue wrote). In [4, 16, 64] tiles (warp = 16-row block, lane = two channels, a
+    block's 16 rows in one thread, as the prologue's slices): r = sigmoid(a (g + dt_bias)) (0
+    past the sequence's end) on one FFMA, two MUFU and an add; its cumsum in-thread within a
+    block, the four block sums through ``sums_s``; G = lower_bound log2 e cumsum(r) <= 0, so every
+    factor is at most 1 and nothing overflows. The prologue's decays e^G_last come by the loader."""
     L3: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16, 2], threads_per_warp=[1, 1, 32],
                                         warps_per_cta=[4, 1, 1], order=[2, 1, 0])
     L_bc: gl.constexpr = gl.SliceLayout(1, L3)                              # [4, 64] (block, channel)
@@ -225,20 +237,11 @@ def _gater_t(W: gl.constexpr, k_s, q_s, kd_s, sums_s, raw_loaded, gated, A_log, 
     lb = LOG2E * lower_bound                                                # log2 decay = lb r
     for i in range(0, n_chunks):
         slot = (i % SLOTS).to(gl.int32)
-        t0 = bos + (c_begin + i) * BT
-        valid = t < eos - t0
-        if L2NORM:                                  # (issued before the wait: its latency under it)
-            nk = gl.load(rk + (t0 + t) * H + i_h, mask=valid, other=0.0)
-            nq = gl.load(rq + (t0 + t) * H + i_h, mask=valid, other=0.0) * scale
-        else:
-            nk = gl.where(valid, 1.0, 0.0)
-            nq = gl.where(valid, scale, 0.0)
         mbarrier.wait(raw_loaded.index(slot), ((i // SLOTS) & 1).to(gl.int32))
+        valid = t < eos - (bos + (c_begin + i) * BT)
         b = slot * NK + W
         x = gl.convert_layout(gl.reshape(kd_s.index(b).load(box), [4, 16, BK]), L3).to(gl.float32)
-        x = _rcp_approx(1.0 + gl.exp2(x * c + c_dt))
-        if not FULL:
-            x = gl.where(valid, x, 0.0)
+        x = gl.where(valid, _rcp_approx(1.0 + gl.exp2(x * c + c_dt)), 0.0)
         s = gl.sum(x, 1)                                                    # [4, 64] block sums
         gl.thread_barrier()                                                 # (the last chunk's sums read)
         sums_s.store(s)
@@ -246,12 +249,12 @@ def _gater_t(W: gl.constexpr, k_s, q_s, kd_s, sums_s, raw_loaded, gated, A_log, 
         start = lb * (gl.convert_layout(gl.sum(gl.where(ic4 == ib4, ends, 0.0), 1), L_bc) - s)   # [4, 64] c_(b-1)
         last = lb * gl.convert_layout(gl.sum(gl.where(ic4 == 3, ends, 0.0), 1), L_bc)           # [1, 64] G_last
         G = lb * gl.associative_scan(x, 1, _add) + gl.expand_dims(start, 1)  # [4, 16, 64] G <= 0
-        kb = gl.convert_layout(gl.reshape(k_s.index(b).load(box), [4, 16, BK]), L3).to(gl.float32) * nk
+        kb = gl.convert_layout(gl.reshape(k_s.index(b).load(box), [4, 16, BK]), L3).to(gl.float32)
         kd_s.index(b).store(gl.convert_layout(gl.reshape((kb * gl.exp2(gl.expand_dims(last, 1) - G)).to(gl.bfloat16),
                                                          [64, BK]), box))
         e = gl.exp2(G)
         k_s.index(b).store(gl.convert_layout(gl.reshape((kb * e).to(gl.bfloat16), [64, BK]), box))
-        qb = gl.convert_layout(gl.reshape(q_s.index(b).load(box), [4, 16, BK]), L3).to(gl.float32) * nq
+        qb = gl.convert_layout(gl.reshape(q_s.index(b).load(box), [4, 16, BK]), L3).to(gl.float32)
         q_s.index(b).store(gl.convert_layout(gl.reshape((qb * e).to(gl.bfloat16), [64, BK]), box))
         fence_async_shared()
         gl.thread_barrier()
@@ -260,7 +263,8 @@ def _gater_t(W: gl.constexpr, k_s, q_s, kd_s, sums_s, raw_loaded, gated, A_log, 
 
 @gluon.jit
 def _chunk_step_t(k_t, q_t, kd_t, v_t, p_t, a_t, vec_s, vb, dec_t, S, b_egl, scored, phase, acc: gl.constexpr,
-                  accs: gl.constexpr, GK: gl.constexpr, QK: gl.constexpr, FORM: gl.constexpr):
+                  accs: gl.constexpr, GK: gl.constexpr, QK: gl.constexpr, FORM: gl.constexpr,
+                  GATES: gl.constexpr = False):
     """One chunk's transposed products, its tiles landed (keys and queries ``[BT, K]``, values, P
     and A_qk, the per-token vectors at vec_s rows vb ..). Returns the new state S^T [BV, K] and
     the output O^T [BV, BT] (fp32). Each product is one wgmma op over its whole K: an accumulator
@@ -272,7 +276,9 @@ def _chunk_step_t(k_t, q_t, kd_t, v_t, p_t, a_t, vec_s, vb, dec_t, S, b_egl, sco
     it; with two chains the second forms it and arrives on ``scored``, the first waits
     there (``phase``) before its output's product; with one, the scorer warpgroup forms it and
     the chain waits there. The tile is rewritten two chunks later, after the loader refilled the
-    stage, which waits for every partition's ``freed``."""
+    stage, which waits for every partition's ``freed``. GATES (the gaters' kg, qg and kd carry no
+    norms): X^T's columns weighted by rk, the update's rows by rk and the output's Q^T columns by
+    scale rq, as GDN's; V_new masked by row for A_qk."""
     cols: gl.constexpr = gl.SliceLayout(0, acc)
     dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc, k_width=2)
     dot_s: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=accs, k_width=2)
@@ -290,7 +296,7 @@ def _chunk_step_t(k_t, q_t, kd_t, v_t, p_t, a_t, vec_s, vb, dec_t, S, b_egl, sco
     x = warpgroup_mma_wait(num_outstanding=1, deps=(x,))
     # Y^T = (v^T - X^T diag(rk e^G)) diag(beta);  V_new^T = Y^T P^T
     b_v = v_t.permute((1, 0)).load(acc).to(gl.float32)                     # v^T [BV, BT]
-    if GK:
+    if GK and not GATES:
         b_y = (b_v - x) * vec_s.index(vb + 1).load(cols)[None, :]
     else:
         b_y = (b_v - x * vec_s.index(vb).load(cols)[None, :]) * vec_s.index(vb + 1).load(cols)[None, :]
@@ -300,7 +306,11 @@ def _chunk_step_t(k_t, q_t, kd_t, v_t, p_t, a_t, vec_s, vb, dec_t, S, b_egl, sco
     # S^T = e^G_last S^T + V_new^T diag(rk e^(G_last - G)) k;  O^T = Q^T diag(scale rq e^G) + V_new^T A_qk^T
     vm = vn * vec_s.index(vb + 2).load(cols)[None, :]          # GDN: rows weighted; GK: rows masked
     vd = gl.convert_layout(vm.to(gl.bfloat16), dot_s)
-    if GK:
+    if GATES:
+        S = warpgroup_mma(vd, kd_t, S * dec_t.load(gl.SliceLayout(0, accs))[None, :], is_async=True)
+        va = gl.convert_layout((vn * vec_s.index(vb + 4).load(cols)[None, :]).to(gl.bfloat16), dot_a)
+        out = warpgroup_mma(va, a_t.permute((1, 0)), qs * vec_s.index(vb + 3).load(cols)[None, :], is_async=True)
+    elif GK:
         S = warpgroup_mma(vd, kd_t, S * dec_t.load(gl.SliceLayout(0, accs))[None, :], is_async=True)
         va = gl.convert_layout(vm.to(gl.bfloat16), dot_a)
         out = warpgroup_mma(va, a_t.permute((1, 0)), qs, is_async=True)
@@ -340,7 +350,7 @@ def _chain_t(CH: gl.constexpr, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s,
     are slot i % SLOTS of their ring, gated by the gaters (``scored`` is their barrier) and waited
     for before the step; the chain frees the slot (``raw_freed``) with the stage."""
     i_v = i_v * CHAINS + CH
-    NV: gl.constexpr = N_VEC_QK if QK else N_VEC
+    NV: gl.constexpr = N_VEC_QK if QK or GATES else N_VEC
     acc: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     accs: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, K, 16])
     r = gl.arange(0, BT, layout=gl.SliceLayout(0, acc))                   # chunk rows (tokens): columns here
@@ -375,7 +385,7 @@ def _chain_t(CH: gl.constexpr, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s,
         S, out = _chunk_step_t(kk_s.index(slot), qq_s.index(slot), kkd_s.index(slot), v_s.index(stage * CHAINS + CH),
                                p_s.index(stage), a_s.index(stage), vec_s, stage * NV, dec_s.index(stage),
                                S, b_egl, scored.index(stage), ((i // STAGES) & 1).to(gl.int32), acc, accs, GK, QK,
-                               QK and CHAINS == 2 and CH == 1)
+                               QK and CHAINS == 2 and CH == 1, GATES)
         mbarrier.arrive(freed.index(stage), count=1)                        # the loader may refill the stage
         if GATES:
             mbarrier.arrive(raw_freed.index(slot), count=1)
@@ -396,7 +406,7 @@ def _scan_regs_sm90_kernel(
     L2NORM: gl.constexpr, VARLEN: gl.constexpr, SEG: gl.constexpr, BETA: gl.constexpr,
     STAGES: gl.constexpr, GK: gl.constexpr, CHAINS: gl.constexpr, CHAIN_NREG: gl.constexpr,
     LOADER_NREG: gl.constexpr, QK: gl.constexpr, GATES: gl.constexpr, HAS_A: gl.constexpr,
-    HAS_BIAS: gl.constexpr, FULL: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
 ):
     NK: gl.constexpr = K // BK
     i_v, i_hv, i_h, i_s, i_n, bos, eos, first_chunk, c_begin, n_chunks, is_last = _program(
@@ -410,7 +420,7 @@ def _scan_regs_sm90_kernel(
     a_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, BT], tile)     # (QK: the last chain writes them)
     v_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES * CHAINS, BT, BV_REGS], v_desc.layout)
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    vec_s = gl.allocate_shared_memory(gl.float32, [STAGES * (N_VEC_QK if QK else N_VEC), BT], plain)
+    vec_s = gl.allocate_shared_memory(gl.float32, [STAGES * (N_VEC_QK if QK or GATES else N_VEC), BT], plain)
     if GK:                                  # the gated keys' kd tiles and the chunks' decays
         kd_s = gl.allocate_shared_memory(gl.bfloat16, [QS * NK, BT, BK], tile)
         dec_s = gl.allocate_shared_memory(gl.float32, [STAGES, K], plain)
@@ -467,10 +477,10 @@ def _scan_regs_sm90_kernel(
             (_chain_t, (0, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s, loaded, freed, scored, raw_freed, o_desc, gcum, o, h0,
                         ht, seg_state, bos, eos, c_begin, n_chunks, is_last, i_n, i_s, i_hv32, i_v, n_rows, HV, K, V, SK,
                         SV, HAS_H0, STORE_FINAL, SEG, STAGES, GK, CHAINS, QK, GATES)),
-            (_gater_t, (0, k_s, q_s, kd_s, sums_s, raw_loaded, scored, A_log, dt_bias, lower_bound, rq, rk,
-                        scale, bos, eos, c_begin, n_chunks, i_h32, i_hv32, H, K, L2NORM, HAS_A, HAS_BIAS, FULL)),
-            (_gater_t, (1, k_s, q_s, kd_s, sums1_s, raw_loaded, scored, A_log, dt_bias, lower_bound, rq, rk,
-                        scale, bos, eos, c_begin, n_chunks, i_h32, i_hv32, H, K, L2NORM, HAS_A, HAS_BIAS, FULL)),
+            (_gater_t, (0, k_s, q_s, kd_s, sums_s, raw_loaded, scored, A_log, dt_bias, lower_bound, bos, eos,
+                        c_begin, n_chunks, i_hv32, K, HAS_A, HAS_BIAS)),
+            (_gater_t, (1, k_s, q_s, kd_s, sums1_s, raw_loaded, scored, A_log, dt_bias, lower_bound, bos, eos,
+                        c_begin, n_chunks, i_hv32, K, HAS_A, HAS_BIAS)),
             (_loader_t, (k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s,
                          loaded, freed, raw_loaded, raw_freed, beta, rq, rk, gcum, decay, bos, eos, c_begin, n_chunks,
                          first_chunk, i_h32, i_hv32, i_v, scale, H, HV, K, V, L2NORM, BETA, SEG, STAGES, GK, CHAINS, QK,
@@ -481,8 +491,8 @@ def _scan_regs_sm90_kernel(
             (_chain_t, (0, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s, loaded, freed, scored, raw_freed, o_desc, gcum, o, h0,
                         ht, seg_state, bos, eos, c_begin, n_chunks, is_last, i_n, i_s, i_hv32, i_v, n_rows, HV, K, V, SK,
                         SV, HAS_H0, STORE_FINAL, SEG, STAGES, GK, CHAINS, QK, GATES)),
-            (_gater_t, (0, k_s, q_s, kd_s, sums_s, raw_loaded, scored, A_log, dt_bias, lower_bound, rq, rk,
-                        scale, bos, eos, c_begin, n_chunks, i_h32, i_hv32, H, K, L2NORM, HAS_A, HAS_BIAS, FULL)),
+            (_gater_t, (0, k_s, q_s, kd_s, sums_s, raw_loaded, scored, A_log, dt_bias, lower_bound, bos, eos,
+                        c_begin, n_chunks, i_hv32, K, HAS_A, HAS_BIAS)),
             (_loader_t, (k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s,
                          loaded, freed, raw_loaded, raw_freed, beta, rq, rk, gcum, decay, bos, eos, c_begin, n_chunks,
                          first_chunk, i_h32, i_hv32, i_v, scale, H, HV, K, V, L2NORM, BETA, SEG, STAGES, GK, CHAINS, QK,
