@@ -579,8 +579,8 @@ def test_scores_in_scan_plan_and_launches(monkeypatch):
 
 def test_gates_in_scan_plan_and_launches(monkeypatch):
     """KDA's gated keys and queries formed in the scan (chunk_delta.GATES_IN_SCAN, gates_in_scan):
-    planned for the bounded gate where the call is one pass of the state-in-registers scan (1x8k
-    H64; 2x16k H64 too, on one chain), not with the flag off, an unbounded gate, chunk states,
+    planned for the bounded gate where the call is one pass of the one-chain state-in-registers
+    scan (1x8k and 1x16k H64), not where the plan takes two chains (2x16k H64), with the flag off, an unbounded gate, chunk states,
     segments or an fp32 gate; such a call launches the prologue without kg, kd nor qg and a
     one-chain scan pass that reads the raw q, k and the gate's input, the prologue writing the rows'
     norms."""
@@ -604,7 +604,8 @@ def test_gates_in_scan_plan_and_launches(monkeypatch):
     monkeypatch.setattr(gluon_chunk, "GATES_IN_SCAN", False)
     assert not planned(problem())
     monkeypatch.setattr(gluon_chunk, "GATES_IN_SCAN", True)
-    assert planned(problem()) and planned(problem(B=2, T=16384))
+    assert planned(problem()) and planned(problem(T=16384))
+    assert not planned(problem(B=2, T=16384))                              # two chains planned
     assert not planned(problem(lower_bound=None)) and not planned(problem(gate=torch.float32))
     assert not planned(problem(return_intermediate_states=True))
     assert not planned(problem(H=4))                                        # few lanes: other scans
@@ -618,8 +619,8 @@ def test_gates_in_scan_plan_and_launches(monkeypatch):
         calls.append(("scan", sp.gates, chains, sp.q is p.q, sp.k is p.k, sp.kd is p.gk))
 
     monkeypatch.setattr(gluon_chunk, "_regs_scan", scan)
-    gluon_chunk.run(problem(B=2, T=16384))
-    rows = (2, 16384, 64)                                                   # the norms (l2norm in the op)
+    gluon_chunk.run(problem(T=16384))
+    rows = (1, 16384, 64)                                                   # the norms (l2norm in the op)
     assert calls == [("prologue", None, None, None, rows, rows), ("scan", True, 1, True, True, True)], calls
 
 

@@ -479,9 +479,10 @@ def scores_in_scan(p: Problem, config: triton_chunk.ChunkConfig, pieces: int) ->
 def gates_in_scan(p: Problem, config: triton_chunk.ChunkConfig) -> bool:
     """Whether KDA's gated keys and queries are formed in the scan (GATES_IN_SCAN): the bounded
     gate in the op on the sm_90 prologue, bf16 q, k and gate, K and V multiples of 64, no chunk
-    states, and the whole call one pass of the state-in-registers scan (no segments planned, the
-    plan's chains > 0; it then runs one chain a program: the gater's registers leave no room for
-    a second)."""
+    states, and the whole call one pass of the state-in-registers scan on one chain a program (no
+    segments planned; the gaters' registers leave no room for a second chain, and where the plan
+    takes two, the one-chain programs' second wave lost more than the prologue saved on an H100,
+    docs/notes/kda-prefill.md v22)."""
     from fastla.backends.gluon import chunk_prepare_kda_sm90 as kda_prologue
     from fastla.backends.triton.chunk_prepare_kda import bounded_spans
 
@@ -494,7 +495,7 @@ def gates_in_scan(p: Problem, config: triton_chunk.ChunkConfig) -> bool:
     counts = triton_chunk._chunk_counts(p)
     if triton_chunk._segments(p, config, counts):
         return False
-    return regs_chains(p, 0, False, whole_lanes(p, counts), sm_count(p.device)) > 0
+    return regs_chains(p, 0, False, whole_lanes(p, counts), sm_count(p.device)) == 1
 
 
 def pipeline_pieces(p: Problem, config: triton_chunk.ChunkConfig) -> int:
