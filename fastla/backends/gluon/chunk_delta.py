@@ -118,13 +118,13 @@ SCORES_IN_SCAN = True
 INVERSE_EARLY_QUERIES = False
 # KDA's gated keys and queries formed in the state-in-registers scan from q, k and the gate's input
 # (chunk_delta_regs_sm90._gater_t: K / 64 gater warpgroups beside one chain, the key, query and kd
-# tiles in a ring of three slots gated in place) instead of written by the sm_90 prologue and read
-# back: the prologue's stores a chunk and head 120 -> 72 KB, the scan's reads unchanged. Where
-# ``gates_in_scan`` plans it (the bounded gate). Correct (GPU tests), but slower: on an H100 the
-# prologue 495 -> 397 us and the scan 305 -> 508 at 1x8k H64 (call 802 -> 910), 2x16k 3095 ->
-# 3481: the prologue-tiles scan is DRAM-bound (80%), the gated one issue-bound (IPC 1.72, ~12.7K
-# warp instructions a chunk, the gaters' ~10K of them; docs/notes/kda-prefill.md v22). Off
-GATES_IN_SCAN = False
+# tiles in a ring of three slots gated in place; the chain weights by the rows' norms, which the
+# prologue writes) instead of written by the sm_90 prologue and read back: the prologue's stores
+# a chunk and head 120 -> 72 KB, the scan's reads unchanged. Where ``gates_in_scan`` plans it
+# (the bounded gate, the scan on one chain). Measured on an H100 (kda_prefill_sweep-v22-gates-
+# one-chain-h100.json, CUDA graph, us, docs/notes/kda-prefill.md v22): 1x8k H64 788.7 -> 740.6,
+# 1x16k H64 1569.5 -> 1469.8. False: the prologue's tiles (A/B)
+GATES_IN_SCAN = True
 SPECIALIZED_WIDTHS = (32, 64)
 # q, k and v views whose rows collapse into one strided [B * T, heads * D] array (split from one
 # projection: unit inner stride, heads adjacent, batch stride T token strides, 16-byte aligned base

@@ -28,7 +28,12 @@ QK (GDN, gluon/chunk_delta.SCORES_IN_SCAN): A_qk formed from Q K^T (one more wgm
 stage's tiles, _form_scores) into the stage's tile instead of loaded, the chains waiting for it on
 an mbarrier a stage before their output's product: with one chain by a scorer warpgroup of its own
 (SCORER_REGS registers; the chain keeps 256), with two by the second chain for both (at
-CHAIN_REGS_QK registers).
+CHAIN_REGS_QK registers). GATES (KDA's bounded gate, gluon/chunk_delta.gates_in_scan; one chain):
+the key, query and kd tiles are a ring of SLOTS slots the loader fills with the raw q, k (of the
+q/k head) and the gate's input (of the value head) ahead of the stages, and K / 64 gater
+warpgroups (_gater_t, GATER_REGS registers each) turn them into k 2^G, q 2^G and k 2^(G_last - G)
+in place; the chain runs the GDN step's vector weights on them (rk on X^T's columns and the
+update's rows, scale rq on Q^T's, the mask on V_new for A_qk), the norms being the prologue's.
 Serves the delta rule (GDN, KDA), whole sequences (SEG 0) and segment replays (SEG 2), with h0 and
 the final state in either layout; the chunk states (a ``[BV, K]`` pointer tile spills), the
 segment summaries (SEG 1) and the plain rule stay on the two-chain and one-chain scans
@@ -37,7 +42,8 @@ segment summaries (SEG 1) and the plain rule stay on the two-chain and one-chain
 Budget (K = V = 128, two stages, sm_90 compile; tests/backends/test_gluon_sm90.py): one chain 255
 registers, no spill, 125 KB of shared memory (GDN; KDA's kd tiles: 155 KB); two chains at 224 +
 232 registers, the loader's warpgroup at 48 (the final store's pointers spill outside the loops),
-150 / 184 KB; one program per SM. Measured (docs/notes/gdn-prefill.md v26): 1x32k HV64 scan 945.5
+150 / 184 KB (GATES: 211 KB, the chain at 256 and two gaters at 120, 24 bytes of stack outside
+the loops); one program per SM. Measured (docs/notes/gdn-prefill.md v26): 1x32k HV64 scan 945.5
 -> 783.8 us on the H200 (one chain); on an H100 up to 11% off with two chains where the lanes
 need more than one wave of 64-column programs.
 """
