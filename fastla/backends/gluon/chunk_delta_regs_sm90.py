@@ -55,7 +55,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
     warpgroup_mma_wait
 
 from fastla.backends.gluon.chunk_delta_dual_sm90 import _load_stage
-from fastla.backends.gluon.chunk_delta_sm90 import BK, BT, _program
+from fastla.backends.gluon.chunk_delta_sm90 import BK, BT, _inv_norms, _program
 from fastla.backends.gluon.chunk_prepare_kda_sm90 import _add, _rcp_approx
 from fastla.backends.gluon.chunk_scores_sm90 import LOG2E
 from fastla.backends.triton.chunk_prepare import _activate_beta
@@ -120,12 +120,7 @@ def _loader_t(k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v
         row = (t0 + r) * HV + i_hv
         b_beta = _activate_beta(gl.load(beta + row, mask=m_t, other=0.0), m_t, BETA)
         if GATES:               # the rows' norms as the chain's column weights (the gated tiles have none)
-            if L2NORM:
-                b_rk = gl.load(rk + (t0 + r) * H + i_h, mask=m_t, other=0.0)
-                b_rq = gl.load(rq + (t0 + r) * H + i_h, mask=m_t, other=0.0)
-            else:
-                b_rk = gl.where(m_t, 1.0, 0.0)
-                b_rq = b_rk
+            b_rk, b_rq = _inv_norms(rq, rk, t0, r, m_t, i_h, H, L2NORM)
             vec_s.index(stage * NV).store(b_rk)
             vec_s.index(stage * NV + 1).store(b_beta)
             vec_s.index(stage * NV + 2).store(b_rk)
@@ -139,12 +134,7 @@ def _loader_t(k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v
         else:
             b_G = gl.load(gcum + row, mask=m_t, other=0.0)
             b_Gl = gl.load(gcum + (gl.minimum(eos, t0 + BT) - 1) * HV + i_hv)
-            if L2NORM:
-                b_rk = gl.load(rk + (t0 + r) * H + i_h, mask=m_t, other=0.0)
-                b_rq = gl.load(rq + (t0 + r) * H + i_h, mask=m_t, other=0.0)
-            else:
-                b_rk = gl.where(m_t, 1.0, 0.0)
-                b_rq = b_rk
+            b_rk, b_rq = _inv_norms(rq, rk, t0, r, m_t, i_h, H, L2NORM)
             b_eg = gl.exp(b_G)
             vec_s.index(stage * NV).store(b_rk * b_eg)
             vec_s.index(stage * NV + 1).store(b_beta)

@@ -65,6 +65,18 @@ BK = gl.constexpr(64)     # key columns per TMA box and per state half
 
 
 @gluon.jit
+def _inv_norms(rq, rk, t0, r, m_t, i_h, H: gl.constexpr, L2NORM: gl.constexpr):
+    """1/|k|, 1/|q| [BT] of the chunk's rows at t0 (0 past ``m_t``; 1 without the l2norm in the op)."""
+    if L2NORM:
+        b_rk = gl.load(rk + (t0 + r) * H + i_h, mask=m_t, other=0.0)
+        b_rq = gl.load(rq + (t0 + r) * H + i_h, mask=m_t, other=0.0)
+    else:
+        b_rk = gl.where(m_t, 1.0, 0.0)
+        b_rq = b_rk
+    return b_rk, b_rq
+
+
+@gluon.jit
 def _chunk_vectors(gcum, beta, rq, rk, r, bos, eos, c, valid, i_h, i_hv, H: gl.constexpr, HV: gl.constexpr,
                    L2NORM: gl.constexpr, GK: gl.constexpr):
     """Chunk c's per-row G, raw beta, 1/|k|, 1/|q| [BT] and its last row's G (0 where not ``valid``).
@@ -82,12 +94,7 @@ def _chunk_vectors(gcum, beta, rq, rk, r, bos, eos, c, valid, i_h, i_hv, H: gl.c
     else:
         b_G = gl.load(gcum + row, mask=m_t, other=0.0)
         b_Gl = gl.load(gcum + (gl.minimum(eos, t0 + BT) - 1) * HV + i_hv, mask=valid, other=0.0)
-    if L2NORM:
-        b_rk = gl.load(rk + (t0 + r) * H + i_h, mask=m_t, other=0.0)
-        b_rq = gl.load(rq + (t0 + r) * H + i_h, mask=m_t, other=0.0)
-    else:
-        b_rk = gl.where(m_t, 1.0, 0.0)
-        b_rq = b_rk
+    b_rk, b_rq = _inv_norms(rq, rk, t0, r, m_t, i_h, H, L2NORM)
     return b_G, b_Gl, b_beta, b_rk, b_rq
 
 

@@ -37,7 +37,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
-from fastla.backends.gluon.chunk_delta_sm90 import BK, BT, _initial_state, _program, _store_final, _store_output
+from fastla.backends.gluon.chunk_delta_sm90 import (
+    BK, BT, _initial_state, _inv_norms, _program, _store_final, _store_output,
+)
 from fastla.backends.triton.chunk_prepare import _activate_beta
 
 PREP_REGS = 232     # registers per thread of the prep warpgroup (setmaxnreg; 192 spills at 64 columns)
@@ -52,12 +54,7 @@ def _row_vectors(gcum, rq, rk, r, bos, eos, c, valid, i_h, i_hv, H: gl.constexpr
     m_t = (r < eos - t0) & valid
     b_G = gl.load(gcum + (t0 + r) * HV + i_hv, mask=m_t, other=0.0)
     b_Gl = gl.load(gcum + (gl.minimum(eos, t0 + BT) - 1) * HV + i_hv, mask=valid, other=0.0)
-    if L2NORM:
-        b_rk = gl.load(rk + (t0 + r) * H + i_h, mask=m_t, other=0.0)
-        b_rq = gl.load(rq + (t0 + r) * H + i_h, mask=m_t, other=0.0)
-    else:
-        b_rk = gl.where(m_t, 1.0, 0.0)
-        b_rq = b_rk
+    b_rk, b_rq = _inv_norms(rq, rk, t0, r, m_t, i_h, H, L2NORM)
     return b_G, b_Gl, b_rk, b_rq
 
 
