@@ -241,6 +241,10 @@ def cases():
         ("gdn-gluon-pipelined-offsets", gdn, _gdn_case(T=8192 + 30, H=2, HV=32, h0=True, output_final_state=True,
                                                        cu_seqlens_cpu=one, cu_seqlens=one.clone()), "gluon", True),
         ("gdn-no-gate-no-beta", gdn, _gdn_case(g=None, beta=None, use_qk_l2norm_in_kernel=True), "gluon", True),
+        # (KDA's gated keys formed in the one-chain scan: the prologue writes the norms, not kg, kd, qg)
+        ("kda-gluon-gates-in-scan", kda, _kda_case(T=4096, H=64, use_gate_in_kernel=True, lower_bound=-5.0,
+                                                   use_qk_l2norm_in_kernel=True, output_final_state=True),
+         "gluon", True),
         ("gdn-decode", gdn_decode, _gdn_case(T=1, h0=True, output_final_state=True, use_qk_l2norm_in_kernel=True),
          "triton", True),
         ("kda-decode", kda_decode, _kda_case(T=1, output_final_state=True), "triton", True),

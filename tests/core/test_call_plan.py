@@ -76,7 +76,7 @@ def test_recording_flags_device_data_and_unknown_tensors(monkeypatch):
 def test_replays_match_the_full_path():
     """fastla/bench/host_stub.py in a process without the Triton interpreter: for GDN and KDA
     (both tiers: plain, state layouts, varlen with the gate in the op, segments with chunk
-    states, KDA's gates), GLA, Simple GLA and Lightning (both tiers) and decode, the replayed launches (kernels, grids, every argument, the
+    states, KDA's gates and its gated keys formed in the scan), GLA, Simple GLA and Lightning (both tiers) and decode, the replayed launches (kernels, grids, every argument, the
     buffers named) and result equal the full path's, strided inputs are copied before the replayed
     launches (their dense copies hold the call's values); fp16 inputs (cast first) are not planned."""
     pytest.importorskip("triton")
@@ -89,7 +89,8 @@ def test_replays_match_the_full_path():
 
 @gpu
 @pytest.mark.parametrize("case", ["gdn", "gdn-split", "gdn-varlen", "kda", "kda-varlen", "gdn-decode", "gdn-pool",
-                                  "gdn-stream-pool", "gdn-varlen-strided", "kda-strided", "gdn-pipelined"])
+                                  "gdn-stream-pool", "gdn-varlen-strided", "kda-strided", "gdn-pipelined",
+                                  "kda-gates-in-scan"])
 def test_replay_equals_full_path_on_gpu(case, monkeypatch):
     """On the GPU: a replayed call's output and final state (or pool) equal the full path's bit for
     bit (same kernels, same inputs); the outputs are poisoned first. The strided cases build their
@@ -101,7 +102,7 @@ def test_replay_equals_full_path_on_gpu(case, monkeypatch):
            "kda": "kda-gluon-safe-gate", "kda-varlen": "kda-gluon-given-gate-varlen", "gdn-decode": "gdn-decode",
            "gdn-pool": "gdn-verify-pool", "gdn-stream-pool": "gdn-decode-bf16-pool",
            "gdn-varlen-strided": "gdn-gluon-varlen-gate", "kda-strided": "kda-gluon-safe-gate",
-           "gdn-pipelined": "gdn-gluon-pipelined"}[case]
+           "gdn-pipelined": "gdn-gluon-pipelined", "kda-gates-in-scan": "kda-gluon-gates-in-scan"}[case]
     op, make, _ = named[key]
 
     def on_gpu(kw):
