@@ -24,7 +24,7 @@
 #                                              # inverse on ex2.approx.ftz: GPU tests and A/B sweeps (docs/notes/
 #                                              # kda-prefill.md v19-v21, gdn-prefill.md v30; ~9 min)
 #   bash benchmarks/gpu_checks.sh gates-in-scan  # KDA's gates formed in the scan: GPU tests, A/B sweep, then
-#                                              # gdn/h16-hv64/1x32768's registry row (~9 min)
+#                                              # the registry rows the H200 table owes (2 KDA, 10 GDN; ~9.5 min)
 #   bash benchmarks/gpu_checks.sh scores-in-scan # GDN's scores formed in the scan: GPU tests and
 #                                              # the A/B sweep (docs/notes/gdn-prefill.md v32; ~9 min)
 #   bash benchmarks/gpu_checks.sh graph-eager  # why big rows' graph times exceed their eager ones: five
@@ -158,19 +158,20 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
     echo "-- $(( $(date +%s) - start )) s"
     ;;
   gates-in-scan)
-    # KDA's gated keys and queries formed in the scan (docs/notes/kda-prefill.md v22): its GPU
-    # tests, the A/B sweep (the prologue's tiles on the planned scan and on one chain, against the
-    # gater), then in what is left the GDN registry row issue 3 still owes on the H200
+    # KDA's gated keys and queries formed in the scan (docs/notes/kda-prefill.md v22, on by default
+    # where the scan runs one chain): its GPU tests, the A/B sweep on the rows it serves, then the
+    # registry rows the H200 table owes: the two KDA rows it serves and GDN's ten scores-in-scan rows
     start=$(date +%s)
     cap() { local left=$(( 575 - ($(date +%s) - start) )); echo $(( left < 1 ? 1 : (left < $1 ? left : $1) )); }
-    t "$(cap 200)" tests/ops/test_gluon_chunk_kda.py -k "gates_in_scan"
-    timeout "$(cap 220)" python3 benchmarks/kda_prefill_sweep.py --tier gluon \
-      --variants ${VARIANTS:-tiles,regs1-tiles,gates-in-scan} \
-      --shapes ${SHAPES:-kda/h64/1x8192,kda/h64/2x16384,kda/h96/varlen8x15193} --out "$out" 2>&1 | tail -13
+    t "$(cap 120)" tests/ops/test_gluon_chunk_kda.py -k "gates_in_scan"
+    timeout "$(cap 150)" python3 benchmarks/kda_prefill_sweep.py --tier gluon \
+      --variants ${VARIANTS:-tiles,gates-in-scan} \
+      --shapes ${SHAPES:-kda/h64/1x8192,kda/h64/1x16384} --out "$out" 2>&1 | grep gluon | cut -c1-150
     echo "-- $(( $(date +%s) - start )) s"
-    left=$(cap 200)
-    [ "$left" -gt 60 ] && timeout "$left" python3 -m fastla bench --filter gdn/h16-hv64/1x32768 \
-      --modes fwd --quick --no-cold --out "$out" 2>&1 | tail -4
+    left=$(cap 560)
+    [ "$left" -gt 60 ] && timeout "$left" python3 -m fastla bench --filter \
+      kda/h64/1x8192,kda/h64/1x16384,gdn/h16-hv64/1x32768,gdn/h16-hv64/4x8192,gdn/h16-hv32/4x8192,gdn/h16-hv64/varlen9x16384,gdn/h8-hv32/4x8192,gdn/h16-hv64/1x8192,gdn/h16-hv32/varlen9x16384,gdn/h8-hv32/varlen9x16384,gdn/h4-hv16/4x8192,gdn/h4-hv16/varlen9x16384 \
+      --modes fwd --quick --no-cold --out "$out" 2>&1 | tail -14
     echo "-- $(( $(date +%s) - start )) s"
     ;;
   scores-in-scan)
