@@ -163,9 +163,9 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
     # registry rows the H200 table owes: the two KDA rows it serves and GDN's ten scores-in-scan rows
     start=$(date +%s)
     cap() { local left=$(( 575 - ($(date +%s) - start) )); echo $(( left < 1 ? 1 : (left < $1 ? left : $1) )); }
-    t "$(cap 120)" tests/ops/test_gluon_chunk_kda.py -k "gates_in_scan"
+    t "$(cap 180)" tests/ops/test_gluon_chunk_kda.py -k "gates_in_scan"
     timeout "$(cap 150)" python3 benchmarks/kda_prefill_sweep.py --tier gluon \
-      --variants ${VARIANTS:-tiles,gates-in-scan} \
+      --variants ${VARIANTS:-tiles,gates-in-scan,gates-packed} \
       --shapes ${SHAPES:-kda/h64/1x8192,kda/h64/1x16384} --out "$out" 2>&1 | grep gluon | cut -c1-150
     echo "-- $(( $(date +%s) - start )) s"
     left=$(cap 560)

@@ -80,6 +80,8 @@ VARIANTS = {
     "gates-in-scan": dict(gates_in_scan=True),
     "tiles": dict(gates_in_scan=False),
     "regs1-tiles": dict(gates_in_scan=False, scan_regs=True, regs_chains=1),   # one chain, the prologue's tiles
+    "gates-one-chain": dict(gates_in_scan=True, scan_regs=True, regs_chains=1),  # the gaters where two chains are planned
+    "gates-packed": dict(gates_in_scan=True, gater_packed=True),   # the gaters' products on bf16 pairs (GATER_PACKED)
 }
 SHAPES = "kda/h64/1x8192,kda/h64/2x16384,kda/h96/varlen8x15193"
 
@@ -122,6 +124,7 @@ def main() -> int:
     default_dual = gluon_chunk.SCAN_DUAL
     default_regs = gluon_chunk.SCAN_REGS
     default_gates = gluon_chunk.GATES_IN_SCAN
+    default_packed = gluon_chunk.GATER_PACKED
     for shape in args.shapes.split(","):
         kw = with_gate(call_kwargs(make_inputs(get_config(shape), "cuda")), args.gate)
         fla_o = fla_us = first_o = None
@@ -146,6 +149,7 @@ def main() -> int:
             gluon_chunk.SCAN_REGS = over.pop("scan_regs", default_regs)
             gluon_chunk.REGS_CHAINS = over.pop("regs_chains", None)
             gluon_chunk.GATES_IN_SCAN = over.pop("gates_in_scan", default_gates)
+            gluon_chunk.GATER_PACKED = over.pop("gater_packed", default_packed)
             chunk_delta.default_config = config_with(original, over)
             try:
                 with use_tier(args.tier, strict=True), torch.no_grad():
@@ -171,6 +175,7 @@ def main() -> int:
                 gluon_chunk.SCAN_REGS = default_regs
                 gluon_chunk.REGS_CHAINS = None
                 gluon_chunk.GATES_IN_SCAN = default_gates
+                gluon_chunk.GATER_PACKED = default_packed
             prep = sum(v for k, v in split.items() if any(w in k for w in ("prepare", "prologue", "inverse", "wide", "list")))
             scan = sum(v for k, v in split.items() if "scan" in k)
             rows.append(dict(shape=shape, variant=name, tier=args.tier, gate=args.gate, us=us, prepare_us=prep, scan_us=scan, kernels=split,

@@ -92,6 +92,7 @@ SCAN_VARIANTS = {
     "regs2-qk": dict(REGS=True, BV=128, QK=True),       # (the second chain forms them for both)
     # KDA's gated keys and queries formed in the scan by a gater warpgroup (the bounded gate in the op)
     "regs-kda-gates": dict(REGS=True, BV=64, GK=True, GATES=True, HAS_A=True, HAS_BIAS=True),
+    "regs-kda-gates-packed": dict(REGS=True, BV=64, GK=True, GATES=True, HAS_A=True, HAS_BIAS=True, PACKED=True),
     "regs-kda-gates-varlen-k64-bare": dict(REGS=True, BV=64, GK=True, GATES=True, K=64, V=64, SK=1, SV=64,
                                            VARLEN=True, L2NORM=False, BETA=1),
 }
@@ -115,7 +116,7 @@ def _child_scan(name: str, folder: str) -> None:
     elif consts.pop("REGS", False):
         kern = regs._scan_regs_sm90_kernel
         consts.setdefault("QK", False)
-        for n in ("GATES", "HAS_A", "HAS_BIAS"):
+        for n in ("GATES", "HAS_A", "HAS_BIAS", "PACKED"):
             consts.setdefault(n, False)
         consts.update(CHAINS=consts["BV"] // 64, LOADER_NREG=regs.LOADER_REGS,
                       CHAIN_NREG=regs.CHAIN_REGS_QK if consts["QK"] else regs.CHAIN_REGS)
@@ -150,7 +151,7 @@ def _child_scan(name: str, folder: str) -> None:
 # the scorer warpgroup of one chain's replays 40 bytes, and with KDA's two gater warpgroups (120
 # registers each) 24 bytes, none of them in a loop
 SCAN_SPILLS = {"dual-bv128": 64, "regs-replay-varlen": 8, "regs2": 72, "regs2-kda": 24, "regs2-qk": 88,
-               "regs-qk-replay-varlen": 40, "regs-kda-gates": 24}
+               "regs-qk-replay-varlen": 40, "regs-kda-gates": 24, "regs-kda-gates-packed": 24}
 
 
 @pytest.mark.parametrize("name", list(SCAN_VARIANTS))

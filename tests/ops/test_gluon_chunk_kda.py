@@ -50,16 +50,19 @@ def test_state_in_registers_scan(case, chains, monkeypatch):
         check_fp64(*bf16_case(case), tier="gluon")
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["fp32-products", "bf16-pairs"])
 @pytest.mark.parametrize("case", ["bounded-gate", "bounded-gate-whole", "bounded-varlen", "bounded-k64",
                                   "bounded-plain", "bounded-neg-eigval"])
-def test_gates_in_scan(case, monkeypatch):
+def test_gates_in_scan(case, packed, monkeypatch):
     """KDA's gated keys and queries formed in the scan (GATES_IN_SCAN: the gater warpgroup of the
     one-chain state-in-registers scan; the prologue stores no kg, kd nor qg) on the bounded gate:
     planned, with outputs poisoned first within the fp64 check, equal over two runs, and close to
-    the call that reads the prologue's gated tiles (both round them to bf16)."""
+    the call that reads the prologue's gated tiles (both round them to bf16); with the gaters'
+    products on fp32 (shipped) and on bf16 pairs (GATER_PACKED)."""
     from fastla.backends.gluon import chunk_delta as gluon_chunk
     from tests.helpers import poison, rel_rms
     monkeypatch.setattr(gluon_chunk, "REGS_CHAINS", 1)      # (the small shapes plan the other scans)
+    monkeypatch.setattr(gluon_chunk, "GATER_PACKED", packed)
     planned = []
     real = gluon_chunk.gates_in_scan
     monkeypatch.setattr(gluon_chunk, "gates_in_scan", lambda p, c: planned.append(real(p, c)) or planned[-1])

@@ -125,6 +125,10 @@ INVERSE_EARLY_QUERIES = False
 # one-chain-h100.json, CUDA graph, us, docs/notes/kda-prefill.md v22): 1x8k H64 788.7 -> 740.6,
 # 1x16k H64 1569.5 -> 1469.8. False: the prologue's tiles (A/B)
 GATES_IN_SCAN = True
+# With it, the gaters' three products on bf16 pairs (chunk_delta_regs_sm90._gater_t's PACKED: HMUL2 /
+# HFMA2 on the raw bf16 tiles, 2^G and 2^(G_last - G) rounded to bf16 first, one rounding more an
+# element of kg, qg and kd); off until its GPU test and sweep (`gates-packed`) have run
+GATER_PACKED = False
 SPECIALIZED_WIDTHS = (32, 64)
 # q, k and v views whose rows collapse into one strided [B * T, heads * D] array (split from one
 # projection: unit inner stride, heads adjacent, batch stride T token strides, 16-byte aligned base
@@ -425,7 +429,8 @@ def _regs_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments, se
         L2NORM=p.use_qk_l2norm and (sp.gates or not gk), VARLEN=sp.cu_seqlens is not None, SEG=seg,
         BETA=sp.beta_mode, STAGES=SCAN_STAGES, GK=gk, CHAINS=chains,
         CHAIN_NREG=CHAIN_REGS_QK if qk else CHAIN_REGS, LOADER_NREG=LOADER_REGS, QK=qk, GATES=sp.gates,
-        HAS_A=sp.gates and p.A_log is not None, HAS_BIAS=sp.gates and p.dt_bias is not None, num_warps=4,
+        HAS_A=sp.gates and p.A_log is not None, HAS_BIAS=sp.gates and p.dt_bias is not None,
+        PACKED=sp.gates and GATER_PACKED, num_warps=4,
     )
 
 

@@ -198,7 +198,8 @@ def _scorer_t(k_s, q_s, a_s, vec_s, loaded, freed, scored, n_chunks, K: gl.const
 
 @gluon.jit
 def _gater_t(W: gl.constexpr, k_s, q_s, kd_s, sums_s, raw_loaded, gated, A_log, dt_bias, lower_bound, bos, eos,
-             c_begin, n_chunks, i_hv, K: gl.constexpr, HAS_A: gl.constexpr, HAS_BIAS: gl.constexpr):
+             c_begin, n_chunks, i_hv, K: gl.constexpr, HAS_A: gl.constexpr, HAS_BIAS: gl.constexpr,
+             PACKED: gl.constexpr):
     """GATES (KDA's bounded gate, gluon/chunk_delta.gates_in_scan): gater W, a warpgroup of its
     own, forms each chunk's kg = k 2^G, qg = q 2^G and kd = k 2^(G_last - G) on channels 64 W ..
     64 W + 63 (one of the K / 64 gaters, one [64, 64] box each) from the raw tiles of the ring's
@@ -209,7 +210,9 @@ def _gater_t(W: gl.constexpr, k_s, q_s, kd_s, sums_s, raw_loaded, gated, A_log, 
     block's 16 rows in one thread, as the prologue's slices): r = sigmoid(a (g + dt_bias)) (0
     past the sequence's end) on one FFMA, two MUFU and an add; its cumsum in-thread within a
     block, the four block sums through ``sums_s``; G = lower_bound log2 e cumsum(r) <= 0, so every
-    factor is at most 1 and nothing overflows. The prologue's decays e^G_last come by the loader."""
+    factor is at most 1 and nothing overflows. The prologue's decays e^G_last come by the loader.
+    PACKED (gluon/chunk_delta.GATER_PACKED): the three products on bf16 pairs, the factors 2^G and
+    2^(G_last - G) rounded to bf16 first (one rounding more an element)."""
     L3: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16, 2], threads_per_warp=[1, 1, 32],
                                         warps_per_cta=[4, 1, 1], order=[2, 1, 0])
     L_bc: gl.constexpr = gl.SliceLayout(1, L3)                              # [4, 64] (block, channel)
@@ -245,12 +248,20 @@ def _gater_t(W: gl.constexpr, k_s, q_s, kd_s, sums_s, raw_loaded, gated, A_log, 
         start = lb * (gl.convert_layout(gl.sum(gl.where(ic4 == ib4, ends, 0.0), 1), L_bc) - s)   # [4, 64] c_(b-1)
         last = lb * gl.convert_layout(gl.sum(gl.where(ic4 == 3, ends, 0.0), 1), L_bc)           # [1, 64] G_last
         G = lb * gl.associative_scan(x, 1, _add) + gl.expand_dims(start, 1)  # [4, 16, 64] G <= 0
-        kb = gl.convert_layout(gl.reshape(k_s.index(b).load(box), [4, 16, BK]), L3).to(gl.float32)
-        kd_s.index(b).store(gl.convert_layout(gl.reshape((kb * gl.exp2(gl.expand_dims(last, 1) - G)).to(gl.bfloat16),
-                                                         [64, BK]), box))
-        e = gl.exp2(G)
+        if PACKED:              # the factors rounded to bf16, the products on bf16 pairs (HMUL2)
+            e_kd = gl.exp2(gl.expand_dims(last, 1) - G).to(gl.bfloat16)
+            e = gl.exp2(G).to(gl.bfloat16)
+            kb = gl.convert_layout(gl.reshape(k_s.index(b).load(box), [4, 16, BK]), L3)
+        else:
+            kb = gl.convert_layout(gl.reshape(k_s.index(b).load(box), [4, 16, BK]), L3).to(gl.float32)
+            e_kd = gl.exp2(gl.expand_dims(last, 1) - G)
+        kd_s.index(b).store(gl.convert_layout(gl.reshape((kb * e_kd).to(gl.bfloat16), [64, BK]), box))
+        if not PACKED:
+            e = gl.exp2(G)
         k_s.index(b).store(gl.convert_layout(gl.reshape((kb * e).to(gl.bfloat16), [64, BK]), box))
-        qb = gl.convert_layout(gl.reshape(q_s.index(b).load(box), [4, 16, BK]), L3).to(gl.float32)
+        qb = gl.convert_layout(gl.reshape(q_s.index(b).load(box), [4, 16, BK]), L3)
+        if not PACKED:
+            qb = qb.to(gl.float32)
         q_s.index(b).store(gl.convert_layout(gl.reshape((qb * e).to(gl.bfloat16), [64, BK]), box))
         fence_async_shared()
         gl.thread_barrier()
@@ -402,7 +413,7 @@ def _scan_regs_sm90_kernel(
     L2NORM: gl.constexpr, VARLEN: gl.constexpr, SEG: gl.constexpr, BETA: gl.constexpr,
     STAGES: gl.constexpr, GK: gl.constexpr, CHAINS: gl.constexpr, CHAIN_NREG: gl.constexpr,
     LOADER_NREG: gl.constexpr, QK: gl.constexpr, GATES: gl.constexpr, HAS_A: gl.constexpr,
-    HAS_BIAS: gl.constexpr,
+    HAS_BIAS: gl.constexpr, PACKED: gl.constexpr,
 ):
     NK: gl.constexpr = K // BK
     i_v, i_hv, i_h, i_s, i_n, bos, eos, first_chunk, c_begin, n_chunks, is_last = _program(
@@ -474,9 +485,9 @@ def _scan_regs_sm90_kernel(
                         ht, seg_state, bos, eos, c_begin, n_chunks, is_last, i_n, i_s, i_hv32, i_v, n_rows, HV, K, V, SK,
                         SV, HAS_H0, STORE_FINAL, SEG, STAGES, GK, CHAINS, QK, GATES)),
             (_gater_t, (0, k_s, q_s, kd_s, sums_s, raw_loaded, scored, A_log, dt_bias, lower_bound, bos, eos,
-                        c_begin, n_chunks, i_hv32, K, HAS_A, HAS_BIAS)),
+                        c_begin, n_chunks, i_hv32, K, HAS_A, HAS_BIAS, PACKED)),
             (_gater_t, (1, k_s, q_s, kd_s, sums1_s, raw_loaded, scored, A_log, dt_bias, lower_bound, bos, eos,
-                        c_begin, n_chunks, i_hv32, K, HAS_A, HAS_BIAS)),
+                        c_begin, n_chunks, i_hv32, K, HAS_A, HAS_BIAS, PACKED)),
             (_loader_t, (k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s,
                          loaded, freed, raw_loaded, raw_freed, beta, rq, rk, gcum, decay, bos, eos, c_begin, n_chunks,
                          first_chunk, i_h32, i_hv32, i_v, scale, H, HV, K, V, L2NORM, BETA, SEG, STAGES, GK, CHAINS, QK,
@@ -488,7 +499,7 @@ def _scan_regs_sm90_kernel(
                         ht, seg_state, bos, eos, c_begin, n_chunks, is_last, i_n, i_s, i_hv32, i_v, n_rows, HV, K, V, SK,
                         SV, HAS_H0, STORE_FINAL, SEG, STAGES, GK, CHAINS, QK, GATES)),
             (_gater_t, (0, k_s, q_s, kd_s, sums_s, raw_loaded, scored, A_log, dt_bias, lower_bound, bos, eos,
-                        c_begin, n_chunks, i_hv32, K, HAS_A, HAS_BIAS)),
+                        c_begin, n_chunks, i_hv32, K, HAS_A, HAS_BIAS, PACKED)),
             (_loader_t, (k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s,
                          loaded, freed, raw_loaded, raw_freed, beta, rq, rk, gcum, decay, bos, eos, c_begin, n_chunks,
                          first_chunk, i_h32, i_hv32, i_v, scale, H, HV, K, V, L2NORM, BETA, SEG, STAGES, GK, CHAINS, QK,
