@@ -581,7 +581,8 @@ def test_scores_in_scan_plan_and_launches(monkeypatch):
 def test_gates_in_scan_plan_and_launches(monkeypatch):
     """KDA's gated keys and queries formed in the scan (chunk_delta.GATES_IN_SCAN, gates_in_scan):
     planned for the bounded gate where the call is one pass of the one-chain state-in-registers
-    scan (1x8k and 1x16k H64), not where the plan takes two chains (2x16k H64), with the flag off, an unbounded gate, chunk states,
+    scan (1x8k and 1x16k H64) or takes two chains where one chain's programs fill their last wave
+    (2x16k H64), not where they would not (1x8k H96), with the flag off, an unbounded gate, chunk states,
     segments or an fp32 gate; such a call launches the prologue without kg, kd nor qg and a
     one-chain scan pass that reads the raw q, k and the gate's input, the prologue writing the rows'
     norms."""
@@ -606,7 +607,11 @@ def test_gates_in_scan_plan_and_launches(monkeypatch):
     assert not planned(problem())
     monkeypatch.setattr(gluon_chunk, "GATES_IN_SCAN", True)
     assert planned(problem()) and planned(problem(T=16384))
-    assert not planned(problem(B=2, T=16384))                              # two chains planned
+    assert planned(problem(B=2, T=16384))                                  # two planned, one fills 0.97
+    assert not planned(problem(H=96))                                       # two planned, one fills 0.73
+    monkeypatch.setattr(gluon_chunk, "GATES_WAVE_FILL", 1.0)
+    assert not planned(problem(B=2, T=16384))
+    monkeypatch.setattr(gluon_chunk, "GATES_WAVE_FILL", 0.9)
     assert not planned(problem(lower_bound=None)) and not planned(problem(gate=torch.float32))
     assert not planned(problem(return_intermediate_states=True))
     assert not planned(problem(H=4))                                        # few lanes: other scans

@@ -127,8 +127,18 @@ INVERSE_EARLY_QUERIES = False
 GATES_IN_SCAN = True
 # With it, the gaters' three products on bf16 pairs (chunk_delta_regs_sm90._gater_t's PACKED: HMUL2 /
 # HFMA2 on the raw bf16 tiles, 2^G and 2^(G_last - G) rounded to bf16 first, one rounding more an
-# element of kg, qg and kd); off until its GPU test and sweep (`gates-packed`) have run
-GATER_PACKED = False
+# element of kg, qg and kd; the gater loop 776 -> 614 SASS instructions). Measured on an H100
+# (kda_prefill_sweep-v23-gates-packed-one-chain-h100.json, CUDA graph, us): 1x8k H64 741.8 -> 737.4, 1x16k
+# H64 1476.1 -> 1467.4; the output 5.8e-4 -> 6.1e-4 from the tiles path (relative RMS), 4.6e-3
+# from FLA either way. False: the products in fp32 (A/B)
+GATER_PACKED = True
+# Where the plan takes two chains a program, the gaters' one-chain scan still where its programs
+# (lanes x V / 64) fill their last SM wave to at least this fraction: the second chain's registers
+# hide less than the prologue's stores save only when no wave runs part-empty. Measured on an H100
+# (kda_prefill_sweep-v23-gates-packed-one-chain-h100.json, CUDA graph, us; one-chain programs' fill):
+# 2x16k H64 (0.97) 3045.5 -> 2986.2, 1x8k H96 (0.73) 1157.9 -> 1286.7, varlen 8x15193 H64 (0.71)
+# 1441.6 -> 1482.3
+GATES_WAVE_FILL = 0.9
 SPECIALIZED_WIDTHS = (32, 64)
 # q, k and v views whose rows collapse into one strided [B * T, heads * D] array (split from one
 # projection: unit inner stride, heads adjacent, batch stride T token strides, 16-byte aligned base
@@ -485,9 +495,10 @@ def gates_in_scan(p: Problem, config: triton_chunk.ChunkConfig) -> bool:
     """Whether KDA's gated keys and queries are formed in the scan (GATES_IN_SCAN): the bounded
     gate in the op on the sm_90 prologue, bf16 q, k and gate, K and V multiples of 64, no chunk
     states, and the whole call one pass of the state-in-registers scan on one chain a program (no
-    segments planned; the gaters' registers leave no room for a second chain, and where the plan
-    takes two, the one-chain programs' second wave lost more than the prologue saved on an H100,
-    docs/notes/kda-prefill.md v22)."""
+    segments planned; the gaters' registers leave no room for a second chain). Where the plan takes
+    two chains, one with the gaters only if its programs fill their last wave to GATES_WAVE_FILL:
+    a part-empty wave lost more than the prologue saved on an H100 (docs/notes/kda-prefill.md
+    v22-v23)."""
     from fastla.backends.gluon import chunk_prepare_kda_sm90 as kda_prologue
     from fastla.backends.triton.chunk_prepare_kda import bounded_spans
 
@@ -500,7 +511,12 @@ def gates_in_scan(p: Problem, config: triton_chunk.ChunkConfig) -> bool:
     counts = triton_chunk._chunk_counts(p)
     if triton_chunk._segments(p, config, counts):
         return False
-    return regs_chains(p, 0, False, whole_lanes(p, counts), sm_count(p.device)) == 1
+    lanes, sms = whole_lanes(p, counts), sm_count(p.device)
+    chains = regs_chains(p, 0, False, lanes, sms)
+    if chains != 2:
+        return chains == 1
+    programs = lanes * p.V / 64                                             # the one-chain scan's
+    return programs / (math.ceil(programs / sms) * sms) >= GATES_WAVE_FILL
 
 
 def pipeline_pieces(p: Problem, config: triton_chunk.ChunkConfig) -> int:
