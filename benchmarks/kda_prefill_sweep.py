@@ -82,6 +82,7 @@ VARIANTS = {
     "regs1-tiles": dict(gates_in_scan=False, scan_regs=True, regs_chains=1),   # one chain, the prologue's tiles
     "gates-one-chain": dict(gates_in_scan=True, scan_regs=True, regs_chains=1),  # the gaters where two chains are planned
     "gates-packed": dict(gates_in_scan=True, gater_packed=True),   # the gaters' products on bf16 pairs (GATER_PACKED)
+    "loads-late": dict(loads_ahead=False),   # the prologue's bias and beta loaded where used (LOADS_AHEAD off, v23)
 }
 SHAPES = "kda/h64/1x8192,kda/h64/2x16384,kda/h96/varlen8x15193"
 
@@ -125,6 +126,7 @@ def main() -> int:
     default_regs = gluon_chunk.SCAN_REGS
     default_gates = gluon_chunk.GATES_IN_SCAN
     default_packed = gluon_chunk.GATER_PACKED
+    default_ahead = sm90_prologue.LOADS_AHEAD
     for shape in args.shapes.split(","):
         kw = with_gate(call_kwargs(make_inputs(get_config(shape), "cuda")), args.gate)
         fla_o = fla_us = first_o = None
@@ -142,6 +144,7 @@ def main() -> int:
             sm90_prologue.PROGRAMS_PER_SM = over.pop("sm90_programs_per_sm", default_programs)
             sm90_prologue.BOUNDED_OPERANDS = over.pop("bounded_operands", default_from_x)
             sm90_prologue.FULL_CHUNKS = over.pop("full_chunks", default_full)
+            sm90_prologue.LOADS_AHEAD = over.pop("loads_ahead", default_ahead)
             wide.BLOCK_K, wide.WARPS, wide.STAGES = over.pop("wide", default_wide)
             gluon_chunk.SCAN_DUAL = over.pop("scan_dual", default_dual)
             gluon_chunk.SCAN_BLOCK_V = over.pop("scan_bv", None)
@@ -168,7 +171,7 @@ def main() -> int:
                 sm90_prologue.UNBOUNDED = default_unbounded
                 sm90_prologue.PROGRAMS_PER_SM = default_programs
                 sm90_prologue.INVERSE_SM90, sm90_prologue.BOUNDED_OPERANDS = default_inverse, default_from_x
-                sm90_prologue.FULL_CHUNKS = default_full
+                sm90_prologue.FULL_CHUNKS, sm90_prologue.LOADS_AHEAD = default_full, default_ahead
                 wide.BLOCK_K, wide.WARPS, wide.STAGES = default_wide
                 gluon_chunk.SCAN_DUAL, gluon_chunk.SCAN_BLOCK_V = default_dual, None
                 gluon_chunk.LONGEST_FIRST = True

@@ -439,12 +439,11 @@ def test_scores_in_scan(case, chains, monkeypatch):
 
 
 @pytest.mark.parametrize("case", ["dense", "varlen", "gva-2-heads-a-program"])
-def test_inverse_early_queries(case, monkeypatch):
-    """The inverse kernel's queries loaded under its keys' Gram (INVERSE_EARLY_QUERIES, K = 128)
-    with the scores formed in the scan: the output and final state equal those of the queries
-    loaded after the Gram bit for bit (the same products in the same order), within the fp64
-    check; at two value heads a program of a 4:1 GVA too, where only a q/k head's first program
-    writes the norms."""
+def test_inverse_loads_ahead(case, monkeypatch):
+    """The inverse kernel's gate and beta loaded a value head ahead (INVERSE_LOADS_AHEAD) with the
+    scores formed in the scan (the norms' build): the output and final state equal those of the
+    loads at each head's start bit for bit, within the fp64 check; at two value heads a program of
+    a 4:1 GVA too, where the second head's come under the first's work."""
     import dataclasses
 
     from fastla.backends.gluon import chunk_delta as gluon_chunk
@@ -461,10 +460,10 @@ def test_inverse_early_queries(case, monkeypatch):
         original = chunk_delta.default_config
         monkeypatch.setattr(chunk_delta, "default_config",
                             lambda p, **kw: dataclasses.replace(original(p, **kw), inverse_heads=2))
-    monkeypatch.setattr(gluon_chunk, "INVERSE_EARLY_QUERIES", False)
+    monkeypatch.setattr(gluon_chunk, "INVERSE_LOADS_AHEAD", False)
     want = on("gluon", call_chunk, SPEC, t, output_final_state=True, **opts)
-    monkeypatch.setattr(gluon_chunk, "INVERSE_EARLY_QUERIES", True)
+    monkeypatch.setattr(gluon_chunk, "INVERSE_LOADS_AHEAD", True)
     check(t, **opts)
     got = on("gluon", call_chunk, SPEC, t, output_final_state=True, **opts)
     for name, a, b in zip(("o", "final_state"), got, want):
-        assert torch.equal(a, b), f"{name}: {(a.float() - b.float()).abs().max()} from the later-loaded queries' run"
+        assert torch.equal(a, b), f"{name}: {(a.float() - b.float()).abs().max()} from the loads at each head's start"

@@ -229,6 +229,29 @@ def test_sm90_prologue_persistent(case, monkeypatch):
     _prologue_parity(case, monkeypatch)
 
 
+@pytest.mark.parametrize("persistent", [False, True], ids=["full-grid", "two-programs"])
+@pytest.mark.parametrize("case", ["bounded-gate", "bounded-varlen", "unbounded-gate", "dense-fp32-gate"])
+def test_sm90_prologue_loads_ahead(case, persistent, monkeypatch):
+    """The prologue's bias a slice ahead and beta at the item's start (LOADS_AHEAD; on two programs
+    the next item's bias comes under this item's last slice): the op within the fp64 check, bit for
+    bit the call that loads both where they are used."""
+    from fastla.backends import triton as triton_backend
+    from fastla.backends.gluon import chunk_prepare_kda_sm90 as sm90
+    from tests.helpers import poison
+    if persistent:
+        monkeypatch.setattr(triton_backend, "sm_count", lambda device: 1)
+    t, opts = bf16_case(case)
+    monkeypatch.setattr(sm90, "LOADS_AHEAD", False)
+    late = on_tier(call_chunk, SPEC, t, tier="gluon", output_final_state=True, **opts)
+    monkeypatch.setattr(sm90, "LOADS_AHEAD", True)
+    poison()
+    check_fp64(t, opts, tier="gluon")
+    poison()
+    ahead = on_tier(call_chunk, SPEC, t, tier="gluon", output_final_state=True, **opts)
+    for name, a, b in zip(("o", "final_state"), ahead, late):
+        assert torch.equal(a, b), f"{name}: {(a.float() - b.float()).abs().max()} from the loads where used"
+
+
 @pytest.mark.parametrize("case", ["bounded-gate", "bounded-varlen", "bounded-k64", "unbounded-gate", "strong-decay"])
 def test_sm90_inverse_matches_triton(case, monkeypatch):
     """The Gluon inverse kernel (chunk_prepare_kda_sm90.INVERSE_SM90): the op against fp64, and its P

@@ -84,24 +84,6 @@ def _gram(k_s, b: gl.constexpr, c: gl.constexpr, NK: gl.constexpr):
 
 
 @gluon.jit
-def _gram_slice(kt, b: gl.constexpr, c: gl.constexpr, acc):
-    """acc + K_b K_c^T over one [64, 64] key slice ``kt`` (bf16 mma.sync): _gram a slice at a time,
-    the same products in the same order."""
-    da: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-    db: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
-    return mma_v2(kt.slice(16 * b, 16, dim=0).load(da), kt.slice(16 * c, 16, dim=0).permute((1, 0)).load(db), acc)
-
-
-@gluon.jit
-def _gram_blocks(kt, g00, g10, g11, g20, g21, g22, g30, g31, g32, g33):
-    """The ten lower Gram blocks, each plus its products over one key slice ``kt``."""
-    return (_gram_slice(kt, 0, 0, g00), _gram_slice(kt, 1, 0, g10), _gram_slice(kt, 1, 1, g11),
-            _gram_slice(kt, 2, 0, g20), _gram_slice(kt, 2, 1, g21), _gram_slice(kt, 2, 2, g22),
-            _gram_slice(kt, 3, 0, g30), _gram_slice(kt, 3, 1, g31), _gram_slice(kt, 3, 2, g32),
-            _gram_slice(kt, 3, 3, g33))
-
-
-@gluon.jit
 def _a_block(gram, scale_r, rk_c, G_r, G_c, DIAG: gl.constexpr, EXP2: gl.constexpr):
     """A's block from a Gram block [16, 16]: scale_r = beta rk of the rows, rk_c of the columns,
     e^(G_i - G_j); strictly lower on a diagonal block (the exponent clamped where unused). EXP2
@@ -199,7 +181,7 @@ def _gdn_inverse_sm90_kernel(
     k_desc, q_desc, g, beta, A_log, dt_bias, p_out, gcum, rq_out, rk_out, cu_seqlens, chunk_index, T, NT,
     H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, VPP: gl.constexpr, L2NORM: gl.constexpr,
     GATE: gl.constexpr, HAS_BIAS: gl.constexpr, BETA: gl.constexpr, VARLEN: gl.constexpr, EXP2: gl.constexpr,
-    DIRECT: gl.constexpr, NORMS: gl.constexpr, EARLY_Q: gl.constexpr,
+    DIRECT: gl.constexpr, NORMS: gl.constexpr, AHEAD: gl.constexpr,
 ):
     gl.static_assert(K % 64 == 0, "K in [64, 64] boxes")
     NK: gl.constexpr = K // 64
@@ -230,59 +212,35 @@ def _gdn_inverse_sm90_kernel(
     mbarrier.expect(bar, NK * 64 * 64 * 2)
     for kk in gl.static_range(NK):
         tma.async_copy_global_to_shared(k_desc, [t0.to(gl.int32), i_h * K + kk * 64], bar, k_s.index(kk))
+    # AHEAD: the first value head's gate and beta under the keys' load, each later head's under the
+    # one before (else each head's loaded at its start, their latency exposed in a one-warp program)
+    o_t = gl.arange(0, 64, layout=vec_l)
+    m_t = o_t < n_left
+    if AHEAD:
+        g_n = gl.load(g + t0 * HV + hv0 + o_t * HV, mask=m_t, other=0.0)
+        beta_n = gl.load(beta + t0 * HV + hv0 + o_t * HV, mask=m_t, other=0.0)
     mbarrier.wait(bar, 0)
     if not NORMS:
         mbarrier.invalidate(bar)
 
-    # the ten lower Gram blocks [16, 16] and the key norms from the diagonal ones; EARLY_Q
-    # (INVERSE_EARLY_QUERIES, with NORMS at K = 128): a slice at a time, the queries' first slice
-    # loading by TMA into the keys' first under the keys' second, their second under their first
-    if NORMS and EARLY_Q and NK == 2:
-        z = gl.zeros([16, 16], gl.float32, MMA)
-        k0 = k_s.index(0)
-        g00, g10, g11, g20, g21, g22, g30, g31, g32, g33 = _gram_blocks(k0, z, z, z, z, z, z, z, z, z, z)
-        gl.thread_barrier()                                                 # (slice 0's reads are done)
-        fence_async_shared()
-        mbarrier.expect(bar, 64 * 64 * 2)
-        tma.async_copy_global_to_shared(q_desc, [t0.to(gl.int32), i_h * K], bar, k0)
-        k1 = k_s.index(1)
-        g00, g10, g11, g20, g21, g22, g30, g31, g32, g33 = _gram_blocks(k1, g00, g10, g11, g20, g21, g22, g30,
-                                                                        g31, g32, g33)
-        gl.thread_barrier()
-        fence_async_shared()
-        mbarrier.wait(bar, 1)                                               # the queries' slice 0
-        mbarrier.expect(bar, 64 * 64 * 2)
-        tma.async_copy_global_to_shared(q_desc, [t0.to(gl.int32), i_h * K + 64], bar, k1)
-        q00 = _gram_slice(k0, 0, 0, z)
-        q11 = _gram_slice(k0, 1, 1, z)
-        q22 = _gram_slice(k0, 2, 2, z)
-        q33 = _gram_slice(k0, 3, 3, z)
-        mbarrier.wait(bar, 0)                                               # and slice 1
-        qd = (_gram_slice(k1, 0, 0, q00), _gram_slice(k1, 1, 1, q11), _gram_slice(k1, 2, 2, q22),
-              _gram_slice(k1, 3, 3, q33))
-        mbarrier.invalidate(bar)
-    else:
-        g00 = _gram(k_s, 0, 0, NK)
-        g10 = _gram(k_s, 1, 0, NK)
-        g11 = _gram(k_s, 1, 1, NK)
-        g20 = _gram(k_s, 2, 0, NK)
-        g21 = _gram(k_s, 2, 1, NK)
-        g22 = _gram(k_s, 2, 2, NK)
-        g30 = _gram(k_s, 3, 0, NK)
-        g31 = _gram(k_s, 3, 1, NK)
-        g32 = _gram(k_s, 3, 2, NK)
-        g33 = _gram(k_s, 3, 3, NK)
+    # the ten lower Gram blocks [16, 16] and the key norms from the diagonal ones
+    g00 = _gram(k_s, 0, 0, NK)
+    g10 = _gram(k_s, 1, 0, NK)
+    g11 = _gram(k_s, 1, 1, NK)
+    g20 = _gram(k_s, 2, 0, NK)
+    g21 = _gram(k_s, 2, 1, NK)
+    g22 = _gram(k_s, 2, 2, NK)
+    g30 = _gram(k_s, 3, 0, NK)
+    g31 = _gram(k_s, 3, 1, NK)
+    g32 = _gram(k_s, 3, 2, NK)
+    g33 = _gram(k_s, 3, 3, NK)
     o16 = gl.arange(0, 16, layout=ROWS)
     eye = o16[:, None] == gl.arange(0, 16, layout=COLS)[None, :]
     # NORMS (the scores formed in the scan): the first program of each q/k head writes 1 / |k| and
     # 1 / |q| of the chunk's rows, the queries' from the Gram diagonals of their tiles, loaded by TMA
     # where the keys were
     first = gl.program_id(1) % (HV // H // VPP) == 0
-    if NORMS and EARLY_Q and NK == 2:
-        for b in gl.static_range(4):
-            rq = gl.rsqrt(gl.sum(gl.where(eye, qd[b], 0.0), 1) + 1e-6)
-            gl.store(rq_out + (t0 + 16 * b + o16) * H + i_h, rq, mask=first & (o16 + 16 * b < n_left))
-    if NORMS and not (EARLY_Q and NK == 2):
+    if NORMS:
         gl.thread_barrier()                                                 # (the keys' reads are done)
         fence_async_shared()
         mbarrier.expect(bar, NK * 64 * 64 * 2)
@@ -317,17 +275,24 @@ def _gdn_inverse_sm90_kernel(
     c2 = gl.convert_layout(r2, COLS)
     c3 = gl.convert_layout(r3, COLS)
 
-    o_t = gl.arange(0, 64, layout=vec_l)
-    m_t = o_t < n_left
     r_o = gl.arange(0, 64, layout=gl.SliceLayout(1, OUT))[:, None]
     c_o = gl.arange(0, 64, layout=gl.SliceLayout(0, OUT))[None, :]
     for jv in range(VPP):
         i_hv = hv0 + jv
         base = t0 * HV + i_hv                                               # chunk row 0 in g, beta, gcum
-        x = gl.load(g + base + o_t * HV, mask=m_t, other=0.0).to(gl.float32)
+        if AHEAD:
+            x = g_n.to(gl.float32)
+            b_in = beta_n
+            if VPP > 1:                                                     # the next head's
+                m_n = m_t & (jv + 1 < VPP)
+                g_n = gl.load(g + base + 1 + o_t * HV, mask=m_n, other=0.0)
+                beta_n = gl.load(beta + base + 1 + o_t * HV, mask=m_n, other=0.0)
+        else:
+            x = gl.load(g + base + o_t * HV, mask=m_t, other=0.0).to(gl.float32)
+            b_in = gl.load(beta + base + o_t * HV, mask=m_t, other=0.0)
         if GATE:
             x = _gdn_gate(x, m_t, A_log, dt_bias, i_hv, HAS_BIAS)
-        bt = _activate_beta(gl.load(beta + base + o_t * HV, mask=m_t, other=0.0), m_t, BETA)
+        bt = _activate_beta(b_in, m_t, BETA)
         G = gl.associative_scan(x, 0, _add)                                 # [64] cumsum
         gl.store(gcum + base + o_t * HV, G, mask=m_t)
         gl.thread_barrier()                                                 # (the last head's reads are done)
@@ -456,7 +421,7 @@ def launch(p, g, beta, beta_mode: int, total: int, tables, gcum, inverse, dot, c
     With ``rq``, ``rk`` (the l2norm in the op and the scores formed in the scan, so that no scores
     kernel writes them): 1 / |q| and 1 / |k| into them ``[B, T, H]``."""
     from fastla.backends.gluon.chunk_delta import (
-        INVERSE_DIRECT_OPERANDS, INVERSE_EARLY_QUERIES, INVERSE_EXP2, _tile_layout, tma_descriptor,
+        INVERSE_DIRECT_OPERANDS, INVERSE_EXP2, INVERSE_LOADS_AHEAD, _tile_layout, tma_descriptor,
     )
     from fastla.backends.triton import sm_count
     from fastla.backends.triton.chunk_prepare import values_per_program
@@ -480,5 +445,5 @@ def launch(p, g, beta, beta_mode: int, total: int, tables, gcum, inverse, dot, c
         rq if norms else d, rk if norms else d, cu if varlen else d, chunk_index if varlen else d, p.T, NT,
         H=p.H, HV=p.HV, K=p.K, VPP=vpp, L2NORM=p.use_qk_l2norm, GATE=p.gate_in_op == "gdn",
         HAS_BIAS=p.dt_bias is not None, BETA=beta_mode, VARLEN=varlen, EXP2=INVERSE_EXP2,
-        DIRECT=INVERSE_DIRECT_OPERANDS, NORMS=norms, EARLY_Q=INVERSE_EARLY_QUERIES, num_warps=1,
+        DIRECT=INVERSE_DIRECT_OPERANDS, NORMS=norms, AHEAD=INVERSE_LOADS_AHEAD, num_warps=1,
     )

@@ -234,6 +234,7 @@ def _kda_prologue_sm90_kernel(
     H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, L2NORM: gl.constexpr, GATE: gl.constexpr,
     HAS_A: gl.constexpr, HAS_BIAS: gl.constexpr, BETA: gl.constexpr, VARLEN: gl.constexpr, FLAG: gl.constexpr,
     QK_BUFFERS: gl.constexpr, DELTA: gl.constexpr, FROM_X: gl.constexpr, FULL: gl.constexpr, GATED: gl.constexpr,
+    AHEAD: gl.constexpr,
 ):
     """Persistent: program p takes items p, p + programs, ... (``total`` chunks x HV value heads,
     chunks fastest). GATE as recurrent.py numbers it: 3 the bounded gate in the op; 2
@@ -252,7 +253,9 @@ def _kda_prologue_sm90_kernel(
     recomputes them at every store. GATED False (the scan forms kg, qg and kd from q, k and the
     gate: gluon/chunk_delta.gates_in_scan): none of the three is computed nor stored, and with
     L2NORM the rows' 1 / |q| and 1 / |k| go to ``rq_out``, ``rk_out`` ``[B * T, H]`` instead (by
-    the items of each q/k head's first value head; the scan weights its products by them)."""
+    the items of each q/k head's first value head; the scan weights its products by them). AHEAD
+    (LOADS_AHEAD): the gate's bias a slice ahead and beta at the item's start, both under earlier
+    work, instead of each where it is used (after the slot's barrier; after the slices)."""
     gl.static_assert(K % BC == 0, "K in slices of 32 channels")
     NS: gl.constexpr = K // BC
     gl.static_assert(NS % 2 == 0, "the gate's slices alternate between two slots")
@@ -302,6 +305,10 @@ def _kda_prologue_sm90_kernel(
     _load_qk(q_desc, k_desc, q_in, k_in, qk_bar.index(0), 0, t00, h0, j0 < items, K, NS)
     _load_gate(g_desc, g_in, g_bar.index(0), 0, t00, hv0, 0, j0 < items, K)
     _load_gate(g_desc, g_in, g_bar.index(1), 1, t00, hv0, 1, j0 < items, K)
+    # the gate's bias a slice ahead (loaded under the previous slice, not after the slot's barrier)
+    bias_n = gl.zeros([1, 1, BC], gl.float32, L3)
+    if AHEAD and HAS_BIAS and GATE != 0:
+        bias_n = gl.load(dt_bias + hv0 * K + o_c, mask=(o_c < BC) & (j0 < items), other=0.0).to(gl.float32)
     it = 0
     for j in range(j0, items, programs):
         i_c, i_hv, i_h, t0, eos = _item(j, total, chunk_index, cu_seqlens, T, NT, H, HV, VARLEN)
@@ -314,6 +321,9 @@ def _kda_prologue_sm90_kernel(
         valid = t < n_left
         beta_base = t0 * HV + i_hv                                          # chunk row 0 in beta, A, Aqk
         gate_base = beta_base * K                                           # chunk row 0 in g, kg, kd, qg
+        valid_r = r < n_left
+        if AHEAD and DELTA:                                                 # (loaded under the slices)
+            beta_in = gl.load(beta + beta_base + r * HV, mask=valid_r, other=0.0)
         buf = it % QK_BUFFERS
         if QK_BUFFERS == 2:                     # the next item's q and k (the other buffer: read last item)
             gl.thread_barrier()
@@ -343,6 +353,11 @@ def _kda_prologue_sm90_kernel(
         for ks in range(0, NS):
             o_k = o_c + ks * BC
             slot = ks % 2
+            bias = bias_n
+            if AHEAD and HAS_BIAS and GATE != 0:                            # slice ks + 1, or the next item's 0
+                ahead = ks + 1 < NS
+                bias_n = gl.load(dt_bias + gl.where(ahead, i_hv, hv_n) * K + o_c + gl.where(ahead, ks + 1, 0) * BC)
+                bias_n = bias_n.to(gl.float32)
             mbarrier.wait(g_bar.index(slot), ((it * NS + ks) // 2) & 1)
             # the log decay in log2 units, 0 past n_left
             x = _slice(g_in, slot, valid, L3, not (FROM_X and GATE != 0))
@@ -351,7 +366,9 @@ def _kda_prologue_sm90_kernel(
             _load_gate(g_desc, g_in, g_bar.index(slot), slot, gl.where(same, t0, t0_n), gl.where(same, i_hv, hv_n),
                        gl.where(same, ks + 2, ks + 2 - NS), same or has_next, K)
             if HAS_BIAS and GATE != 0:
-                x = x + gl.load(dt_bias + i_hv * K + o_k).to(gl.float32)
+                if not AHEAD:
+                    bias = gl.load(dt_bias + i_hv * K + o_k).to(gl.float32)
+                x = x + bias
             if GATE == 3:                                                   # lower_bound sigmoid(a (g + dt_bias))
                 if FROM_X:
                     x = (LOG2E * lower_bound) * _rcp_approx(1.0 + gl.exp2(-LOG2E * a_h * x))
@@ -430,9 +447,10 @@ def _kda_prologue_sm90_kernel(
             gl.thread_barrier()
             _load_qk(q_desc, k_desc, q_in, k_in, qk_bar.index(0), 0, t0_n, h_n, has_next, K, NS)
 
-        valid_r = r < n_left
         if DELTA:
-            beta_r = _activate_beta(gl.load(beta + beta_base + r * HV, mask=valid_r, other=0.0), valid_r, BETA)
+            if not AHEAD:
+                beta_in = gl.load(beta + beta_base + r * HV, mask=valid_r, other=0.0)
+            beta_r = _activate_beta(beta_in, valid_r, BETA)
         else:
             beta_r = gl.where(valid_r, 0.0, 0.0)                           # (no A)
         row_off = (beta_base + r * HV) * 64
@@ -465,6 +483,11 @@ INVERSE_WARPS = 1
 # docs/notes/kda-prefill.md v15; one warp a program, INVERSE_WARPS does not apply); False: the
 # Triton inverse kernel
 INVERSE_SM90 = False
+# The gate's bias a slice ahead and beta at the item's start (the kernel's AHEAD): an H100 profile of
+# 1x8k H64 (ncu, docs/notes/kda-prefill.md v23) put 6.3% of the stall samples on the bias's first
+# use, loaded after the slot's barrier, and 1.7% on beta's, loaded after the slices. Bit-equal.
+# False: each where it is used (A/B)
+LOADS_AHEAD = True
 # Persistent programs per SM (shared memory at K = 128, sm_90 compile: 108.5 KB with a bf16 gate, q
 # and k of two items; 84.5 KB with an fp32 gate, q and k of one); None: one program per item (A/B sweeps)
 PROGRAMS_PER_SM = 2
@@ -537,7 +560,7 @@ def launch(p, beta, beta_mode: int, total: int, tables, inverse, scores, kg, kd,
         HAS_A=p.A_log is not None, HAS_BIAS=p.dt_bias is not None, BETA=beta_mode, VARLEN=varlen, FLAG=flag,
         QK_BUFFERS=2 if p.gk.dtype == torch.bfloat16 else 1, DELTA=p.delta,
         FROM_X=BOUNDED_OPERANDS and not flag and p.use_qk_l2norm, FULL=FULL_CHUNKS and not varlen and p.T % 64 == 0,
-        GATED=gated, num_warps=4, **({"maxnreg": MAXNREG} if MAXNREG and p.K == 128 else {}),
+        GATED=gated, AHEAD=LOADS_AHEAD, num_warps=4, **({"maxnreg": MAXNREG} if MAXNREG and p.K == 128 else {}),
     )
     if flag:                                                # the flagged blocks again, exactly
         chunk_prepare_kda_wide.launch(p, beta, beta_mode, total, tables, a_kk, scores, kg, kd, qg, flags)
