@@ -23,8 +23,8 @@
 #   bash benchmarks/gpu_checks.sh prologue-ab # the KDA prologue's bounded operands and whole chunks, GDN's
 #                                              # inverse on ex2.approx.ftz: GPU tests and A/B sweeps (docs/notes/
 #                                              # kda-prefill.md v19-v21, gdn-prefill.md v30; ~9 min)
-#   bash benchmarks/gpu_checks.sh loads-ahead    # the KDA prologue's and the GDN inverse's loads ahead: their
-#                                              # bit-equality tests, then the A/B sweeps (~5 min)
+#   bash benchmarks/gpu_checks.sh loads-ahead    # the KDA prologue's loads ahead: their bit-equality
+#                                              # tests, then the A/B sweep (~2 min)
 #   bash benchmarks/gpu_checks.sh gates-in-scan  # KDA's gates formed in the scan: GPU tests, A/B sweep, then
 #                                              # the registry rows the H200 table owes (2 KDA, 10 GDN; ~9.5 min)
 #   bash benchmarks/gpu_checks.sh scores-in-scan # GDN's scores formed in the scan: GPU tests and
@@ -177,29 +177,24 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
     echo "-- $(( $(date +%s) - start )) s"
     ;;
   loads-ahead)
-    # the loads whose latency the H100 profiles exposed (v23 / v33 in the notes): the KDA prologue's
-    # bias and beta, the GDN inverse's gate and beta; their bit-equality tests, then A/B sweeps
+    # the KDA prologue's loads ahead (kda-prefill.md v23): the bit-equality tests, then the A/B sweep
     start=$(date +%s)
     cap() { local left=$(( 575 - ($(date +%s) - start) )); echo $(( left < 1 ? 1 : (left < $1 ? left : $1) )); }
-    bg "$(cap 200)" tests/ops/test_gluon_chunk_kda.py -k "prologue_loads_ahead"
-    bg "$(cap 200)" tests/ops/test_gluon_chunk_gdn.py -k "inverse_loads_ahead"
-    show
+    t "$(cap 200)" tests/ops/test_gluon_chunk_kda.py -k "prologue_loads_ahead"
     timeout "$(cap 150)" python3 benchmarks/kda_prefill_sweep.py --tier gluon --variants default,loads-late \
       --shapes kda/h64/1x8192,kda/h64/2x16384 --out "$out" 2>&1 | grep gluon | cut -c1-150
-    timeout "$(cap 150)" python3 benchmarks/gdn_prefill_sweep.py --variants gluon,gluon-inverse-loads-late \
-      --shapes gdn/h16-hv64/1x32768,gdn/h16-hv64/4x8192 --out "$out" 2>&1 | grep -v FLA | cut -c1-160
     echo "-- $(( $(date +%s) - start )) s"
     ;;
   scores-in-scan)
     # GDN's scores formed in the scan (docs/notes/gdn-prefill.md v32): its GPU tests, the inverse's
-    # parity tests (it writes the norms now) and its loads ahead, then the A/B sweep against the
-    # scores kernel and the loads at each head's start on the shapes it serves
+    # parity tests (it writes the norms now), then the A/B sweep against the scores kernel on the
+    # shapes it serves
     start=$(date +%s)
     cap() { local left=$(( 575 - ($(date +%s) - start) )); echo $(( left < 1 ? 1 : (left < $1 ? left : $1) )); }
-    t "$(cap 260)" tests/ops/test_gluon_chunk_gdn.py -k "scores_in_scan or (sm90_inverse and default) or inverse_loads_ahead"
+    t "$(cap 260)" tests/ops/test_gluon_chunk_gdn.py -k "scores_in_scan or (sm90_inverse and default)"
     left=$(cap 200)
     [ "$left" -gt 30 ] && timeout "$left" python3 benchmarks/gdn_prefill_sweep.py \
-      --variants gluon,gluon-scores-kernel,gluon-inverse-loads-late \
+      --variants gluon,gluon-scores-kernel \
       --shapes gdn/h16-hv64/1x32768,gdn/h16-hv32/4x8192,gdn/h16-hv64/varlen9x16384 \
       --out "$out" 2>&1 | tail -14
     echo "-- $(( $(date +%s) - start )) s"

@@ -676,13 +676,13 @@ KDA_PROLOGUE_VARIANTS = {
     "gla-prologue": dict(GATE=0, HAS_A=False, HAS_BIAS=False, FLAG=True, L2NORM=False, BETA=1, DELTA=False, H=64),
 }
 # Spills known and left (sm_90 compile): every build sits at 255 registers; the persistent loop (the
-# next item's coordinates and, with LOADS_AHEAD, the next slice's bias live across the slices) spills
-# 32 bytes on the build without FROM_X and FULL, 40-56 with the block flags, 48 at K = 64 and 160 with
-# an fp32 gate; the bare varlen build 8; the bounded gate's operands from X none at K = 128, 16 at K = 64
-KDA_PROLOGUE_STACK = {"kda-prologue": 32, "kda-prologue-varlen-bare": 8, "kda-prologue-k64": 48,
+# next item's coordinates live across the slices) spills 24 bytes on the build without FROM_X and FULL,
+# 24-48 with the block flags, 48 at K = 64 and 152 with an fp32 gate; the bare varlen build 8; the bounded
+# gate's operands from X none at K = 128, 16 at K = 64 (8 before LOADS_AHEAD: the next slice's bias)
+KDA_PROLOGUE_STACK = {"kda-prologue": 24, "kda-prologue-varlen-bare": 8, "kda-prologue-k64": 48,
                       "kda-prologue-varlen-k64": 48, "kda-prologue-from-x-varlen-k64": 16,
-                      "kda-prologue-given-gate": 40, "kda-prologue-given-fp32-gate": 160,
-                      "kda-prologue-softplus-gate": 56, "kda-prologue-wide-bounded-neg-eigval": 48}
+                      "kda-prologue-given-gate": 24, "kda-prologue-given-fp32-gate": 152,
+                      "kda-prologue-softplus-gate": 48, "kda-prologue-wide-bounded-neg-eigval": 48}
 
 
 def _child_kda_prologue(name: str, folder: str) -> None:
@@ -692,8 +692,9 @@ def _child_kda_prologue(name: str, folder: str) -> None:
     from fastla.backends.gluon.chunk_prepare_kda_sm90 import _kda_prologue_sm90_kernel as kern
 
     consts = dict(H=32, HV=64, K=128, L2NORM=True, GATE=3, HAS_A=True, HAS_BIAS=True, BETA=2, VARLEN=False,
-                  FLAG=False, DELTA=True, FROM_X=False, FULL=False, GATED=True, AHEAD=True)
+                  FLAG=False, DELTA=True, FROM_X=False, FULL=False, GATED=True)
     consts.update(KDA_PROLOGUE_VARIANTS[name])
+    consts.setdefault("AHEAD", consts["FROM_X"])                            # as launch() (LOADS_AHEAD)
     gate_fp32 = consts.pop("GATE_FP32", False)
     consts["QK_BUFFERS"] = 1 if gate_fp32 else 2                           # as launch()
     box = gl.NVMMASharedLayout.get_default_for([64, 32], gl.bfloat16)
@@ -767,16 +768,13 @@ GDN_INVERSE_VARIANTS = {
     "gdn-inverse-direct-varlen-k64": dict(DIRECT=True, VARLEN=True, K=64),    # (its own scratch buffers)
     "gdn-inverse-norms": dict(NORMS=True),      # 1 / |q|, 1 / |k| too (the scores formed in the scan)
     "gdn-inverse-norms-varlen-k64": dict(NORMS=True, VARLEN=True, K=64),
-    "gdn-inverse-norms-loads-late": dict(NORMS=True, AHEAD=False),   # each head's gate and beta at its start
 }
 # stack as launched (aligned pointers): at four value heads a program the ten Gram blocks (80
-# registers) live across the heads, and with INVERSE_LOADS_AHEAD the next head's gate and beta; the
-# shipped build (gdn-inverse, 104 bytes) measured 8-12% faster than the Triton kernel on the H200
-# (docs/notes/gdn-prefill.md v18); with the norms 104 -> 128 bytes by the loads ahead
-GDN_INVERSE_STACK = {"gdn-inverse": 104, "gdn-inverse-one-head": 8, "gdn-inverse-varlen-k64-raw": 80,
-                     "gdn-inverse-exp2": 112, "gdn-inverse-direct": 64, "gdn-inverse-exp2-direct": 64,
-                     "gdn-inverse-direct-varlen-k64": 80, "gdn-inverse-norms": 128, "gdn-inverse-norms-varlen-k64": 144,
-                     "gdn-inverse-norms-loads-late": 104}
+# registers) live across the heads; the shipped build (gdn-inverse, 104 bytes) measured 8-12% faster
+# than the Triton kernel on the H200 (docs/notes/gdn-prefill.md v18)
+GDN_INVERSE_STACK = {"gdn-inverse": 104, "gdn-inverse-one-head": 8, "gdn-inverse-varlen-k64-raw": 56,
+                     "gdn-inverse-exp2": 88, "gdn-inverse-direct": 48, "gdn-inverse-exp2-direct": 48,
+                     "gdn-inverse-direct-varlen-k64": 48, "gdn-inverse-norms": 104, "gdn-inverse-norms-varlen-k64": 104}
 
 
 def _child_gdn_inverse(name: str, folder: str) -> None:
@@ -785,7 +783,7 @@ def _child_gdn_inverse(name: str, folder: str) -> None:
     from fastla.backends.gluon.chunk_inverse_sm90 import _gdn_inverse_sm90_kernel as kern
 
     consts = dict(H=16, HV=64, K=128, VPP=4, L2NORM=True, GATE=True, HAS_BIAS=True, BETA=2, VARLEN=False,
-                  EXP2=False, DIRECT=False, NORMS=False, AHEAD=True)
+                  EXP2=False, DIRECT=False, NORMS=False)
     consts.update(GDN_INVERSE_VARIANTS[name])
     box = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
     pointers = {"g": "*fp32", "beta": "*bf16", "A_log": "*fp32", "dt_bias": "*fp32", "p_out": "*bf16",

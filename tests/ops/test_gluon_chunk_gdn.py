@@ -436,34 +436,3 @@ def test_scores_in_scan(case, chains, monkeypatch):
     in_scan = on("gluon", call_chunk, SPEC, t, output_final_state=True, **opts)
     for name, a, b in zip(("o", "final_state"), in_scan, kernel_call):
         assert rel_rms(a, b) <= 1e-2, f"{name}: {rel_rms(a, b):.2e} from the scores kernel's call"
-
-
-@pytest.mark.parametrize("case", ["dense", "varlen", "gva-2-heads-a-program"])
-def test_inverse_loads_ahead(case, monkeypatch):
-    """The inverse kernel's gate and beta loaded a value head ahead (INVERSE_LOADS_AHEAD) with the
-    scores formed in the scan (the norms' build): the output and final state equal those of the
-    loads at each head's start bit for bit, within the fp64 check; at two value heads a program of
-    a 4:1 GVA too, where the second head's come under the first's work."""
-    import dataclasses
-
-    from fastla.backends.gluon import chunk_delta as gluon_chunk
-    from fastla.backends.triton import chunk_delta, chunk_prepare
-    monkeypatch.setattr(gluon_chunk, "SCORES_IN_SCAN", True)
-    monkeypatch.setattr(gluon_chunk, "REGS_CHAINS", 1)
-    opts = dict(L2)
-    if case == "varlen":
-        t = varlen_inputs(opts)
-    else:
-        t = bf16_inputs(B=2, T=200, H=2, HV=8 if case.startswith("gva") else 4, K=128, V=128)
-    if case.startswith("gva"):
-        monkeypatch.setattr(chunk_prepare, "INVERSE_PROGRAMS_PER_SM", 0)      # the heads a program asked for
-        original = chunk_delta.default_config
-        monkeypatch.setattr(chunk_delta, "default_config",
-                            lambda p, **kw: dataclasses.replace(original(p, **kw), inverse_heads=2))
-    monkeypatch.setattr(gluon_chunk, "INVERSE_LOADS_AHEAD", False)
-    want = on("gluon", call_chunk, SPEC, t, output_final_state=True, **opts)
-    monkeypatch.setattr(gluon_chunk, "INVERSE_LOADS_AHEAD", True)
-    check(t, **opts)
-    got = on("gluon", call_chunk, SPEC, t, output_final_state=True, **opts)
-    for name, a, b in zip(("o", "final_state"), got, want):
-        assert torch.equal(a, b), f"{name}: {(a.float() - b.float()).abs().max()} from the loads at each head's start"

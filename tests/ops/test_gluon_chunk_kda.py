@@ -230,11 +230,11 @@ def test_sm90_prologue_persistent(case, monkeypatch):
 
 
 @pytest.mark.parametrize("persistent", [False, True], ids=["full-grid", "two-programs"])
-@pytest.mark.parametrize("case", ["bounded-gate", "bounded-varlen", "unbounded-gate", "dense-fp32-gate"])
+@pytest.mark.parametrize("case", ["bounded-gate", "bounded-varlen", "bounded-k64"])
 def test_sm90_prologue_loads_ahead(case, persistent, monkeypatch):
-    """The prologue's bias a slice ahead and beta at the item's start (LOADS_AHEAD; on two programs
-    the next item's bias comes under this item's last slice): the op within the fp64 check, bit for
-    bit the call that loads both where they are used."""
+    """The prologue's bias a slice ahead and beta at the item's start (LOADS_AHEAD, the bounded
+    gate's FROM_X builds; on two programs the next item's bias comes under this item's last
+    slice): the op within the fp64 check, bit for bit the call that loads both where used."""
     from fastla.backends import triton as triton_backend
     from fastla.backends.gluon import chunk_prepare_kda_sm90 as sm90
     from tests.helpers import poison

@@ -109,12 +109,6 @@ INVERSE_DIRECT_OPERANDS = False
 # graph, us): 1x32k HV64 1461.2 -> 1310.3, 4x8k HV32 736.5 -> 635.5, 4x8k HV64 1285.4 -> 1126.8,
 # varlen 9x16k HV64 685.6 -> 628.1. False: the scores kernel (A/B)
 SCORES_IN_SCAN = True
-# The GDN inverse kernel's gate and beta loaded a value head ahead (chunk_inverse_sm90's AHEAD: the
-# first head's under the keys' TMA, each later head's under the head before): an H100 profile of
-# 1x32k HV64 (ncu, docs/notes/gdn-prefill.md v33) put 8.5% of the one-warp programs' stall samples
-# on the first use of each head's gate, loaded at the head's start. Bit-equal. False: at the start
-# (A/B)
-INVERSE_LOADS_AHEAD = True
 # KDA's gated keys and queries formed in the state-in-registers scan from q, k and the gate's input
 # (chunk_delta_regs_sm90._gater_t: K / 64 gater warpgroups beside one chain, the key, query and kd
 # tiles in a ring of three slots gated in place; the chain weights by the rows' norms, which the

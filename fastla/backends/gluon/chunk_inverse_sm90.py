@@ -181,7 +181,7 @@ def _gdn_inverse_sm90_kernel(
     k_desc, q_desc, g, beta, A_log, dt_bias, p_out, gcum, rq_out, rk_out, cu_seqlens, chunk_index, T, NT,
     H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, VPP: gl.constexpr, L2NORM: gl.constexpr,
     GATE: gl.constexpr, HAS_BIAS: gl.constexpr, BETA: gl.constexpr, VARLEN: gl.constexpr, EXP2: gl.constexpr,
-    DIRECT: gl.constexpr, NORMS: gl.constexpr, AHEAD: gl.constexpr,
+    DIRECT: gl.constexpr, NORMS: gl.constexpr,
 ):
     gl.static_assert(K % 64 == 0, "K in [64, 64] boxes")
     NK: gl.constexpr = K // 64
@@ -212,13 +212,6 @@ def _gdn_inverse_sm90_kernel(
     mbarrier.expect(bar, NK * 64 * 64 * 2)
     for kk in gl.static_range(NK):
         tma.async_copy_global_to_shared(k_desc, [t0.to(gl.int32), i_h * K + kk * 64], bar, k_s.index(kk))
-    # AHEAD: the first value head's gate and beta under the keys' load, each later head's under the
-    # one before (else each head's loaded at its start, their latency exposed in a one-warp program)
-    o_t = gl.arange(0, 64, layout=vec_l)
-    m_t = o_t < n_left
-    if AHEAD:
-        g_n = gl.load(g + t0 * HV + hv0 + o_t * HV, mask=m_t, other=0.0)
-        beta_n = gl.load(beta + t0 * HV + hv0 + o_t * HV, mask=m_t, other=0.0)
     mbarrier.wait(bar, 0)
     if not NORMS:
         mbarrier.invalidate(bar)
@@ -275,24 +268,17 @@ def _gdn_inverse_sm90_kernel(
     c2 = gl.convert_layout(r2, COLS)
     c3 = gl.convert_layout(r3, COLS)
 
+    o_t = gl.arange(0, 64, layout=vec_l)
+    m_t = o_t < n_left
     r_o = gl.arange(0, 64, layout=gl.SliceLayout(1, OUT))[:, None]
     c_o = gl.arange(0, 64, layout=gl.SliceLayout(0, OUT))[None, :]
     for jv in range(VPP):
         i_hv = hv0 + jv
         base = t0 * HV + i_hv                                               # chunk row 0 in g, beta, gcum
-        if AHEAD:
-            x = g_n.to(gl.float32)
-            b_in = beta_n
-            if VPP > 1:                                                     # the next head's
-                m_n = m_t & (jv + 1 < VPP)
-                g_n = gl.load(g + base + 1 + o_t * HV, mask=m_n, other=0.0)
-                beta_n = gl.load(beta + base + 1 + o_t * HV, mask=m_n, other=0.0)
-        else:
-            x = gl.load(g + base + o_t * HV, mask=m_t, other=0.0).to(gl.float32)
-            b_in = gl.load(beta + base + o_t * HV, mask=m_t, other=0.0)
+        x = gl.load(g + base + o_t * HV, mask=m_t, other=0.0).to(gl.float32)
         if GATE:
             x = _gdn_gate(x, m_t, A_log, dt_bias, i_hv, HAS_BIAS)
-        bt = _activate_beta(b_in, m_t, BETA)
+        bt = _activate_beta(gl.load(beta + base + o_t * HV, mask=m_t, other=0.0), m_t, BETA)
         G = gl.associative_scan(x, 0, _add)                                 # [64] cumsum
         gl.store(gcum + base + o_t * HV, G, mask=m_t)
         gl.thread_barrier()                                                 # (the last head's reads are done)
@@ -421,7 +407,7 @@ def launch(p, g, beta, beta_mode: int, total: int, tables, gcum, inverse, dot, c
     With ``rq``, ``rk`` (the l2norm in the op and the scores formed in the scan, so that no scores
     kernel writes them): 1 / |q| and 1 / |k| into them ``[B, T, H]``."""
     from fastla.backends.gluon.chunk_delta import (
-        INVERSE_DIRECT_OPERANDS, INVERSE_EXP2, INVERSE_LOADS_AHEAD, _tile_layout, tma_descriptor,
+        INVERSE_DIRECT_OPERANDS, INVERSE_EXP2, _tile_layout, tma_descriptor,
     )
     from fastla.backends.triton import sm_count
     from fastla.backends.triton.chunk_prepare import values_per_program
@@ -445,5 +431,5 @@ def launch(p, g, beta, beta_mode: int, total: int, tables, gcum, inverse, dot, c
         rq if norms else d, rk if norms else d, cu if varlen else d, chunk_index if varlen else d, p.T, NT,
         H=p.H, HV=p.HV, K=p.K, VPP=vpp, L2NORM=p.use_qk_l2norm, GATE=p.gate_in_op == "gdn",
         HAS_BIAS=p.dt_bias is not None, BETA=beta_mode, VARLEN=varlen, EXP2=INVERSE_EXP2,
-        DIRECT=INVERSE_DIRECT_OPERANDS, NORMS=norms, AHEAD=INVERSE_LOADS_AHEAD, num_warps=1,
+        DIRECT=INVERSE_DIRECT_OPERANDS, NORMS=norms, num_warps=1,
     )

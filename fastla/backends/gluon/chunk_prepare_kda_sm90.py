@@ -254,8 +254,9 @@ def _kda_prologue_sm90_kernel(
     gate: gluon/chunk_delta.gates_in_scan): none of the three is computed nor stored, and with
     L2NORM the rows' 1 / |q| and 1 / |k| go to ``rq_out``, ``rk_out`` ``[B * T, H]`` instead (by
     the items of each q/k head's first value head; the scan weights its products by them). AHEAD
-    (LOADS_AHEAD): the gate's bias a slice ahead and beta at the item's start, both under earlier
-    work, instead of each where it is used (after the slot's barrier; after the slices)."""
+    (LOADS_AHEAD, with FROM_X): the gate's bias a slice ahead and beta at the item's start, both
+    under earlier work, instead of each where it is used (after the slot's barrier; after the
+    slices)."""
     gl.static_assert(K % BC == 0, "K in slices of 32 channels")
     NS: gl.constexpr = K // BC
     gl.static_assert(NS % 2 == 0, "the gate's slices alternate between two slots")
@@ -483,10 +484,12 @@ INVERSE_WARPS = 1
 # docs/notes/kda-prefill.md v15; one warp a program, INVERSE_WARPS does not apply); False: the
 # Triton inverse kernel
 INVERSE_SM90 = False
-# The gate's bias a slice ahead and beta at the item's start (the kernel's AHEAD): an H100 profile of
-# 1x8k H64 (ncu, docs/notes/kda-prefill.md v23) put 6.3% of the stall samples on the bias's first
-# use, loaded after the slot's barrier, and 1.7% on beta's, loaded after the slices. Bit-equal.
-# False: each where it is used (A/B)
+# The gate's bias a slice ahead and beta at the item's start (the kernel's AHEAD), on the bounded
+# gate's FROM_X builds: an H100 profile of 1x8k H64 (ncu, docs/notes/kda-prefill.md v23) put 6.3%
+# of the stall samples on the bias's first use, loaded after the slot's barrier, and 1.7% on beta's,
+# loaded after the slices. Bit-equal. Measured (an H100, kda_prefill_sweep-v23-loads-ahead-h100.json,
+# CUDA graph, us): 1x8k H64 744.0 -> 732.8, 2x16k H64 2978.7 -> 2972.4. The other builds keep the
+# loads where used (with AHEAD their stacks grew 8-16 bytes; not timed). False: where used (A/B)
 LOADS_AHEAD = True
 # Persistent programs per SM (shared memory at K = 128, sm_90 compile: 108.5 KB with a bf16 gate, q
 # and k of two items; 84.5 KB with an fp32 gate, q and k of one); None: one program per item (A/B sweeps)
@@ -551,6 +554,7 @@ def launch(p, beta, beta_mode: int, total: int, tables, inverse, scores, kg, kd,
     flags = call_plan.empty((total, p.HV), torch.int32, p.device) if flag else decay
     items = total * p.HV
     programs = min(items, PROGRAMS_PER_SM * sm_count(p.device)) if PROGRAMS_PER_SM else items
+    from_x = BOUNDED_OPERANDS and not flag and p.use_qk_l2norm
     launcher(_kda_prologue_sm90_kernel, p.T, NT)[(programs,)](
         desc(p.q, p.H), desc(p.k, p.H), desc(p.gk, p.HV), beta, p.A_log if p.A_log is not None else decay,
         p.dt_bias if p.dt_bias is not None else decay, float(p.lower_bound or 0.0), p.scale,
@@ -559,8 +563,9 @@ def launch(p, beta, beta_mode: int, total: int, tables, inverse, scores, kg, kd,
         total, H=p.H, HV=p.HV, K=p.K, L2NORM=p.use_qk_l2norm, GATE=chunk_prepare_kda.gate_mode(p),
         HAS_A=p.A_log is not None, HAS_BIAS=p.dt_bias is not None, BETA=beta_mode, VARLEN=varlen, FLAG=flag,
         QK_BUFFERS=2 if p.gk.dtype == torch.bfloat16 else 1, DELTA=p.delta,
-        FROM_X=BOUNDED_OPERANDS and not flag and p.use_qk_l2norm, FULL=FULL_CHUNKS and not varlen and p.T % 64 == 0,
-        GATED=gated, AHEAD=LOADS_AHEAD, num_warps=4, **({"maxnreg": MAXNREG} if MAXNREG and p.K == 128 else {}),
+        FROM_X=from_x, FULL=FULL_CHUNKS and not varlen and p.T % 64 == 0,
+        GATED=gated, AHEAD=LOADS_AHEAD and from_x, num_warps=4,
+        **({"maxnreg": MAXNREG} if MAXNREG and p.K == 128 else {}),
     )
     if flag:                                                # the flagged blocks again, exactly
         chunk_prepare_kda_wide.launch(p, beta, beta_mode, total, tables, a_kk, scores, kg, kd, qg, flags)
