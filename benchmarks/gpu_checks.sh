@@ -160,19 +160,20 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
     echo "-- $(( $(date +%s) - start )) s"
     ;;
   gates-in-scan)
-    # KDA's gated keys and queries formed in the scan (docs/notes/kda-prefill.md v22, on by default
-    # where the scan runs one chain): its GPU tests, the A/B sweep on the rows it serves, then the
-    # registry rows the H200 table owes: the two KDA rows it serves and GDN's ten scores-in-scan rows
+    # KDA's gated keys and queries formed in the scan (docs/notes/kda-prefill.md v22-v23, on by
+    # default where the scan runs one chain, or two planned and one chain's programs fill their last
+    # wave): its GPU tests, the A/B sweep, then the registry rows the H200 table owes: the KDA rows
+    # it serves and GDN's ten scores-in-scan rows
     start=$(date +%s)
     cap() { local left=$(( 575 - ($(date +%s) - start) )); echo $(( left < 1 ? 1 : (left < $1 ? left : $1) )); }
     t "$(cap 180)" tests/ops/test_gluon_chunk_kda.py -k "gates_in_scan"
     timeout "$(cap 150)" python3 benchmarks/kda_prefill_sweep.py --tier gluon \
-      --variants ${VARIANTS:-tiles,gates-in-scan,gates-packed} \
+      --variants ${VARIANTS:-tiles,gates-in-scan,gates-fp32} \
       --shapes ${SHAPES:-kda/h64/1x8192,kda/h64/1x16384} --out "$out" 2>&1 | grep gluon | cut -c1-150
     echo "-- $(( $(date +%s) - start )) s"
     left=$(cap 560)
     [ "$left" -gt 60 ] && timeout "$left" python3 -m fastla bench --filter \
-      kda/h64/1x8192,kda/h64/1x16384,gdn/h16-hv64/1x32768,gdn/h16-hv64/4x8192,gdn/h16-hv32/4x8192,gdn/h16-hv64/varlen9x16384,gdn/h8-hv32/4x8192,gdn/h16-hv64/1x8192,gdn/h16-hv32/varlen9x16384,gdn/h8-hv32/varlen9x16384,gdn/h4-hv16/4x8192,gdn/h4-hv16/varlen9x16384 \
+      kda/h64/1x8192,kda/h64/1x16384,kda/h64/2x16384,kda/h96/2x16384,gdn/h16-hv64/1x32768,gdn/h16-hv64/4x8192,gdn/h16-hv32/4x8192,gdn/h16-hv64/varlen9x16384,gdn/h8-hv32/4x8192,gdn/h16-hv64/1x8192,gdn/h16-hv32/varlen9x16384,gdn/h8-hv32/varlen9x16384,gdn/h4-hv16/4x8192,gdn/h4-hv16/varlen9x16384 \
       --modes fwd --quick --no-cold --out "$out" 2>&1 | tail -14
     echo "-- $(( $(date +%s) - start )) s"
     ;;

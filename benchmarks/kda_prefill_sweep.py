@@ -82,6 +82,7 @@ VARIANTS = {
     "regs1-tiles": dict(gates_in_scan=False, scan_regs=True, regs_chains=1),   # one chain, the prologue's tiles
     "gates-one-chain": dict(gates_in_scan=True, scan_regs=True, regs_chains=1),  # the gaters where two chains are planned
     "gates-packed": dict(gates_in_scan=True, gater_packed=True),   # the gaters' products on bf16 pairs (GATER_PACKED)
+    "gates-fp32": dict(gates_in_scan=True, gater_packed=False),    # on fp32 (before v23)
     "loads-late": dict(loads_ahead=False),   # the prologue's bias and beta loaded where used (LOADS_AHEAD off, v23)
 }
 SHAPES = "kda/h64/1x8192,kda/h64/2x16384,kda/h96/varlen8x15193"

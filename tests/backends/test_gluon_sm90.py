@@ -90,9 +90,10 @@ SCAN_VARIANTS = {
     "regs-qk-replay-varlen": dict(REGS=True, BV=64, SEG=2, VARLEN=True, QK=True),
     "regs-qk-k64-v-first-raw-beta": dict(REGS=True, BV=64, K=64, V=64, SK=1, SV=64, BETA=1, L2NORM=False, QK=True),
     "regs2-qk": dict(REGS=True, BV=128, QK=True),       # (the second chain forms them for both)
-    # KDA's gated keys and queries formed in the scan by a gater warpgroup (the bounded gate in the op)
+    # KDA's gated keys and queries formed in the scan by a gater warpgroup (the bounded gate in the op),
+    # their products as shipped (GATER_PACKED: bf16 pairs) unless the variant says, and on fp32
     "regs-kda-gates": dict(REGS=True, BV=64, GK=True, GATES=True, HAS_A=True, HAS_BIAS=True),
-    "regs-kda-gates-packed": dict(REGS=True, BV=64, GK=True, GATES=True, HAS_A=True, HAS_BIAS=True, PACKED=True),
+    "regs-kda-gates-fp32": dict(REGS=True, BV=64, GK=True, GATES=True, HAS_A=True, HAS_BIAS=True, PACKED=False),
     "regs-kda-gates-varlen-k64-bare": dict(REGS=True, BV=64, GK=True, GATES=True, K=64, V=64, SK=1, SV=64,
                                            VARLEN=True, L2NORM=False, BETA=1),
 }
@@ -104,6 +105,7 @@ def _child_scan(name: str, folder: str) -> None:
     from fastla.backends.gluon.chunk_delta_sm90 import _scan_sm90_kernel
     from fastla.backends.gluon.chunk_delta_dual_sm90 import CHAIN_REGS, LOADER_REGS, _scan_dual_sm90_kernel
     from fastla.backends.gluon.chunk_delta_ws_sm90 import PREP_REGS, _scan_ws_sm90_kernel
+    from fastla.backends.gluon import chunk_delta as gluon_chunk
     from fastla.backends.gluon import chunk_delta_regs_sm90 as regs
 
     consts = dict(H=16, HV=64, K=128, V=128, BV=32, SK=128, SV=1, HAS_H0=True, STORE_FINAL=True, L2NORM=True,
@@ -116,8 +118,9 @@ def _child_scan(name: str, folder: str) -> None:
     elif consts.pop("REGS", False):
         kern = regs._scan_regs_sm90_kernel
         consts.setdefault("QK", False)
-        for n in ("GATES", "HAS_A", "HAS_BIAS", "PACKED"):
+        for n in ("GATES", "HAS_A", "HAS_BIAS"):
             consts.setdefault(n, False)
+        consts.setdefault("PACKED", consts["GATES"] and gluon_chunk.GATER_PACKED)   # as launched
         consts.update(CHAINS=consts["BV"] // 64, LOADER_NREG=regs.LOADER_REGS,
                       CHAIN_NREG=regs.CHAIN_REGS_QK if consts["QK"] else regs.CHAIN_REGS)
         for n in ("WARPGROUPS", "DELTA", "BV", "STORE_STATES"):
@@ -151,7 +154,7 @@ def _child_scan(name: str, folder: str) -> None:
 # the scorer warpgroup of one chain's replays 40 bytes, and with KDA's two gater warpgroups (120
 # registers each) 24 bytes, none of them in a loop
 SCAN_SPILLS = {"dual-bv128": 64, "regs-replay-varlen": 8, "regs2": 72, "regs2-kda": 24, "regs2-qk": 88,
-               "regs-qk-replay-varlen": 40, "regs-kda-gates": 24, "regs-kda-gates-packed": 24}
+               "regs-qk-replay-varlen": 40, "regs-kda-gates": 24, "regs-kda-gates-fp32": 24}
 
 
 @pytest.mark.parametrize("name", list(SCAN_VARIANTS))
@@ -628,6 +631,12 @@ def test_gates_in_scan_plan_and_launches(monkeypatch):
     gluon_chunk.run(problem(T=16384))
     rows = (1, 16384, 64)                                                   # the norms (l2norm in the op)
     assert calls == [("prologue", None, None, None, rows, rows), ("scan", True, 1, True, True, True)], calls
+    calls.clear()
+    gluon_chunk.run(problem(B=2, T=16384))                                  # two chains planned: one launched
+    rows = (2, 16384, 64)
+    assert calls == [("prologue", None, None, None, rows, rows), ("scan", True, 1, True, True, True)], calls
+    monkeypatch.setattr(gluon_chunk, "REGS_CHAINS", 2)                      # forced two: the prologue's tiles
+    assert not planned(problem(B=2, T=16384)) and not planned(problem())
 
 
 @pytest.mark.parametrize("kernel", ["dual", "plain", "ws"])

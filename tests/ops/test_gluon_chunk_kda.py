@@ -58,7 +58,7 @@ def test_gates_in_scan(case, packed, monkeypatch):
     one-chain state-in-registers scan; the prologue stores no kg, kd nor qg) on the bounded gate:
     planned, with outputs poisoned first within the fp64 check, equal over two runs, and close to
     the call that reads the prologue's gated tiles (both round them to bf16); with the gaters'
-    products on fp32 (shipped) and on bf16 pairs (GATER_PACKED)."""
+    products on fp32 and on bf16 pairs (GATER_PACKED, shipped)."""
     from fastla.backends.gluon import chunk_delta as gluon_chunk
     from tests.helpers import poison, rel_rms
     monkeypatch.setattr(gluon_chunk, "REGS_CHAINS", 1)      # (the small shapes plan the other scans)

@@ -506,7 +506,7 @@ def gates_in_scan(p: Problem, config: triton_chunk.ChunkConfig) -> bool:
         return False
     lanes, sms = whole_lanes(p, counts), sm_count(p.device)
     chains = regs_chains(p, 0, False, lanes, sms)
-    if chains != 2:
+    if chains != 2 or REGS_CHAINS:                                          # (two forced: two chains)
         return chains == 1
     programs = lanes * p.V / 64                                             # the one-chain scan's
     return programs / (math.ceil(programs / sms) * sms) >= GATES_WAVE_FILL
