@@ -29,6 +29,8 @@
 #                                              # the registry rows the H200 table owes (2 KDA, 10 GDN; ~9.5 min)
 #   bash benchmarks/gpu_checks.sh scores-in-scan # GDN's scores formed in the scan: GPU tests and
 #                                              # the A/B sweep (docs/notes/gdn-prefill.md v32; ~9 min)
+#   bash benchmarks/gpu_checks.sh whole-branches # the scan's row masks skipped on whole chunks: GPU tests
+#                                              # and A/B sweeps, KDA and GDN (~8 min)
 #   bash benchmarks/gpu_checks.sh graph-eager  # why big rows' graph times exceed their eager ones: five
 #                                              # timings, SM clock and power (benchmarks/graph_vs_eager.py; ~3 min)
 #   bash benchmarks/gpu_checks.sh kda-rows     # the registry's eight KDA rows (the README table; ~5 min)
@@ -204,6 +206,22 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
     [ "$left" -gt 60 ] && timeout "$left" python3 -m fastla bench --filter \
       gdn/h16-hv64/1x32768,gdn/h16-hv64/4x8192,gdn/h16-hv32/4x8192,gdn/h16-hv64/varlen9x16384,gdn/h8-hv32/4x8192,gdn/h16-hv64/1x8192,gdn/h16-hv32/varlen9x16384,gdn/h8-hv32/varlen9x16384,gdn/h4-hv16/4x8192,gdn/h4-hv16/varlen9x16384 \
       --modes fwd --quick --no-cold --out "$out" 2>&1 | tail -10
+    echo "-- $(( $(date +%s) - start )) s"
+    ;;
+  whole-branches)
+    # the state-in-registers scan's row masks behind branches that whole chunks skip (kda-prefill.md
+    # v24, WHOLE_CHUNK_BRANCHES): the KDA gaters' and GDN's scores-in-scan GPU tests side by side
+    # (partial last chunks, varlen, length-1 sequences), then the A/B sweeps
+    start=$(date +%s)
+    cap() { local left=$(( 575 - ($(date +%s) - start) )); echo $(( left < 1 ? 1 : (left < $1 ? left : $1) )); }
+    n=1; t "$(cap 250)" tests/ops/test_gluon_chunk_kda.py -k "gates_in_scan" > /tmp/wb1.txt 2>&1 &
+    n=2; t "$(cap 250)" tests/ops/test_gluon_chunk_gdn.py -k "scores_in_scan or (lengths and regs) or (varlen and regs)" > /tmp/wb2.txt 2>&1 &
+    wait; cat /tmp/wb1.txt /tmp/wb2.txt
+    echo "-- $(( $(date +%s) - start )) s"
+    timeout "$(cap 170)" python3 benchmarks/kda_prefill_sweep.py --tier gluon --variants default,masks-always \
+      --shapes ${SHAPES:-kda/h64/1x8192,kda/h64/2x16384} --out "$out" 2>&1 | grep gluon | cut -c1-150
+    timeout "$(cap 150)" python3 benchmarks/gdn_prefill_sweep.py --variants gluon,gluon-masks-always \
+      --shapes gdn/h16-hv64/1x32768,gdn/h16-hv32/4x8192 --out "$out" 2>&1 | tail -6
     echo "-- $(( $(date +%s) - start )) s"
     ;;
   graph-eager)

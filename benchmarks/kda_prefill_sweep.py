@@ -84,6 +84,7 @@ VARIANTS = {
     "gates-packed": dict(gates_in_scan=True, gater_packed=True),   # the gaters' products on bf16 pairs (GATER_PACKED)
     "gates-fp32": dict(gates_in_scan=True, gater_packed=False),    # on fp32 (before v23)
     "loads-late": dict(loads_ahead=False),   # the prologue's bias and beta loaded where used (LOADS_AHEAD off, v23)
+    "masks-always": dict(whole_branches=False),   # the scan's row masks on every chunk (WHOLE_CHUNK_BRANCHES off, v24)
 }
 SHAPES = "kda/h64/1x8192,kda/h64/2x16384,kda/h96/varlen8x15193"
 
@@ -128,6 +129,7 @@ def main() -> int:
     default_gates = gluon_chunk.GATES_IN_SCAN
     default_packed = gluon_chunk.GATER_PACKED
     default_ahead = sm90_prologue.LOADS_AHEAD
+    default_whole = gluon_chunk.WHOLE_CHUNK_BRANCHES
     for shape in args.shapes.split(","):
         kw = with_gate(call_kwargs(make_inputs(get_config(shape), "cuda")), args.gate)
         fla_o = fla_us = first_o = None
@@ -154,6 +156,7 @@ def main() -> int:
             gluon_chunk.REGS_CHAINS = over.pop("regs_chains", None)
             gluon_chunk.GATES_IN_SCAN = over.pop("gates_in_scan", default_gates)
             gluon_chunk.GATER_PACKED = over.pop("gater_packed", default_packed)
+            gluon_chunk.WHOLE_CHUNK_BRANCHES = over.pop("whole_branches", default_whole)
             chunk_delta.default_config = config_with(original, over)
             try:
                 with use_tier(args.tier, strict=True), torch.no_grad():
@@ -180,6 +183,7 @@ def main() -> int:
                 gluon_chunk.REGS_CHAINS = None
                 gluon_chunk.GATES_IN_SCAN = default_gates
                 gluon_chunk.GATER_PACKED = default_packed
+                gluon_chunk.WHOLE_CHUNK_BRANCHES = default_whole
             prep = sum(v for k, v in split.items() if any(w in k for w in ("prepare", "prologue", "inverse", "wide", "list")))
             scan = sum(v for k, v in split.items() if "scan" in k)
             rows.append(dict(shape=shape, variant=name, tier=args.tier, gate=args.gate, us=us, prepare_us=prep, scan_us=scan, kernels=split,

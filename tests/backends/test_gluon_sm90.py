@@ -121,6 +121,7 @@ def _child_scan(name: str, folder: str) -> None:
         for n in ("GATES", "HAS_A", "HAS_BIAS"):
             consts.setdefault(n, False)
         consts.setdefault("PACKED", consts["GATES"] and gluon_chunk.GATER_PACKED)   # as launched
+        consts.setdefault("WHOLE", gluon_chunk.WHOLE_CHUNK_BRANCHES)
         consts.update(CHAINS=consts["BV"] // 64, LOADER_NREG=regs.LOADER_REGS,
                       CHAIN_NREG=regs.CHAIN_REGS_QK if consts["QK"] else regs.CHAIN_REGS)
         for n in ("WARPGROUPS", "DELTA", "BV", "STORE_STATES"):

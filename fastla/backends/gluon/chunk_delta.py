@@ -132,6 +132,12 @@ GATER_PACKED = True
 # 2x16k H64 (0.97) 3045.5 -> 2986.2, 1x8k H96 (0.73) 1157.9 -> 1286.7, varlen 8x15193 H64 (0.71)
 # 1441.6 -> 1482.3
 GATES_WAVE_FILL = 0.9
+# The state-in-registers scan's per-row masks behind branches that whole chunks skip (the kernel's
+# WHOLE): the gaters' sigmoid select (gater loop ~620 -> ~525 instructions a chunk) and the chain's
+# masked output stores (chain loop ~810 -> ~660 at KDA's gates, ~745 -> ~670 at GDN's one chain;
+# not the second chain with the scores, which the branch makes spill in its loop). Bit-equal.
+# False: the masks issued on every chunk, predicated (A/B)
+WHOLE_CHUNK_BRANCHES = True
 SPECIALIZED_WIDTHS = (32, 64)
 # q, k and v views whose rows collapse into one strided [B * T, heads * D] array (split from one
 # projection: unit inner stride, heads adjacent, batch stride T token strides, 16-byte aligned base
@@ -433,7 +439,7 @@ def _regs_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments, se
         BETA=sp.beta_mode, STAGES=SCAN_STAGES, GK=gk, CHAINS=chains,
         CHAIN_NREG=CHAIN_REGS_QK if qk else CHAIN_REGS, LOADER_NREG=LOADER_REGS, QK=qk, GATES=sp.gates,
         HAS_A=sp.gates and p.A_log is not None, HAS_BIAS=sp.gates and p.dt_bias is not None,
-        PACKED=sp.gates and GATER_PACKED, num_warps=4,
+        PACKED=sp.gates and GATER_PACKED, WHOLE=WHOLE_CHUNK_BRANCHES, num_warps=4,
     )
 
 

@@ -199,7 +199,7 @@ def _scorer_t(k_s, q_s, a_s, vec_s, loaded, freed, scored, n_chunks, K: gl.const
 @gluon.jit
 def _gater_t(W: gl.constexpr, k_s, q_s, kd_s, sums_s, raw_loaded, gated, A_log, dt_bias, lower_bound, bos, eos,
              c_begin, n_chunks, i_hv, K: gl.constexpr, HAS_A: gl.constexpr, HAS_BIAS: gl.constexpr,
-             PACKED: gl.constexpr):
+             PACKED: gl.constexpr, WHOLE: gl.constexpr):
     """GATES (KDA's bounded gate, gluon/chunk_delta.gates_in_scan): gater W, a warpgroup of its
     own, forms each chunk's kg = k 2^G, qg = q 2^G and kd = k 2^(G_last - G) on channels 64 W ..
     64 W + 63 (one of the K / 64 gaters, one [64, 64] box each) from the raw tiles of the ring's
@@ -212,7 +212,10 @@ def _gater_t(W: gl.constexpr, k_s, q_s, kd_s, sums_s, raw_loaded, gated, A_log, 
     block, the four block sums through ``sums_s``; G = lower_bound log2 e cumsum(r) <= 0, so every
     factor is at most 1 and nothing overflows. The prologue's decays e^G_last come by the loader.
     PACKED (gluon/chunk_delta.GATER_PACKED): the three products on bf16 pairs, the factors 2^G and
-    2^(G_last - G) rounded to bf16 first (one rounding more an element)."""
+    2^(G_last - G) rounded to bf16 first (one rounding more an element). WHOLE
+    (gluon/chunk_delta.WHOLE_CHUNK_BRANCHES): the rows' mask behind a branch that whole chunks
+    skip (~97 of the loop's ~620 instructions: per-row compares of 64-bit bounds, their predicates
+    and the selects)."""
     L3: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16, 2], threads_per_warp=[1, 1, 32],
                                         warps_per_cta=[4, 1, 1], order=[2, 1, 0])
     L_bc: gl.constexpr = gl.SliceLayout(1, L3)                              # [4, 64] (block, channel)
@@ -237,10 +240,15 @@ def _gater_t(W: gl.constexpr, k_s, q_s, kd_s, sums_s, raw_loaded, gated, A_log, 
     for i in range(0, n_chunks):
         slot = (i % SLOTS).to(gl.int32)
         mbarrier.wait(raw_loaded.index(slot), ((i // SLOTS) & 1).to(gl.int32))
-        valid = t < eos - (bos + (c_begin + i) * BT)
+        n_left = eos - (bos + (c_begin + i) * BT)                           # the chunk's rows in the sequence
         b = slot * NK + W
         x = gl.convert_layout(gl.reshape(kd_s.index(b).load(box), [4, 16, BK]), L3).to(gl.float32)
-        x = gl.where(valid, _rcp_approx(1.0 + gl.exp2(x * c + c_dt)), 0.0)
+        x = _rcp_approx(1.0 + gl.exp2(x * c + c_dt))
+        if WHOLE:
+            if n_left < BT:     # a sequence's partial last chunk: no decay past its end
+                x = gl.where(t < n_left, x, 0.0)
+        else:
+            x = gl.where(t < n_left, x, 0.0)
         s = gl.sum(x, 1)                                                    # [4, 64] block sums
         gl.thread_barrier()                                                 # (the last chunk's sums read)
         sums_s.store(s)
@@ -332,18 +340,27 @@ def _chunk_step_t(k_t, q_t, kd_t, v_t, p_t, a_t, vec_s, vb, dec_t, S, b_egl, sco
 
 
 @gluon.jit
-def _store_output_t(out, o_desc, o_s, o, t0, eos, r, o_v, i_hv, i_v, n_rows, HV: gl.constexpr, V: gl.constexpr):
+def _store_output_t(out, o_desc, o_s, o, t0, eos, r, o_v, i_hv, i_v, n_rows, HV: gl.constexpr, V: gl.constexpr,
+                    BRANCH: gl.constexpr):
     """A chunk's output O^T [BV, BT]: a whole chunk transposed into the output tile and sent by TMA
     (the previous chunk's store has left the tile); a sequence's partial last chunk by masked
-    stores, its tile sent past the last row (TMA writes nothing out of bounds)."""
+    stores, its tile sent past the last row (TMA writes nothing out of bounds). BRANCH: the masked
+    stores behind a branch that whole chunks skip (~87 instructions a step fewer); without it
+    they issue predicated off (the second chain at CHAIN_REGS_QK, which the branch makes spill in
+    its loop)."""
     whole = eos - t0 >= BT
     tma.store_wait(0)
     gl.thread_barrier()
     o_s.permute((1, 0)).store(out.to(gl.bfloat16))
     fence_async_shared()
     tma.async_copy_shared_to_global(o_desc, [gl.where(whole, t0, n_rows).to(gl.int32), i_hv * V + i_v * BV_REGS], o_s)
-    o_ptr = o + ((t0 + r) * HV + i_hv)[None, :] * V + o_v[:, None]
-    gl.store(o_ptr, out.to(o.dtype.element_ty), mask=(r < eos - t0)[None, :] & (eos - t0 < BT))
+    if BRANCH:
+        if not whole:
+            o_ptr = o + ((t0 + r) * HV + i_hv)[None, :] * V + o_v[:, None]
+            gl.store(o_ptr, out.to(o.dtype.element_ty), mask=(r < eos - t0)[None, :])
+    else:
+        o_ptr = o + ((t0 + r) * HV + i_hv)[None, :] * V + o_v[:, None]
+        gl.store(o_ptr, out.to(o.dtype.element_ty), mask=(r < eos - t0)[None, :] & (eos - t0 < BT))
 
 
 @gluon.jit
@@ -351,7 +368,7 @@ def _chain_t(CH: gl.constexpr, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s,
              gcum, o, h0, ht, seg_state, bos, eos, c_begin, n_chunks, is_last, i_n, i_s, i_hv, i_v, n_rows, HV: gl.constexpr,
              K: gl.constexpr, V: gl.constexpr, SK: gl.constexpr, SV: gl.constexpr, HAS_H0: gl.constexpr,
              STORE_FINAL: gl.constexpr, SEG: gl.constexpr, STAGES: gl.constexpr, GK: gl.constexpr,
-             CHAINS: gl.constexpr, QK: gl.constexpr, GATES: gl.constexpr):
+             CHAINS: gl.constexpr, QK: gl.constexpr, GATES: gl.constexpr, WHOLE: gl.constexpr):
     """Chain CH: the 64 columns of value tile CHAINS i_v + CH, chunk by chunk (one warpgroup); GDN's
     e^G_last is the one value it loads itself (a chunk ahead). GATES: the key, query and kd tiles
     are slot i % SLOTS of their ring, gated by the gaters (``scored`` is their barrier) and waited
@@ -396,7 +413,8 @@ def _chain_t(CH: gl.constexpr, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s,
         mbarrier.arrive(freed.index(stage), count=1)                        # the loader may refill the stage
         if GATES:
             mbarrier.arrive(raw_freed.index(slot), count=1)
-        _store_output_t(out, o_desc, o_s.index(CH), o, t0, eos, r, o_v, i_hv, i_v, n_rows, HV, V)
+        _store_output_t(out, o_desc, o_s.index(CH), o, t0, eos, r, o_v, i_hv, i_v, n_rows, HV, V,
+                        WHOLE and not (QK and CHAINS == 2))
 
     tma.store_wait(0)
     if STORE_FINAL:
@@ -413,7 +431,7 @@ def _scan_regs_sm90_kernel(
     L2NORM: gl.constexpr, VARLEN: gl.constexpr, SEG: gl.constexpr, BETA: gl.constexpr,
     STAGES: gl.constexpr, GK: gl.constexpr, CHAINS: gl.constexpr, CHAIN_NREG: gl.constexpr,
     LOADER_NREG: gl.constexpr, QK: gl.constexpr, GATES: gl.constexpr, HAS_A: gl.constexpr,
-    HAS_BIAS: gl.constexpr, PACKED: gl.constexpr,
+    HAS_BIAS: gl.constexpr, PACKED: gl.constexpr, WHOLE: gl.constexpr,
 ):
     NK: gl.constexpr = K // BK
     i_v, i_hv, i_h, i_s, i_n, bos, eos, first_chunk, c_begin, n_chunks, is_last = _program(
@@ -470,10 +488,10 @@ def _scan_regs_sm90_kernel(
         gl.warp_specialize([
             (_chain_t, (0, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s, loaded, freed, scored, raw_freed, o_desc, gcum, o, h0,
                         ht, seg_state, bos, eos, c_begin, n_chunks, is_last, i_n, i_s, i_hv32, i_v, n_rows, HV, K, V, SK,
-                        SV, HAS_H0, STORE_FINAL, SEG, STAGES, GK, CHAINS, QK, GATES)),
+                        SV, HAS_H0, STORE_FINAL, SEG, STAGES, GK, CHAINS, QK, GATES, WHOLE)),
             (_chain_t, (1, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s, loaded, freed, scored, raw_freed, o_desc, gcum, o, h0,
                         ht, seg_state, bos, eos, c_begin, n_chunks, is_last, i_n, i_s, i_hv32, i_v, n_rows, HV, K, V, SK,
-                        SV, HAS_H0, STORE_FINAL, SEG, STAGES, GK, CHAINS, QK, GATES)),
+                        SV, HAS_H0, STORE_FINAL, SEG, STAGES, GK, CHAINS, QK, GATES, WHOLE)),
             (_loader_t, (k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s,
                          loaded, freed, raw_loaded, raw_freed, beta, rq, rk, gcum, decay, bos, eos, c_begin, n_chunks,
                          first_chunk, i_h32, i_hv32, i_v, scale, H, HV, K, V, L2NORM, BETA, SEG, STAGES, GK, CHAINS, QK,
@@ -483,11 +501,11 @@ def _scan_regs_sm90_kernel(
         gl.warp_specialize([
             (_chain_t, (0, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s, loaded, freed, scored, raw_freed, o_desc, gcum, o, h0,
                         ht, seg_state, bos, eos, c_begin, n_chunks, is_last, i_n, i_s, i_hv32, i_v, n_rows, HV, K, V, SK,
-                        SV, HAS_H0, STORE_FINAL, SEG, STAGES, GK, CHAINS, QK, GATES)),
+                        SV, HAS_H0, STORE_FINAL, SEG, STAGES, GK, CHAINS, QK, GATES, WHOLE)),
             (_gater_t, (0, k_s, q_s, kd_s, sums_s, raw_loaded, scored, A_log, dt_bias, lower_bound, bos, eos,
-                        c_begin, n_chunks, i_hv32, K, HAS_A, HAS_BIAS, PACKED)),
+                        c_begin, n_chunks, i_hv32, K, HAS_A, HAS_BIAS, PACKED, WHOLE)),
             (_gater_t, (1, k_s, q_s, kd_s, sums1_s, raw_loaded, scored, A_log, dt_bias, lower_bound, bos, eos,
-                        c_begin, n_chunks, i_hv32, K, HAS_A, HAS_BIAS, PACKED)),
+                        c_begin, n_chunks, i_hv32, K, HAS_A, HAS_BIAS, PACKED, WHOLE)),
             (_loader_t, (k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s,
                          loaded, freed, raw_loaded, raw_freed, beta, rq, rk, gcum, decay, bos, eos, c_begin, n_chunks,
                          first_chunk, i_h32, i_hv32, i_v, scale, H, HV, K, V, L2NORM, BETA, SEG, STAGES, GK, CHAINS, QK,
@@ -497,9 +515,9 @@ def _scan_regs_sm90_kernel(
         gl.warp_specialize([
             (_chain_t, (0, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s, loaded, freed, scored, raw_freed, o_desc, gcum, o, h0,
                         ht, seg_state, bos, eos, c_begin, n_chunks, is_last, i_n, i_s, i_hv32, i_v, n_rows, HV, K, V, SK,
-                        SV, HAS_H0, STORE_FINAL, SEG, STAGES, GK, CHAINS, QK, GATES)),
+                        SV, HAS_H0, STORE_FINAL, SEG, STAGES, GK, CHAINS, QK, GATES, WHOLE)),
             (_gater_t, (0, k_s, q_s, kd_s, sums_s, raw_loaded, scored, A_log, dt_bias, lower_bound, bos, eos,
-                        c_begin, n_chunks, i_hv32, K, HAS_A, HAS_BIAS, PACKED)),
+                        c_begin, n_chunks, i_hv32, K, HAS_A, HAS_BIAS, PACKED, WHOLE)),
             (_loader_t, (k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s,
                          loaded, freed, raw_loaded, raw_freed, beta, rq, rk, gcum, decay, bos, eos, c_begin, n_chunks,
                          first_chunk, i_h32, i_hv32, i_v, scale, H, HV, K, V, L2NORM, BETA, SEG, STAGES, GK, CHAINS, QK,
@@ -509,7 +527,7 @@ def _scan_regs_sm90_kernel(
         gl.warp_specialize([
             (_chain_t, (0, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s, loaded, freed, scored, raw_freed, o_desc, gcum, o, h0,
                         ht, seg_state, bos, eos, c_begin, n_chunks, is_last, i_n, i_s, i_hv32, i_v, n_rows, HV, K, V, SK,
-                        SV, HAS_H0, STORE_FINAL, SEG, STAGES, GK, CHAINS, QK, GATES)),
+                        SV, HAS_H0, STORE_FINAL, SEG, STAGES, GK, CHAINS, QK, GATES, WHOLE)),
             (_scorer_t, (k_s, q_s, a_s, vec_s, loaded, freed, scored, n_chunks, K, STAGES)),
             (_loader_t, (k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s,
                          loaded, freed, raw_loaded, raw_freed, beta, rq, rk, gcum, decay, bos, eos, c_begin, n_chunks,
@@ -520,7 +538,7 @@ def _scan_regs_sm90_kernel(
         gl.warp_specialize([
             (_chain_t, (0, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s, loaded, freed, scored, raw_freed, o_desc, gcum, o, h0,
                         ht, seg_state, bos, eos, c_begin, n_chunks, is_last, i_n, i_s, i_hv32, i_v, n_rows, HV, K, V, SK,
-                        SV, HAS_H0, STORE_FINAL, SEG, STAGES, GK, CHAINS, QK, GATES)),
+                        SV, HAS_H0, STORE_FINAL, SEG, STAGES, GK, CHAINS, QK, GATES, WHOLE)),
             (_loader_t, (k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s,
                          loaded, freed, raw_loaded, raw_freed, beta, rq, rk, gcum, decay, bos, eos, c_begin, n_chunks,
                          first_chunk, i_h32, i_hv32, i_v, scale, H, HV, K, V, L2NORM, BETA, SEG, STAGES, GK, CHAINS, QK,
