@@ -134,7 +134,7 @@ GATER_PACKED = True
 GATES_WAVE_FILL = 0.9
 # The state-in-registers scan's per-row masks behind branches that whole chunks skip (the kernel's
 # WHOLE): the gaters' sigmoid select (gater loop ~620 -> ~525 instructions a chunk) and the chain's
-# masked output stores (chain loop ~810 -> ~660 at KDA's gates, ~745 -> ~670 at GDN's one chain;
+# masked output stores (issued a chunk: chain ~810 -> ~660 at KDA's gates, ~745 -> ~620 at GDN's one chain;
 # not the second chain with the scores, which the branch makes spill in its loop). Bit-equal.
 # False: the masks issued on every chunk, predicated (A/B)
 WHOLE_CHUNK_BRANCHES = True
