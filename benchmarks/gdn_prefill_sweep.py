@@ -60,6 +60,7 @@ VARIANTS = {
     "gluon-scores-in-scan": dict(SCORES_IN_SCAN=True),   # the scores formed in the scan (v32; the default)
     "gluon-scores-kernel": dict(SCORES_IN_SCAN=False),   # the scores kernel everywhere (before v32)
     "gluon-masks-always": dict(WHOLE_CHUNK_BRANCHES=False),   # the scan's masked stores on every chunk (before v34)
+    "gluon-beta-in-scan": dict(BETA_IN_P=False),   # beta applied in the scan's Y, P without it (before v36)
     "gluon-summary": dict(SUMMARY_SM90=True),   # the segment summaries on the two-chain scan too
     "gluon-summary-seg16": dict(SUMMARY_SM90=True, segment_chunks=16),
     "gluon-summary-seg32": dict(SUMMARY_SM90=True, segment_chunks=32),

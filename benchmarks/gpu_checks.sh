@@ -31,6 +31,8 @@
 #                                              # the A/B sweep (docs/notes/gdn-prefill.md v32; ~9 min)
 #   bash benchmarks/gpu_checks.sh whole-branches # the scan's row masks skipped on whole chunks: GPU tests
 #                                              # and A/B sweeps, KDA and GDN (~8 min)
+#   bash benchmarks/gpu_checks.sh beta-in-p    # P diag(beta) from the inverse kernels, the scan's Y without
+#                                              # beta: GPU tests and A/B sweeps, KDA and GDN (~8 min)
 #   bash benchmarks/gpu_checks.sh graph-eager  # why big rows' graph times exceed their eager ones: five
 #                                              # timings, SM clock and power (benchmarks/graph_vs_eager.py; ~3 min)
 #   bash benchmarks/gpu_checks.sh kda-rows     # the registry's eight KDA rows (the README table; ~5 min)
@@ -222,6 +224,26 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
       --shapes ${SHAPES:-kda/h64/1x8192,kda/h64/2x16384} --out "$out" 2>&1 | grep gluon | cut -c1-150
     timeout "$(cap 150)" python3 benchmarks/gdn_prefill_sweep.py --variants gluon,gluon-masks-always \
       --shapes gdn/h16-hv64/1x32768,gdn/h16-hv32/4x8192 --out "$out" 2>&1 | tail -6
+    echo "-- $(( $(date +%s) - start )) s"
+    ;;
+  beta-in-p)
+    # the inverse kernels write P diag(beta) where the scan forms GDN's scores or KDA's gated keys,
+    # and the chain's Y skips beta (gluon/chunk_delta.BETA_IN_P; gdn-prefill.md v36, kda-prefill.md
+    # v27): the GPU tests of both plans, the inverse kernels' (the KDA one against fp64 with the
+    # columns scaled), the pipeline's and the call plans' replays, side by side; then the A/B sweeps
+    start=$(date +%s)
+    cap() { local left=$(( 575 - ($(date +%s) - start) )); echo $(( left < 1 ? 1 : (left < $1 ? left : $1) )); }
+    n=1; t "$(cap 250)" tests/ops/test_gluon_chunk_kda.py -k "gates_in_scan" > /tmp/bp1.txt 2>&1 &
+    n=2; t "$(cap 250)" tests/ops/test_gluon_chunk_gdn.py -k "scores_in_scan or pipeline" > /tmp/bp2.txt 2>&1 &
+    n=3; t "$(cap 250)" tests/ops/test_triton_chunk_kda.py tests/core/test_call_plan.py -m "" \
+      -k "inverse_kernel or on_gpu" > /tmp/bp3.txt 2>&1 &
+    n=4; t "$(cap 250)" tests/ops/test_gluon_chunk_gdn.py -k "sm90_inverse and default" > /tmp/bp4.txt 2>&1 &
+    wait; cat /tmp/bp1.txt /tmp/bp2.txt /tmp/bp3.txt /tmp/bp4.txt
+    echo "-- $(( $(date +%s) - start )) s"
+    timeout "$(cap 170)" python3 benchmarks/kda_prefill_sweep.py --tier gluon --variants default,beta-in-scan \
+      --shapes ${SHAPES:-kda/h64/1x8192,kda/h64/2x16384} --out "$out" 2>&1 | grep gluon | cut -c1-150
+    timeout "$(cap 200)" python3 benchmarks/gdn_prefill_sweep.py --variants gluon,gluon-beta-in-scan \
+      --shapes gdn/h16-hv64/1x32768,gdn/h16-hv32/4x8192,gdn/h16-hv64/1x8192 --out "$out" 2>&1 | tail -8
     echo "-- $(( $(date +%s) - start )) s"
     ;;
   graph-eager)

@@ -85,6 +85,7 @@ VARIANTS = {
     "gates-fp32": dict(gates_in_scan=True, gater_packed=False),    # on fp32 (before v23)
     "loads-late": dict(loads_ahead=False),   # the prologue's bias and beta loaded where used (LOADS_AHEAD off, v23)
     "masks-always": dict(whole_branches=False),   # the scan's row masks on every chunk (WHOLE_CHUNK_BRANCHES off, v24)
+    "beta-in-scan": dict(beta_in_p=False),   # beta applied in the scan's Y, P without it (BETA_IN_P off, v27)
 }
 SHAPES = "kda/h64/1x8192,kda/h64/2x16384,kda/h96/varlen8x15193"
 
@@ -130,6 +131,7 @@ def main() -> int:
     default_packed = gluon_chunk.GATER_PACKED
     default_ahead = sm90_prologue.LOADS_AHEAD
     default_whole = gluon_chunk.WHOLE_CHUNK_BRANCHES
+    default_beta_in_p = gluon_chunk.BETA_IN_P
     for shape in args.shapes.split(","):
         kw = with_gate(call_kwargs(make_inputs(get_config(shape), "cuda")), args.gate)
         fla_o = fla_us = first_o = None
@@ -157,6 +159,7 @@ def main() -> int:
             gluon_chunk.GATES_IN_SCAN = over.pop("gates_in_scan", default_gates)
             gluon_chunk.GATER_PACKED = over.pop("gater_packed", default_packed)
             gluon_chunk.WHOLE_CHUNK_BRANCHES = over.pop("whole_branches", default_whole)
+            gluon_chunk.BETA_IN_P = over.pop("beta_in_p", default_beta_in_p)
             chunk_delta.default_config = config_with(original, over)
             try:
                 with use_tier(args.tier, strict=True), torch.no_grad():
@@ -184,6 +187,7 @@ def main() -> int:
                 gluon_chunk.GATES_IN_SCAN = default_gates
                 gluon_chunk.GATER_PACKED = default_packed
                 gluon_chunk.WHOLE_CHUNK_BRANCHES = default_whole
+                gluon_chunk.BETA_IN_P = default_beta_in_p
             prep = sum(v for k, v in split.items() if any(w in k for w in ("prepare", "prologue", "inverse", "wide", "list")))
             scan = sum(v for k, v in split.items() if "scan" in k)
             rows.append(dict(shape=shape, variant=name, tier=args.tier, gate=args.gate, us=us, prepare_us=prep, scan_us=scan, kernels=split,

@@ -122,6 +122,7 @@ def _child_scan(name: str, folder: str) -> None:
             consts.setdefault(n, False)
         consts.setdefault("PACKED", consts["GATES"] and gluon_chunk.GATER_PACKED)   # as launched
         consts.setdefault("WHOLE", gluon_chunk.WHOLE_CHUNK_BRANCHES)
+        consts.setdefault("BETA_IN_P", (consts["QK"] or consts["GATES"]) and gluon_chunk.BETA_IN_P)   # as launched
         consts.update(CHAINS=consts["BV"] // 64, LOADER_NREG=regs.LOADER_REGS,
                       CHAIN_NREG=regs.CHAIN_REGS_QK if consts["QK"] else regs.CHAIN_REGS)
         for n in ("WARPGROUPS", "DELTA", "BV", "STORE_STATES"):
@@ -540,8 +541,8 @@ def test_scores_in_scan_plan_and_launches(monkeypatch):
     """GDN's scores formed in the scan (chunk_delta.SCORES_IN_SCAN, scores_in_scan): planned where
     every pass runs the state-in-registers scan (1x32k HV64: one chain; 4x8k HV32: two), not for
     a pipeline's pieces, segments, chunk states or the flag off; such a call launches the inverse
-    with the norms' buffers (``rq``, ``rk``, l2norm in the op), no scores kernel, and a scan pass
-    whose scores are None."""
+    with the norms' buffers (``rq``, ``rk``, l2norm in the op) writing P diag(beta) (BETA_IN_P), no
+    scores kernel, and a scan pass whose scores are None and whose P carries beta."""
     import torch
 
     from fastla.backends.gluon import chunk_delta as gluon_chunk
@@ -571,15 +572,20 @@ def test_scores_in_scan_plan_and_launches(monkeypatch):
     assert planned(problem(HV=32, T=8192))
 
     calls = []
-    monkeypatch.setattr(chunk_inverse_sm90, "launch", lambda p, *a, **kw: calls.append(("inverse", sorted(kw))))
+    monkeypatch.setattr(chunk_inverse_sm90, "launch",
+                        lambda p, *a, **kw: calls.append(("inverse", sorted(kw), kw.get("beta_cols"))))
     monkeypatch.setattr(chunk_scores_sm90, "launch", lambda p, *a, **kw: calls.append(("scores",)))
 
     def scan(p, sp, seg, segments, seg_state, programs, chains):
-        calls.append(("scan", sp.scores, chains))
+        calls.append(("scan", sp.scores, chains, sp.beta_in_p))
 
     monkeypatch.setattr(gluon_chunk, "_regs_scan", scan)
     gluon_chunk.run(problem(T=4096, use_qk_l2norm=True))
-    assert calls == [("inverse", ["rk", "rq"]), ("scan", None, 1)], calls
+    assert calls == [("inverse", ["beta_cols", "rk", "rq"], True), ("scan", None, 1, True)], calls
+    calls.clear()
+    monkeypatch.setattr(gluon_chunk, "BETA_IN_P", False)
+    gluon_chunk.run(problem(T=4096, use_qk_l2norm=True))
+    assert calls == [("inverse", ["beta_cols", "rk", "rq"], False), ("scan", None, 1, False)], calls
 
 
 def test_gates_in_scan_plan_and_launches(monkeypatch):
@@ -622,20 +628,28 @@ def test_gates_in_scan_plan_and_launches(monkeypatch):
 
     calls = []
     monkeypatch.setattr(chunk_prepare_kda_sm90, "launch",
-                        lambda p, beta, mode, total, tables, inverse, scores, kg, kd, qg, decay, rq, rk:
-                        calls.append(("prologue", kg, kd, qg, rq.shape, rk.shape)))
+                        lambda p, beta, mode, total, tables, inverse, scores, kg, kd, qg, decay, rq, rk, beta_cols:
+                        calls.append(("prologue", kg, kd, qg, rq.shape, rk.shape, beta_cols)))
 
     def scan(p, sp, seg, segments, seg_state, programs, chains):
-        calls.append(("scan", sp.gates, chains, sp.q is p.q, sp.k is p.k, sp.kd is p.gk))
+        calls.append(("scan", sp.gates, chains, sp.q is p.q, sp.k is p.k, sp.kd is p.gk, sp.beta_in_p))
 
     monkeypatch.setattr(gluon_chunk, "_regs_scan", scan)
     gluon_chunk.run(problem(T=16384))
     rows = (1, 16384, 64)                                                   # the norms (l2norm in the op)
-    assert calls == [("prologue", None, None, None, rows, rows), ("scan", True, 1, True, True, True)], calls
+    want = [("prologue", None, None, None, rows, rows, True), ("scan", True, 1, True, True, True, True)]
+    assert calls == want, calls
     calls.clear()
     gluon_chunk.run(problem(B=2, T=16384))                                  # two chains planned: one launched
     rows = (2, 16384, 64)
-    assert calls == [("prologue", None, None, None, rows, rows), ("scan", True, 1, True, True, True)], calls
+    want = [("prologue", None, None, None, rows, rows, True), ("scan", True, 1, True, True, True, True)]
+    assert calls == want, calls
+    for flag, module in (("BETA_IN_P", gluon_chunk), ("INVERSE_SM90", chunk_prepare_kda_sm90)):   # P without beta
+        calls.clear()
+        with monkeypatch.context() as m:
+            m.setattr(module, flag, not getattr(module, flag))
+            gluon_chunk.run(problem(B=2, T=16384))
+        assert [c[-1] for c in calls] == [False, False], (flag, calls)
     monkeypatch.setattr(gluon_chunk, "REGS_CHAINS", 2)                      # forced two: the prologue's tiles
     assert not planned(problem(B=2, T=16384)) and not planned(problem())
 
@@ -776,15 +790,17 @@ GDN_INVERSE_VARIANTS = {
     "gdn-inverse-direct": dict(DIRECT=True),    # the merges' operands converted once (INVERSE_DIRECT_OPERANDS)
     "gdn-inverse-exp2-direct": dict(EXP2=True, DIRECT=True),
     "gdn-inverse-direct-varlen-k64": dict(DIRECT=True, VARLEN=True, K=64),    # (its own scratch buffers)
-    "gdn-inverse-norms": dict(NORMS=True),      # 1 / |q|, 1 / |k| too (the scores formed in the scan)
-    "gdn-inverse-norms-varlen-k64": dict(NORMS=True, VARLEN=True, K=64),
+    # 1 / |q|, 1 / |k| too, and P diag(beta) (the scores formed in the scan)
+    "gdn-inverse-norms": dict(NORMS=True, BETA_COLS=True),
+    "gdn-inverse-norms-varlen-k64": dict(NORMS=True, VARLEN=True, K=64, BETA_COLS=True),
 }
 # stack as launched (aligned pointers): at four value heads a program the ten Gram blocks (80
 # registers) live across the heads; the shipped build (gdn-inverse, 104 bytes) measured 8-12% faster
-# than the Triton kernel on the H200 (docs/notes/gdn-prefill.md v18)
+# than the Triton kernel on the H200 (docs/notes/gdn-prefill.md v18); P diag(beta) 40 bytes more
+# (nine more spill stores and reloads a head, of ~2400 instructions)
 GDN_INVERSE_STACK = {"gdn-inverse": 104, "gdn-inverse-one-head": 8, "gdn-inverse-varlen-k64-raw": 56,
                      "gdn-inverse-exp2": 88, "gdn-inverse-direct": 48, "gdn-inverse-exp2-direct": 48,
-                     "gdn-inverse-direct-varlen-k64": 48, "gdn-inverse-norms": 104, "gdn-inverse-norms-varlen-k64": 104}
+                     "gdn-inverse-direct-varlen-k64": 48, "gdn-inverse-norms": 144, "gdn-inverse-norms-varlen-k64": 144}
 
 
 def _child_gdn_inverse(name: str, folder: str) -> None:
@@ -793,7 +809,7 @@ def _child_gdn_inverse(name: str, folder: str) -> None:
     from fastla.backends.gluon.chunk_inverse_sm90 import _gdn_inverse_sm90_kernel as kern
 
     consts = dict(H=16, HV=64, K=128, VPP=4, L2NORM=True, GATE=True, HAS_BIAS=True, BETA=2, VARLEN=False,
-                  EXP2=False, DIRECT=False, NORMS=False)
+                  EXP2=False, DIRECT=False, NORMS=False, BETA_COLS=False)
     consts.update(GDN_INVERSE_VARIANTS[name])
     box = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
     pointers = {"g": "*fp32", "beta": "*bf16", "A_log": "*fp32", "dt_bias": "*fp32", "p_out": "*bf16",

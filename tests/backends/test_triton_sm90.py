@@ -155,9 +155,14 @@ GDN_KERNELS = {
                          "qg": "*bf16", "flags": "*i32", "items": "*i32", "count": "*i32", "cu_seqlens": "*i64",
                          "chunk_index": "*i32"},
                         dict(BK=16, GATE=2, HAS_A=True, HAS_BIAS=True, BETA=2), 4, 1),
-    # P from the sm_90 prologue's A (the diagonal blocks' rows loaded as the substitution needs them)
+    # P from the sm_90 prologue's A (the diagonal blocks' rows loaded as the substitution needs them),
+    # and P diag(beta) for the scan that forms the gated keys (gluon/chunk_delta.BETA_IN_P)
     "kda-inverse": ("chunk_prepare_kda._kda_inverse_kernel",
-                    {"a": "*fp32", "p_out": "*bf16", "cu_seqlens": "*i64", "chunk_index": "*i32"}, {}, 1, 1),
+                    {"a": "*fp32", "p_out": "*bf16", "beta": "*bf16", "cu_seqlens": "*i64", "chunk_index": "*i32"},
+                    dict(BETA=2, BETA_COLS=False), 1, 1),
+    "kda-inverse-beta-cols": ("chunk_prepare_kda._kda_inverse_kernel",
+                              {"a": "*fp32", "p_out": "*bf16", "beta": "*bf16", "cu_seqlens": "*i64",
+                               "chunk_index": "*i32"}, dict(BETA=2, BETA_COLS=True), 1, 1),
     # the segment combine, as the portable tier launches it and as the sm_90 tier does
     "combine": ("chunk_delta._segment_combine_kernel", COMBINE_POINTERS, COMBINE_FLAGS | dict(BV=32), 4, 1),
     "combine-sm90": ("chunk_delta._segment_combine_kernel", COMBINE_POINTERS, COMBINE_FLAGS | dict(BV=16), 8, 2),
@@ -270,7 +275,7 @@ def test_gdn_chunk_kernels_compile_for_sm90(name, tmp_path):
     # no tensor-core products: fp32 FMA products (ieee), a list, a cumsum, GLA's kd and decay
     if not name.startswith(("kda-wide", "plain-gate", "plain-gla-prepare", "plain-gla-wide", "bwd-channel-cumsum")):
         # (the backward's score kernels: [16, BT] x [BT, 16] products per 16-token block)
-        small = name in ("inverse", "kda-inverse") or name.startswith(("kda-prepare", "bwd-kda-score", "bwd-gla-score"))
+        small = name in ("inverse", "kda-inverse", "kda-inverse-beta-cols") or name.startswith(("kda-prepare", "bwd-kda-score", "bwd-gla-score"))
         assert (res["hmma"] if small else res["hgmma"]) > 0, res
     assert res["shared_bytes"] <= 227 * 1024, res
     assert res["LOCAL"] == 0, res

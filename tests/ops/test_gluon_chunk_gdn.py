@@ -211,12 +211,15 @@ def test_sm90_inverse_matches_triton(case, build, monkeypatch):
     """The sm_90 inverse kernel's P and G (chunk_inverse_sm90.py) against the Triton inverse
     kernel's (chunk_prepare.py) on the same inputs, and the whole op against fp64 with each (check);
     the default build, A's exponentials on ex2.approx.ftz (gluon/chunk_delta.INVERSE_EXP2), the
-    merges' operands converted once (INVERSE_DIRECT_OPERANDS), and both."""
+    merges' operands converted once (INVERSE_DIRECT_OPERANDS), and both. Both write P (BETA_IN_P
+    off: where the scan forms the scores, the sm_90 one would write P diag(beta), which
+    test_scores_in_scan checks against fp64)."""
     import dataclasses
 
     from fastla.backends.gluon import chunk_delta as gluon_chunk
     from fastla.backends.gluon import chunk_inverse_sm90 as sm90
     from fastla.backends.triton import chunk_delta, chunk_prepare
+    monkeypatch.setattr(gluon_chunk, "BETA_IN_P", False)
     monkeypatch.setattr(gluon_chunk, "INVERSE_EXP2", "exp2" in build)
     monkeypatch.setattr(gluon_chunk, "INVERSE_DIRECT_OPERANDS", "direct" in build)
     shape, opts, heads = INVERSE_CASES[case]
@@ -330,11 +333,14 @@ def test_pipeline_pieces(pieces, v_first, monkeypatch):
     """GDN's pipeline (chunk_delta._run_pipelined: each piece's prologue on a side stream, its scan
     after the piece's event, the state carried between pieces): the output and final state equal
     the unpipelined call's on the same one-chain scan bit for bit, within the fp64 check, and two
-    runs agree (a missing wait would read a piece's P or scores before they are written)."""
+    runs agree (a missing wait would read a piece's P or scores before they are written). Pieces
+    read their scores from the scores kernel, so the whole call is held to that kernel too
+    (SCORES_IN_SCAN off): the scan's own Q K^T rounds differently."""
     from fastla.backends.gluon import chunk_delta as gluon_chunk
     t = bf16_inputs(B=1, T=64 * 9 + 30, H=2, HV=8, K=128, V=128, v_first=v_first)
     opts = dict(output_final_state=True, state_v_first=v_first)
     monkeypatch.setattr(gluon_chunk, "REGS_CHAINS", 1)
+    monkeypatch.setattr(gluon_chunk, "SCORES_IN_SCAN", False)
     monkeypatch.setattr(gluon_chunk, "PIPELINE_PIECES", 1)
     whole = on("gluon", call_chunk, SPEC, t, **opts)
     monkeypatch.setattr(gluon_chunk, "PIPELINE_PIECES", pieces)

@@ -299,17 +299,19 @@ def test_wide_blocks_rewrite_flagged_blocks_exactly(gate, delta, varlen):
                 assert got[~own].isnan().all() and torch.allclose(got[own], ref[own], rtol=rtol, atol=1e-6)
 
 
-@pytest.mark.parametrize("kernel", ["triton", "sm90"])
+@pytest.mark.parametrize("kernel", ["triton", "triton-beta-cols", "sm90"])
 @pytest.mark.parametrize("varlen", [False, True])
 def test_inverse_kernel_matches_fp64(varlen, kernel):
     """The KDA inverse kernel (chunk_prepare_kda.launch_inverse after the sm_90 prologue; ``sm90``:
     its Gluon port, chunk_inverse_sm90.launch_kda, on an sm_90 GPU only): P = (I + A)^-1 per chunk and
     value head from a strictly lower fp32 A, partial last chunks included, against torch's fp64
     inverse of that A; rows past a chunk's end and entries on and above the diagonal are never read
-    (poisoned) and rows past the end never written."""
+    (poisoned) and rows past the end never written. ``triton-beta-cols``: P diag(sigmoid(beta))
+    (gluon/chunk_delta.BETA_IN_P), the same bound scaled by the columns' beta."""
     from types import SimpleNamespace
 
     from fastla.backends.triton import chunk_prepare_kda
+    from fastla.backends.triton.recurrent import BETA_SIGMOID
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not interpreting():
@@ -336,7 +338,9 @@ def test_inverse_kernel_matches_fp64(varlen, kernel):
         tables = (cu.to(device), torch.tensor(index, dtype=torch.int32, device=device))
     out = torch.full((B, T, HV, 64), nan, device=device)
     launch = chunk_inverse_sm90.launch_kda if kernel == "sm90" else chunk_prepare_kda.launch_inverse
-    launch(SimpleNamespace(T=T, HV=HV), len(chunks), tables, a.to(device), out)
+    beta = torch.randn(B, T, HV, generator=gen) * 2
+    cols = dict(beta=beta.to(device), beta_mode=BETA_SIGMOID) if kernel == "triton-beta-cols" else {}
+    launch(SimpleNamespace(T=T, HV=HV), len(chunks), tables, a.to(device), out, **cols)
     for b, t0, n in chunks:
         for hv in range(HV):
             blk = a[b, t0:t0 + n, hv, :n].double().nan_to_num()
@@ -354,5 +358,8 @@ def test_inverse_kernel_matches_fp64(varlen, kernel):
                 tol = 1e-5 * (1 + ref.abs())
             else:
                 tol = 2.0 ** -11 * (ref.abs() @ (eye + blk).abs() @ ref.abs())
+            if cols:                # P diag(beta): the columns' factors scale P and its bound
+                scale = beta[b, t0:t0 + n, hv].double().sigmoid()[None, :]
+                ref, tol = ref * scale, tol * scale + 1e-7 * ref.abs() * scale
             assert ((got[:, :n] - ref).abs() <= tol).all(), (b, t0, hv)
             assert (got[:, n:] == 0).all(), (b, t0, hv)     # whole rows: zeros right of the chunk's end

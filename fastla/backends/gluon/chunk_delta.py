@@ -118,6 +118,12 @@ SCORES_IN_SCAN = True
 # one-chain-h100.json, CUDA graph, us, docs/notes/kda-prefill.md v22): 1x8k H64 788.7 -> 740.6,
 # 1x16k H64 1569.5 -> 1469.8. False: the prologue's tiles (A/B)
 GATES_IN_SCAN = True
+# Where the scan forms GDN's scores or KDA's gated keys (the plans above), the inverse kernel writes
+# P diag(beta) instead of P, each block's columns scaled before its one bf16 rounding, and the
+# chain's Y = v - X diag(w) skips beta (32 FMUL and the vector's loads a step off the chain, which
+# paces the one-chain step: docs/notes/gdn-prefill.md v35); the Triton KDA inverse only
+# (chunk_prepare_kda_sm90.INVERSE_SM90 off). False: beta applied in the scan (A/B)
+BETA_IN_P = True
 # With it, the gaters' three products on bf16 pairs (chunk_delta_regs_sm90._gater_t's PACKED: HMUL2 /
 # HFMA2 on the raw bf16 tiles, 2^G and 2^(G_last - G) rounded to bf16 first, one rounding more an
 # element of kg, qg and kd; the gater loop 776 -> 614 SASS instructions). Measured on an H100
@@ -342,6 +348,8 @@ def _sequence_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments
         chains = 1
     if chains:
         return _regs_scan(p, sp, seg, segments, seg_state, programs, chains)
+    if sp.beta_in_p:
+        raise RuntimeError("P diag(beta) is read by the state-in-registers scan only")
     h_chunks = None if seg == 1 else sp.h_chunks                            # (a summary stores no chunk states)
     cols = p.V + p.K if seg == 1 else p.V                                   # a summary's V + K columns
     table = GK_WIDTHS if gk else STEP_US
@@ -439,7 +447,7 @@ def _regs_scan(p: Problem, sp: triton_chunk.SequencePass, seg: int, segments, se
         BETA=sp.beta_mode, STAGES=SCAN_STAGES, GK=gk, CHAINS=chains,
         CHAIN_NREG=CHAIN_REGS_QK if qk else CHAIN_REGS, LOADER_NREG=LOADER_REGS, QK=qk, GATES=sp.gates,
         HAS_A=sp.gates and p.A_log is not None, HAS_BIAS=sp.gates and p.dt_bias is not None,
-        PACKED=sp.gates and GATER_PACKED, WHOLE=WHOLE_CHUNK_BRANCHES, num_warps=4,
+        PACKED=sp.gates and GATER_PACKED, WHOLE=WHOLE_CHUNK_BRANCHES, BETA_IN_P=sp.beta_in_p, num_warps=4,
     )
 
 
@@ -469,8 +477,9 @@ def run(p: Problem):
     if in_scan:
         kernels.pop("gdn_scores")
     gates = "kda_prologue" in kernels and gates_in_scan(p, config)
+    beta_in_p = BETA_IN_P and (in_scan or (gates and not kda_prologue.INVERSE_SM90))
     return triton_chunk.run(p, config, sequence_scan=_sequence_scan, summaries=summaries_sm90(p), dense=False,
-                            scores_in_scan=in_scan, gates_in_scan=gates, **kernels)
+                            scores_in_scan=in_scan, gates_in_scan=gates, beta_in_p=beta_in_p, **kernels)
 
 
 def scores_in_scan(p: Problem, config: triton_chunk.ChunkConfig, pieces: int) -> bool:

@@ -11,6 +11,8 @@ warpgroup) owns BV = 64 value columns of one value head (the wgmma M side); its 
     S^T = e^G_last S^T + V_new^T diag(rk e^(G_last - G)) k      A = registers, B = the key tile
     O^T = Q^T diag(scale rq e^G) + V_new^T A_qk^T                 A = V_new^T (registers)
     O (transposed into shared memory) -> TMA store
+BETA_IN_P (where QK or GATES plans it, gluon/chunk_delta.BETA_IN_P): the inverse kernel wrote P
+diag(beta), so Y^T = v^T - X^T diag(rk e^G) and the loader loads no beta.
 GK (KDA): kg, qg and kd tiles per value head; Y^T = (v^T - S^T kg^T) diag(beta), S^T = S^T
 diag(e^G_last) + V_new^T diag(mask) kd, O^T = S^T qg^T + V_new^T diag(mask) A_qk^T. Each product
 is one wgmma op over its whole K (the keys' two [64, 64] TMA boxes read as one [64, K] tile): an
@@ -94,7 +96,8 @@ def _loader_t(k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v
               loaded, freed, raw_loaded, raw_freed, beta, rq, rk, gcum, decay, bos, eos, c_begin, n_chunks,
               first_chunk, i_h, i_hv, i_v, scale, H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr,
               V: gl.constexpr, L2NORM: gl.constexpr, BETA: gl.constexpr, SEG: gl.constexpr, STAGES: gl.constexpr,
-              GK: gl.constexpr, CHAINS: gl.constexpr, QK: gl.constexpr, GATES: gl.constexpr):
+              GK: gl.constexpr, CHAINS: gl.constexpr, QK: gl.constexpr, GATES: gl.constexpr,
+              BETA_IN_P: gl.constexpr):
     """Each chunk's tiles by TMA (QK: no A_qk tile), then its per-token vectors into the stage's ``vec_s`` rows
     (zero past the sequence's end): the keys' weight in Y, rk e^G; beta (activated); the update's
     row weights rk e^(G_last - G); the output's scale rq e^G. GK (KDA: the gates are in the
@@ -118,11 +121,13 @@ def _loader_t(k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v
         t0 = bos + (c_begin + i) * BT
         m_t = r < eos - t0
         row = (t0 + r) * HV + i_hv
-        b_beta = _activate_beta(gl.load(beta + row, mask=m_t, other=0.0), m_t, BETA)
+        if not BETA_IN_P:       # (folded: the inverse kernel wrote P diag(beta))
+            b_beta = _activate_beta(gl.load(beta + row, mask=m_t, other=0.0), m_t, BETA)
         if GATES:               # the rows' norms as the chain's column weights (the gated tiles have none)
             b_rk, b_rq = _inv_norms(rq, rk, t0, r, m_t, i_h, H, L2NORM)
             vec_s.index(stage * NV).store(b_rk)
-            vec_s.index(stage * NV + 1).store(b_beta)
+            if not BETA_IN_P:
+                vec_s.index(stage * NV + 1).store(b_beta)
             vec_s.index(stage * NV + 2).store(b_rk)
             vec_s.index(stage * NV + 3).store(scale * b_rq)
             vec_s.index(stage * NV + 4).store(gl.where(m_t, 1.0, 0.0))
@@ -137,7 +142,8 @@ def _loader_t(k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v
             b_rk, b_rq = _inv_norms(rq, rk, t0, r, m_t, i_h, H, L2NORM)
             b_eg = gl.exp(b_G)
             vec_s.index(stage * NV).store(b_rk * b_eg)
-            vec_s.index(stage * NV + 1).store(b_beta)
+            if not BETA_IN_P:
+                vec_s.index(stage * NV + 1).store(b_beta)
             vec_s.index(stage * NV + 2).store(gl.where(m_t, b_rk * gl.exp(b_Gl - b_G), 0.0))
             vec_s.index(stage * NV + 3).store(scale * b_rq * b_eg)
             if QK:
@@ -279,7 +285,7 @@ def _gater_t(W: gl.constexpr, k_s, q_s, kd_s, sums_s, raw_loaded, gated, A_log, 
 @gluon.jit
 def _chunk_step_t(k_t, q_t, kd_t, v_t, p_t, a_t, vec_s, vb, dec_t, S, b_egl, scored, phase, acc: gl.constexpr,
                   accs: gl.constexpr, GK: gl.constexpr, QK: gl.constexpr, FORM: gl.constexpr,
-                  GATES: gl.constexpr = False):
+                  GATES: gl.constexpr = False, BETA_IN_P: gl.constexpr = False):
     """One chunk's transposed products, its tiles landed (keys and queries ``[BT, K]``, values, P
     and A_qk, the per-token vectors at vec_s rows vb ..). Returns the new state S^T [BV, K] and
     the output O^T [BV, BT] (fp32). Each product is one wgmma op over its whole K: an accumulator
@@ -313,6 +319,8 @@ def _chunk_step_t(k_t, q_t, kd_t, v_t, p_t, a_t, vec_s, vb, dec_t, S, b_egl, sco
     b_v = v_t.permute((1, 0)).load(acc).to(gl.float32)                     # v^T [BV, BT]
     if GK and not GATES:
         b_y = (b_v - x) * vec_s.index(vb + 1).load(cols)[None, :]
+    elif BETA_IN_P:                                                 # (P diag(beta): beta is in V_new's product)
+        b_y = b_v - x * vec_s.index(vb).load(cols)[None, :]
     else:
         b_y = (b_v - x * vec_s.index(vb).load(cols)[None, :]) * vec_s.index(vb + 1).load(cols)[None, :]
     y = gl.convert_layout(b_y.to(gl.bfloat16), dot_a)
@@ -368,7 +376,8 @@ def _chain_t(CH: gl.constexpr, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s,
              gcum, o, h0, ht, seg_state, bos, eos, c_begin, n_chunks, is_last, i_n, i_s, i_hv, i_v, n_rows, HV: gl.constexpr,
              K: gl.constexpr, V: gl.constexpr, SK: gl.constexpr, SV: gl.constexpr, HAS_H0: gl.constexpr,
              STORE_FINAL: gl.constexpr, SEG: gl.constexpr, STAGES: gl.constexpr, GK: gl.constexpr,
-             CHAINS: gl.constexpr, QK: gl.constexpr, GATES: gl.constexpr, WHOLE: gl.constexpr):
+             CHAINS: gl.constexpr, QK: gl.constexpr, GATES: gl.constexpr, WHOLE: gl.constexpr,
+             BETA_IN_P: gl.constexpr):
     """Chain CH: the 64 columns of value tile CHAINS i_v + CH, chunk by chunk (one warpgroup); GDN's
     e^G_last is the one value it loads itself (a chunk ahead). GATES: the key, query and kd tiles
     are slot i % SLOTS of their ring, gated by the gaters (``scored`` is their barrier) and waited
@@ -409,7 +418,7 @@ def _chain_t(CH: gl.constexpr, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s,
         S, out = _chunk_step_t(kk_s.index(slot), qq_s.index(slot), kkd_s.index(slot), v_s.index(stage * CHAINS + CH),
                                p_s.index(stage), a_s.index(stage), vec_s, stage * NV, dec_s.index(stage),
                                S, b_egl, scored.index(stage), ((i // STAGES) & 1).to(gl.int32), acc, accs, GK, QK,
-                               QK and CHAINS == 2 and CH == 1, GATES)
+                               QK and CHAINS == 2 and CH == 1, GATES, BETA_IN_P)
         mbarrier.arrive(freed.index(stage), count=1)                        # the loader may refill the stage
         if GATES:
             mbarrier.arrive(raw_freed.index(slot), count=1)
@@ -431,7 +440,7 @@ def _scan_regs_sm90_kernel(
     L2NORM: gl.constexpr, VARLEN: gl.constexpr, SEG: gl.constexpr, BETA: gl.constexpr,
     STAGES: gl.constexpr, GK: gl.constexpr, CHAINS: gl.constexpr, CHAIN_NREG: gl.constexpr,
     LOADER_NREG: gl.constexpr, QK: gl.constexpr, GATES: gl.constexpr, HAS_A: gl.constexpr,
-    HAS_BIAS: gl.constexpr, PACKED: gl.constexpr, WHOLE: gl.constexpr,
+    HAS_BIAS: gl.constexpr, PACKED: gl.constexpr, WHOLE: gl.constexpr, BETA_IN_P: gl.constexpr,
 ):
     NK: gl.constexpr = K // BK
     i_v, i_hv, i_h, i_s, i_n, bos, eos, first_chunk, c_begin, n_chunks, is_last = _program(
@@ -488,20 +497,20 @@ def _scan_regs_sm90_kernel(
         gl.warp_specialize([
             (_chain_t, (0, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s, loaded, freed, scored, raw_freed, o_desc, gcum, o, h0,
                         ht, seg_state, bos, eos, c_begin, n_chunks, is_last, i_n, i_s, i_hv32, i_v, n_rows, HV, K, V, SK,
-                        SV, HAS_H0, STORE_FINAL, SEG, STAGES, GK, CHAINS, QK, GATES, WHOLE)),
+                        SV, HAS_H0, STORE_FINAL, SEG, STAGES, GK, CHAINS, QK, GATES, WHOLE, BETA_IN_P)),
             (_chain_t, (1, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s, loaded, freed, scored, raw_freed, o_desc, gcum, o, h0,
                         ht, seg_state, bos, eos, c_begin, n_chunks, is_last, i_n, i_s, i_hv32, i_v, n_rows, HV, K, V, SK,
-                        SV, HAS_H0, STORE_FINAL, SEG, STAGES, GK, CHAINS, QK, GATES, WHOLE)),
+                        SV, HAS_H0, STORE_FINAL, SEG, STAGES, GK, CHAINS, QK, GATES, WHOLE, BETA_IN_P)),
             (_loader_t, (k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s,
                          loaded, freed, raw_loaded, raw_freed, beta, rq, rk, gcum, decay, bos, eos, c_begin, n_chunks,
                          first_chunk, i_h32, i_hv32, i_v, scale, H, HV, K, V, L2NORM, BETA, SEG, STAGES, GK, CHAINS, QK,
-                         GATES)),
+                         GATES, BETA_IN_P)),
         ], [4, 1], [CHAIN_NREG, LOADER_NREG])
     elif GATES and NK == 2:
         gl.warp_specialize([
             (_chain_t, (0, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s, loaded, freed, scored, raw_freed, o_desc, gcum, o, h0,
                         ht, seg_state, bos, eos, c_begin, n_chunks, is_last, i_n, i_s, i_hv32, i_v, n_rows, HV, K, V, SK,
-                        SV, HAS_H0, STORE_FINAL, SEG, STAGES, GK, CHAINS, QK, GATES, WHOLE)),
+                        SV, HAS_H0, STORE_FINAL, SEG, STAGES, GK, CHAINS, QK, GATES, WHOLE, BETA_IN_P)),
             (_gater_t, (0, k_s, q_s, kd_s, sums_s, raw_loaded, scored, A_log, dt_bias, lower_bound, bos, eos,
                         c_begin, n_chunks, i_hv32, K, HAS_A, HAS_BIAS, PACKED, WHOLE)),
             (_gater_t, (1, k_s, q_s, kd_s, sums1_s, raw_loaded, scored, A_log, dt_bias, lower_bound, bos, eos,
@@ -509,40 +518,40 @@ def _scan_regs_sm90_kernel(
             (_loader_t, (k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s,
                          loaded, freed, raw_loaded, raw_freed, beta, rq, rk, gcum, decay, bos, eos, c_begin, n_chunks,
                          first_chunk, i_h32, i_hv32, i_v, scale, H, HV, K, V, L2NORM, BETA, SEG, STAGES, GK, CHAINS, QK,
-                         GATES)),
+                         GATES, BETA_IN_P)),
         ], [4, 4, 1], [GATER_REGS, GATER_REGS, LOADER_NREG])
     elif GATES:
         gl.warp_specialize([
             (_chain_t, (0, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s, loaded, freed, scored, raw_freed, o_desc, gcum, o, h0,
                         ht, seg_state, bos, eos, c_begin, n_chunks, is_last, i_n, i_s, i_hv32, i_v, n_rows, HV, K, V, SK,
-                        SV, HAS_H0, STORE_FINAL, SEG, STAGES, GK, CHAINS, QK, GATES, WHOLE)),
+                        SV, HAS_H0, STORE_FINAL, SEG, STAGES, GK, CHAINS, QK, GATES, WHOLE, BETA_IN_P)),
             (_gater_t, (0, k_s, q_s, kd_s, sums_s, raw_loaded, scored, A_log, dt_bias, lower_bound, bos, eos,
                         c_begin, n_chunks, i_hv32, K, HAS_A, HAS_BIAS, PACKED, WHOLE)),
             (_loader_t, (k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s,
                          loaded, freed, raw_loaded, raw_freed, beta, rq, rk, gcum, decay, bos, eos, c_begin, n_chunks,
                          first_chunk, i_h32, i_hv32, i_v, scale, H, HV, K, V, L2NORM, BETA, SEG, STAGES, GK, CHAINS, QK,
-                         GATES)),
+                         GATES, BETA_IN_P)),
         ], [4, 1], [GATER_REGS, LOADER_NREG])
     elif SCORER:
         gl.warp_specialize([
             (_chain_t, (0, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s, loaded, freed, scored, raw_freed, o_desc, gcum, o, h0,
                         ht, seg_state, bos, eos, c_begin, n_chunks, is_last, i_n, i_s, i_hv32, i_v, n_rows, HV, K, V, SK,
-                        SV, HAS_H0, STORE_FINAL, SEG, STAGES, GK, CHAINS, QK, GATES, WHOLE)),
+                        SV, HAS_H0, STORE_FINAL, SEG, STAGES, GK, CHAINS, QK, GATES, WHOLE, BETA_IN_P)),
             (_scorer_t, (k_s, q_s, a_s, vec_s, loaded, freed, scored, n_chunks, K, STAGES)),
             (_loader_t, (k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s,
                          loaded, freed, raw_loaded, raw_freed, beta, rq, rk, gcum, decay, bos, eos, c_begin, n_chunks,
                          first_chunk, i_h32, i_hv32, i_v, scale, H, HV, K, V, L2NORM, BETA, SEG, STAGES, GK, CHAINS, QK,
-                         GATES)),
+                         GATES, BETA_IN_P)),
         ], [4, 1], [SCORER_REGS, LOADER_NREG])
     else:
         gl.warp_specialize([
             (_chain_t, (0, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s, o_s, loaded, freed, scored, raw_freed, o_desc, gcum, o, h0,
                         ht, seg_state, bos, eos, c_begin, n_chunks, is_last, i_n, i_s, i_hv32, i_v, n_rows, HV, K, V, SK,
-                        SV, HAS_H0, STORE_FINAL, SEG, STAGES, GK, CHAINS, QK, GATES, WHOLE)),
+                        SV, HAS_H0, STORE_FINAL, SEG, STAGES, GK, CHAINS, QK, GATES, WHOLE, BETA_IN_P)),
             (_loader_t, (k_desc, q_desc, kd_desc, v_desc, p_desc, a_desc, k_s, q_s, kd_s, v_s, p_s, a_s, vec_s, dec_s,
                          loaded, freed, raw_loaded, raw_freed, beta, rq, rk, gcum, decay, bos, eos, c_begin, n_chunks,
                          first_chunk, i_h32, i_hv32, i_v, scale, H, HV, K, V, L2NORM, BETA, SEG, STAGES, GK, CHAINS, QK,
-                         GATES)),
+                         GATES, BETA_IN_P)),
         ], [1], [LOADER_NREG])
     for st in gl.static_range(STAGES):
         mbarrier.invalidate(loaded.index(st))

@@ -12,6 +12,8 @@ also 1 / |k| and 1 / |q| ``[B, T, H]`` by the first program of each q/k head, th
 the Gram diagonals and the queries' from the diagonal blocks of their own Gram, the queries
 loaded by TMA into the keys' tiles once the keys' Gram is done (+~400 SASS instructions a program,
 one more TMA round trip; measured +14-24% on the kernel, docs/notes/gdn-prefill.md v32).
+BETA_COLS (the same plan, gluon/chunk_delta.BETA_IN_P): P diag(beta) instead of P, each block's
+columns scaled before the one bf16 rounding, so that the scan's Y skips beta.
 
 Grid ``(chunks, HV / VPP)``, one warp: a program takes one chunk of VPP value heads sharing a q/k
 head. The chunk's keys by TMA ([64, 64] boxes); the ten lower [16, 16] Gram blocks K_b K_c^T by
@@ -122,6 +124,15 @@ def _store_block(buf, b: gl.constexpr, x):
 
 
 @gluon.jit
+def _store_p(p_s, b: gl.constexpr, c: gl.constexpr, x, bv_s, BETA_COLS: gl.constexpr):
+    """P's block (b, c) [16, 16] (mma layout) into p_s [64, 64] bf16; BETA_COLS: times beta of
+    block c's tokens on its columns (bv_s [4, 16]) before the one rounding."""
+    if BETA_COLS:
+        x = x * _block_row(bv_s, c, COLS)[None, :]
+    p_s.slice(16 * b, 16, dim=0).slice(16 * c, 16, dim=1).store(x.to(gl.bfloat16))
+
+
+@gluon.jit
 def _load_block_t(buf, b: gl.constexpr):
     """The transpose of block b [16, 16] of a [4, 16, 16] shared buffer, in the mma layout."""
     x = buf.slice(b, 1, dim=0).load(gl.BlockedLayout([1, 1, 4], [1, 4, 8], [1, 1, 1], [2, 1, 0]))
@@ -181,7 +192,7 @@ def _gdn_inverse_sm90_kernel(
     k_desc, q_desc, g, beta, A_log, dt_bias, p_out, gcum, rq_out, rk_out, cu_seqlens, chunk_index, T, NT,
     H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, VPP: gl.constexpr, L2NORM: gl.constexpr,
     GATE: gl.constexpr, HAS_BIAS: gl.constexpr, BETA: gl.constexpr, VARLEN: gl.constexpr, EXP2: gl.constexpr,
-    DIRECT: gl.constexpr, NORMS: gl.constexpr,
+    DIRECT: gl.constexpr, NORMS: gl.constexpr, BETA_COLS: gl.constexpr,
 ):
     gl.static_assert(K % 64 == 0, "K in [64, 64] boxes")
     NK: gl.constexpr = K // 64
@@ -317,16 +328,16 @@ def _gdn_inverse_sm90_kernel(
         gl.thread_barrier()
         p00, p10, p11, p20, p21, p22, p30, p31, p32, p33 = _lower_inverse(dp_s, dT, a10, a20, a21, a30, a31, a32,
                                                                           DIRECT)
-        p_s.slice(0, 16, dim=0).slice(0, 16, dim=1).store(p00.to(gl.bfloat16))
-        p_s.slice(16, 16, dim=0).slice(0, 16, dim=1).store(p10.to(gl.bfloat16))
-        p_s.slice(16, 16, dim=0).slice(16, 16, dim=1).store(p11.to(gl.bfloat16))
-        p_s.slice(32, 16, dim=0).slice(0, 16, dim=1).store(p20.to(gl.bfloat16))
-        p_s.slice(32, 16, dim=0).slice(16, 16, dim=1).store(p21.to(gl.bfloat16))
-        p_s.slice(32, 16, dim=0).slice(32, 16, dim=1).store(p22.to(gl.bfloat16))
-        p_s.slice(48, 16, dim=0).slice(0, 16, dim=1).store(p30.to(gl.bfloat16))
-        p_s.slice(48, 16, dim=0).slice(16, 16, dim=1).store(p31.to(gl.bfloat16))
-        p_s.slice(48, 16, dim=0).slice(32, 16, dim=1).store(p32.to(gl.bfloat16))
-        p_s.slice(48, 16, dim=0).slice(48, 16, dim=1).store(p33.to(gl.bfloat16))
+        _store_p(p_s, 0, 0, p00, bv_s, BETA_COLS)
+        _store_p(p_s, 1, 0, p10, bv_s, BETA_COLS)
+        _store_p(p_s, 1, 1, p11, bv_s, BETA_COLS)
+        _store_p(p_s, 2, 0, p20, bv_s, BETA_COLS)
+        _store_p(p_s, 2, 1, p21, bv_s, BETA_COLS)
+        _store_p(p_s, 2, 2, p22, bv_s, BETA_COLS)
+        _store_p(p_s, 3, 0, p30, bv_s, BETA_COLS)
+        _store_p(p_s, 3, 1, p31, bv_s, BETA_COLS)
+        _store_p(p_s, 3, 2, p32, bv_s, BETA_COLS)
+        _store_p(p_s, 3, 3, p33, bv_s, BETA_COLS)
         gl.thread_barrier()
         gl.store(p_out + (base + r_o * HV) * 64 + c_o, p_s.load(OUT), mask=r_o < n_left)
 
@@ -401,11 +412,13 @@ def launch_kda(p, total: int, tables, a, inverse) -> None:
         a, inverse, cu if varlen else a, chunk_index if varlen else a, p.T, NT, HV=p.HV, VARLEN=varlen, num_warps=1)
 
 
-def launch(p, g, beta, beta_mode: int, total: int, tables, gcum, inverse, dot, config, rq=None, rk=None) -> None:
+def launch(p, g, beta, beta_mode: int, total: int, tables, gcum, inverse, dot, config, rq=None, rk=None,
+           beta_cols: bool = False) -> None:
     """chunk_prepare.launch's contract (``dot`` unused: bf16 keys): G into ``gcum`` ``[B, T, HV]``
     and P into ``inverse`` ``[B, T, HV, 64]``; value heads a program by chunk_prepare's rule.
     With ``rq``, ``rk`` (the l2norm in the op and the scores formed in the scan, so that no scores
-    kernel writes them): 1 / |q| and 1 / |k| into them ``[B, T, H]``."""
+    kernel writes them): 1 / |q| and 1 / |k| into them ``[B, T, H]``. ``beta_cols``: P diag(beta)
+    instead of P (triton_chunk.run's ``beta_in_p``: the scan's Y then skips beta)."""
     from fastla.backends.gluon.chunk_delta import (
         INVERSE_DIRECT_OPERANDS, INVERSE_EXP2, _tile_layout, tma_descriptor,
     )
@@ -431,5 +444,5 @@ def launch(p, g, beta, beta_mode: int, total: int, tables, gcum, inverse, dot, c
         rq if norms else d, rk if norms else d, cu if varlen else d, chunk_index if varlen else d, p.T, NT,
         H=p.H, HV=p.HV, K=p.K, VPP=vpp, L2NORM=p.use_qk_l2norm, GATE=p.gate_in_op == "gdn",
         HAS_BIAS=p.dt_bias is not None, BETA=beta_mode, VARLEN=varlen, EXP2=INVERSE_EXP2,
-        DIRECT=INVERSE_DIRECT_OPERANDS, NORMS=norms, num_warps=1,
+        DIRECT=INVERSE_DIRECT_OPERANDS, NORMS=norms, BETA_COLS=beta_cols, num_warps=1,
     )

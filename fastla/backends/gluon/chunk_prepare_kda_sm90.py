@@ -523,13 +523,15 @@ def serves(p) -> str | None:
     return None
 
 
-def launch(p, beta, beta_mode: int, total: int, tables, inverse, scores, kg, kd, qg, decay, rq=None, rk=None) -> None:
+def launch(p, beta, beta_mode: int, total: int, tables, inverse, scores, kg, kd, qg, decay, rq=None, rk=None,
+           beta_cols: bool = False) -> None:
     """Runs the prologue over ``total`` chunks (``tables`` = (cu_seqlens, chunk index) or Nones):
     P into ``inverse`` and Aqk into ``scores`` ``[B, T, HV, 64]``, the gated keys and queries into
     ``kg``, ``kd``, ``qg`` ``[B, T, HV, K]``, e^(G_last) into ``decay`` ``[total, HV, K]``. For GLA
     (``p.delta`` False: no beta, A, kg nor inverse) Aqk, kd, qg and decay. ``kg``, ``kd`` and ``qg``
     None: the scan forms them (gluon/chunk_delta.gates_in_scan; the bounded gate only), and with
-    the l2norm in the op 1 / |q| and 1 / |k| go to ``rq``, ``rk`` ``[B, T, H]``."""
+    the l2norm in the op 1 / |q| and 1 / |k| go to ``rq``, ``rk`` ``[B, T, H]``. ``beta_cols``:
+    P diag(beta) instead of P (triton_chunk.run's ``beta_in_p``; the Triton inverse kernel only)."""
     from fastla.backends.gluon.chunk_delta import _tile_layout, tma_descriptor
     from fastla.backends.gluon import chunk_inverse_sm90
     from fastla.backends.triton import chunk_prepare_kda, chunk_prepare_kda_wide
@@ -549,6 +551,8 @@ def launch(p, beta, beta_mode: int, total: int, tables, inverse, scores, kg, kd,
         raise ValueError("the scan forms the gated keys for KDA's bounded gate only")
     if not gated:
         kg = kd = qg = decay
+    if beta_cols and (INVERSE_SM90 or not p.delta):
+        raise ValueError("P diag(beta) comes from the Triton inverse kernel, for the delta rule")
     if not gated and p.use_qk_l2norm and (rq is None or rk is None):
         raise ValueError("the scan's gated keys need the rows' norms: rq and rk")
     flags = call_plan.empty((total, p.HV), torch.int32, p.device) if flag else decay
@@ -572,4 +576,5 @@ def launch(p, beta, beta_mode: int, total: int, tables, inverse, scores, kg, kd,
     if p.delta and INVERSE_SM90:    # (GLA, the plain rule, reads Aqk, qg, kd and decay only)
         chunk_inverse_sm90.launch_kda(p, total, tables, a_kk, inverse)
     elif p.delta:
-        chunk_prepare_kda.launch_inverse(p, total, tables, a_kk, inverse, INVERSE_WARPS)
+        chunk_prepare_kda.launch_inverse(p, total, tables, a_kk, inverse, INVERSE_WARPS,
+                                         **({"beta": beta, "beta_mode": beta_mode} if beta_cols else {}))

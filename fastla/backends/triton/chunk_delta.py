@@ -584,11 +584,12 @@ class SequencePass:
     kd: torch.Tensor | None = None          # KDA (per-channel gates): q, k are qg, kg [B, T, HV, K]; kd
     decay: torch.Tensor | None = None       # and e^(G_last) [chunks, HV, K] for the GK step
     gates: bool = False                     # KDA with the gates formed in the scan: q, k raw, kd the gate's input
+    beta_in_p: bool = False                 # P diag(beta) in ``inverse`` (run's beta_in_p): Y without beta
 
 
 def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, kda_prologue=None, summaries=False,
         gdn_scores=None, gdn_inverse=None, dense: bool = True, out: torch.Tensor | None = None,
-        scores_in_scan: bool = False, gates_in_scan: bool = False):
+        scores_in_scan: bool = False, gates_in_scan: bool = False, beta_in_p: bool = False):
     """The chunked forward. ``sequence_scan(p, SequencePass, seg, segments, seg_state, programs)``,
     when given, launches the sequence passes (seg 0 or 2; seg 0's ``segments`` are varlen's
     sequence orders, _varlen_index) instead of the Triton scan; it must
@@ -605,7 +606,11 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, kda_p
     ``gdn_inverse`` also writes 1 / |q| and 1 / |k| (its ``rq``, ``rk``). ``gates_in_scan`` (KDA's
     bounded gate with the caller's ``kda_prologue`` and a ``sequence_scan`` that gates the keys and
     queries itself, gluon/chunk_delta.gates_in_scan): the prologue writes no kg, kd nor qg, and the
-    pass reads the raw q, k and the gate's input (SequencePass.gates)."""
+    pass reads the raw q, k and the gate's input (SequencePass.gates). ``beta_in_p`` (with either):
+    the caller's inverse kernel or prologue writes P diag(beta) instead of P (its ``beta_cols``),
+    and the sequence scan reads it so (SequencePass.beta_in_p: its Y skips beta)."""
+    if beta_in_p and not (scores_in_scan or gates_in_scan):
+        raise ValueError("beta_in_p: with the scores or the gates formed in the caller's scan")
     if scores_in_scan and not (p.delta and p.gk is None and gdn_inverse is not None and sequence_scan is not None):
         raise ValueError("scores_in_scan: GDN with the caller's inverse kernel and sequence scan")
     if gates_in_scan and not (p.delta and p.gk is not None and kda_prologue is not None and sequence_scan is not None):
@@ -658,7 +663,8 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, kda_p
             rq, rk = (call_plan.empty((B, T, H), torch.float32, dev) for _ in range(2))
         dummy = decay
         if total and gates_in_scan:
-            kda_prologue(p, beta, beta_mode, total, tables, inverse, scores, None, None, None, decay, rq=rq, rk=rk)
+            kda_prologue(p, beta, beta_mode, total, tables, inverse, scores, None, None, None, decay, rq=rq, rk=rk,
+                         beta_cols=beta_in_p)
         elif total and kda_prologue is not None:
             kda_prologue(p, beta, beta_mode, total, tables, inverse, scores, k, kd, q, decay)
         elif total:
@@ -676,7 +682,8 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, kda_p
         if total and p.delta:
             g = p.g if p.g is not None else call_plan.full((B, T, HV), 0.0, torch.float32, dev)
             if scores_in_scan:
-                gdn_inverse(p, g, beta, beta_mode, total, tables, gcum, inverse, dot, config, rq=rq, rk=rk)
+                gdn_inverse(p, g, beta, beta_mode, total, tables, gcum, inverse, dot, config, rq=rq, rk=rk,
+                            beta_cols=beta_in_p)
             else:
                 (gdn_inverse or chunk_prepare.launch)(p, g, beta, beta_mode, total, tables, gcum, inverse, dot, config)
         elif total:
@@ -709,7 +716,7 @@ def run(p: Problem, config: ChunkConfig | None = None, sequence_scan=None, kda_p
     if sequence_scan is not None:
         seq_pass = SequencePass(q, k, p.v, beta, beta_mode, inverse, scores, rq, rk, gcum, o, h0, ht,
                                 h_chunks if store_states else None, cu if varlen else None,
-                                chunk_start if varlen else None, T, NT, dummy, kd, decay, gates_in_scan)
+                                chunk_start if varlen else None, T, NT, dummy, kd, decay, gates_in_scan, beta_in_p)
     if length:
         segments, seq_segments, n_seg, summarized, n_sum = _segment_plan(p, counts, length)
         summary = call_plan.empty((n_sum, HV, K, V + K), torch.float32, dev)

@@ -258,10 +258,10 @@ def _kda_prepare_kernel(
                      tl.where(lower, a22, 0.0), a30, a31, a32, tl.where(lower, a33, 0.0), n_left, HV * BT, BT)
     elif DELTA:
         strict = r[:, None] > r[None, :]
-        b0 = _beta_rows(beta, beta_base, 0, n_left, HV, BETA)
-        b1 = _beta_rows(beta, beta_base, 1, n_left, HV, BETA)
-        b2 = _beta_rows(beta, beta_base, 2, n_left, HV, BETA)
-        b3 = _beta_rows(beta, beta_base, 3, n_left, HV, BETA)
+        b0 = _beta_block(beta, beta_base, 0, n_left, HV, BETA)[:, None]
+        b1 = _beta_block(beta, beta_base, 1, n_left, HV, BETA)[:, None]
+        b2 = _beta_block(beta, beta_base, 2, n_left, HV, BETA)[:, None]
+        b3 = _beta_block(beta, beta_base, 3, n_left, HV, BETA)[:, None]
         p00, p10, p11, p20, p21, p22, p30, p31, p32, p33 = _lower_inverse(
             tl.where(strict, b0 * a00, 0.0), b1 * a10, tl.where(strict, b1 * a11, 0.0), b2 * a20, b2 * a21,
             tl.where(strict, b2 * a22, 0.0), b3 * a30, b3 * a31, b3 * a32, tl.where(strict, b3 * a33, 0.0))
@@ -279,12 +279,13 @@ def _load_block(a, row0, bi: tl.constexpr, bj: tl.constexpr, n_left, stride):
 
 
 @triton.jit(do_not_specialize=["T", "NT"])     # as chunk_delta._scan_kernel
-def _kda_inverse_kernel(a, p_out, cu_seqlens, chunk_index, T, NT, HV: tl.constexpr, BT: tl.constexpr,
-                        VARLEN: tl.constexpr):
+def _kda_inverse_kernel(a, p_out, beta, cu_seqlens, chunk_index, T, NT, HV: tl.constexpr, BT: tl.constexpr,
+                        VARLEN: tl.constexpr, BETA: tl.constexpr, BETA_COLS: tl.constexpr):
     """P = (I + A)^-1 per chunk and value head from A (strictly lower, beta applied, fp32
     ``[B, T, HV, 64]``) as the sm_90 prologue writes it (backends/gluon/chunk_prepare_kda_sm90.py);
     grid (chunks, HV), one warp; the diagonal blocks' substitution loads A's rows as it needs them
-    (1x8k H64: 67 us, against 120 with the rows extracted from registers)."""
+    (1x8k H64: 67 us, against 120 with the rows extracted from registers). BETA_COLS: P diag(beta)
+    (beta activated as BETA numbers it), each block's columns scaled before the one rounding."""
     i_c = tl.program_id(0).to(tl.int64)
     i_hv = tl.program_id(1)
     i_n, c, bos, eos = _chunk(chunk_index, cu_seqlens, i_c, T, NT, VARLEN)
@@ -292,29 +293,39 @@ def _kda_inverse_kernel(a, p_out, cu_seqlens, chunk_index, T, NT, HV: tl.constex
     n_left = eos - t0
     row0 = (t0 * HV + i_hv) * BT
     stride = HV * BT
+    if BETA_COLS:               # (loaded first: their latency under the substitution, not after it)
+        e0 = _beta_block(beta, t0 * HV + i_hv, 0, n_left, HV, BETA)[None, :]
+        e1 = _beta_block(beta, t0 * HV + i_hv, 1, n_left, HV, BETA)[None, :]
+        e2 = _beta_block(beta, t0 * HV + i_hv, 2, n_left, HV, BETA)[None, :]
+        e3 = _beta_block(beta, t0 * HV + i_hv, 3, n_left, HV, BETA)[None, :]
     p00, p11, p22, p33 = _diag_inverses_rows(a, row0, 16, n_left, stride)                  # [16, 16] each
     p10, p20, p21, p30, p31, p32 = _lower_merge(
         p00, p11, p22, p33, _load_block(a, row0, 1, 0, n_left, stride), _load_block(a, row0, 2, 0, n_left, stride),
         _load_block(a, row0, 2, 1, n_left, stride), _load_block(a, row0, 3, 0, n_left, stride),
         _load_block(a, row0, 3, 1, n_left, stride), _load_block(a, row0, 3, 2, n_left, stride))
+    if BETA_COLS:
+        p00, p10, p20, p30 = p00 * e0, p10 * e0, p20 * e0, p30 * e0
+        p11, p21, p31 = p11 * e1, p21 * e1, p31 * e1
+        p22, p32, p33 = p22 * e2, p32 * e2, p33 * e3
     _store_lower(p_out, row0, p00, p10, p11, p20, p21, p22, p30, p31, p32, p33, n_left, stride, BT)
 
 
-def launch_inverse(p, total: int, tables, a, inverse, warps: int = 1) -> None:
-    """P = (I + A)^-1 into ``inverse`` from the fp32 A ``[B, T, HV, 64]`` of the sm_90 prologue."""
+def launch_inverse(p, total: int, tables, a, inverse, warps: int = 1, beta=None, beta_mode: int = 0) -> None:
+    """P = (I + A)^-1 into ``inverse`` from the fp32 A ``[B, T, HV, 64]`` of the sm_90 prologue;
+    with ``beta`` ``[B, T, HV]`` (activated as ``beta_mode`` numbers it), P diag(beta)."""
     cu, chunk_index = tables
     varlen = cu is not None
     NT = -(-p.T // BT)
     launcher(_kda_inverse_kernel, p.T, NT)[(total, p.HV)](
-        a, inverse, cu if varlen else a, chunk_index if varlen else a, p.T, NT, HV=p.HV, BT=BT, VARLEN=varlen,
-        num_warps=warps, num_stages=1)
+        a, inverse, beta if beta is not None else a, cu if varlen else a, chunk_index if varlen else a, p.T, NT,
+        HV=p.HV, BT=BT, VARLEN=varlen, BETA=beta_mode, BETA_COLS=beta is not None, num_warps=warps, num_stages=1)
 
 
 @triton.jit
-def _beta_rows(beta, base, blk: tl.constexpr, n_left, HV: tl.constexpr, BETA: tl.constexpr):
-    """beta of the block's 16 rows as a column [16, 1] (activated as the op asks; 0 off the chunk)."""
+def _beta_block(beta, base, blk: tl.constexpr, n_left, HV: tl.constexpr, BETA: tl.constexpr):
+    """beta of block ``blk``'s 16 tokens [16] (activated as the op asks; 0 off the chunk)."""
     t = blk * 16 + tl.arange(0, 16)
-    return _activate_beta(tl.load(beta + base + t * HV, mask=t < n_left, other=0.0), t < n_left, BETA)[:, None]
+    return _activate_beta(tl.load(beta + base + t * HV, mask=t < n_left, other=0.0), t < n_left, BETA)
 
 
 def gate_mode(p) -> int:
