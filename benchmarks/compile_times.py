@@ -27,7 +27,7 @@ It also runs the host code on the GPU machine's CPUs, whose speed differs from t
     python benchmarks/compile_times.py --filter kda/h64/1x8192 --json out.json
     python benchmarks/compile_times.py --ahead off,on                # the first call, serial and ahead
     python benchmarks/compile_times.py --filter kda/h64/1x8192 \
-        --knob fastla.backends.gluon.chunk_prepare_kda_sm90:INVERSE_SM90=True   # a module switch set first
+        --knob fastla.backends.gluon.chunk_prepare_kda_sm90:INVERSE_SM90=False  # a module switch set first
 """
 from __future__ import annotations
 

@@ -644,12 +644,11 @@ def test_gates_in_scan_plan_and_launches(monkeypatch):
     rows = (2, 16384, 64)
     want = [("prologue", None, None, None, rows, rows, True), ("scan", True, 1, True, True, True, True)]
     assert calls == want, calls
-    for flag, module in (("BETA_IN_P", gluon_chunk), ("INVERSE_SM90", chunk_prepare_kda_sm90)):   # P without beta
-        calls.clear()
-        with monkeypatch.context() as m:
-            m.setattr(module, flag, not getattr(module, flag))
-            gluon_chunk.run(problem(B=2, T=16384))
-        assert [c[-1] for c in calls] == [False, False], (flag, calls)
+    calls.clear()
+    with monkeypatch.context() as m:                                        # P without beta (A/B)
+        m.setattr(gluon_chunk, "BETA_IN_P", False)
+        gluon_chunk.run(problem(B=2, T=16384))
+    assert [c[-1] for c in calls] == [False, False], calls
     monkeypatch.setattr(gluon_chunk, "REGS_CHAINS", 2)                      # forced two: the prologue's tiles
     assert not planned(problem(B=2, T=16384)) and not planned(problem())
 
@@ -832,14 +831,16 @@ def test_gdn_inverse_compiles_for_sm90(name, tmp_path):
     assert res["shared_bytes"] <= 227 * 1024 // 12, res
 
 
-KDA_INVERSE_VARIANTS = {"kda-inverse": {}, "kda-inverse-varlen": dict(VARLEN=True)}
+# (P diag(beta) where the scan forms the gated keys: gluon/chunk_delta.BETA_IN_P)
+KDA_INVERSE_VARIANTS = {"kda-inverse": {}, "kda-inverse-varlen": dict(VARLEN=True),
+                        "kda-inverse-beta-cols": dict(BETA_COLS=True)}
 
 
 def _child_kda_inverse(name: str, folder: str) -> None:
     from fastla.backends.gluon.chunk_inverse_sm90 import _kda_inverse_sm90_kernel as kern
 
-    consts = {"HV": 64, "VARLEN": False, **KDA_INVERSE_VARIANTS[name]}
-    pointers = {"a": "*fp32", "p_out": "*bf16", "cu_seqlens": "*i64", "chunk_index": "*i32"}
+    consts = {"HV": 64, "VARLEN": False, "BETA": 2, "BETA_COLS": False, **KDA_INVERSE_VARIANTS[name]}
+    pointers = {"a": "*fp32", "p_out": "*bf16", "beta": "*bf16", "cu_seqlens": "*i64", "chunk_index": "*i32"}
     sig = {n: pointers.get(n) or ("constexpr" if n in consts else "i32") for n in kern.arg_names}
     res = _compile_sm90(kern, sig, consts, folder, {"num_warps": 1})
     print(json.dumps(res))
@@ -864,8 +865,9 @@ def test_kda_prologue_launch_builds_descriptors(monkeypatch):
     the wide-block kernel between the prologue and the inverse."""
     import torch
 
+    from fastla.backends.gluon import chunk_inverse_sm90
     from fastla.backends.gluon import chunk_prepare_kda_sm90 as sm90
-    from fastla.backends.triton import chunk_prepare_kda, chunk_prepare_kda_wide, launch, sm_count
+    from fastla.backends.triton import chunk_prepare_kda_wide, launch, sm_count
     from fastla.core.validation import build_problem
 
     launches, inverses = [], []
@@ -875,7 +877,8 @@ def test_kda_prologue_launch_builds_descriptors(monkeypatch):
             return lambda *args, **kw: launches.append((grid, args, kw))
 
     monkeypatch.setattr(launch, "launcher", lambda fn, T=None, NT=None: Recorder())
-    monkeypatch.setattr(chunk_prepare_kda, "launch_inverse", lambda *args: inverses.append(args))
+    assert sm90.INVERSE_SM90                                                # (the Gluon inverse, shipped)
+    monkeypatch.setattr(chunk_inverse_sm90, "launch_kda", lambda *args: inverses.append(args))
     B, T, H, HV, K = 2, 200, 2, 4, 128
     bf = dict(dtype=torch.bfloat16)
     q, k = torch.randn(B, T, H, K, **bf), torch.randn(B, T, H, K, **bf)
@@ -896,12 +899,12 @@ def test_kda_prologue_launch_builds_descriptors(monkeypatch):
     assert q_desc.block_shape == k_desc.block_shape == g_desc.block_shape == [64, 32]
     assert q_desc.base.data_ptr() == q.data_ptr() and g_desc.base.data_ptr() == g.data_ptr()
     assert args[names.index("a_qk")] is out[1] and args[names.index("kg")] is out[2]
-    ((_, n_chunks, _, a_kk, inverse, _),) = inverses
+    ((_, n_chunks, _, a_kk, inverse),) = inverses
     assert n_chunks == total and inverse is out[0] and a_kk is args[names.index("a_kk")]
     # an unbounded gate: block flags, then the wide-block kernel on the same scratch, then the inverse
     order = []
     monkeypatch.setattr(chunk_prepare_kda_wide, "launch", lambda *args: order.append(("wide", args)))
-    monkeypatch.setattr(chunk_prepare_kda, "launch_inverse", lambda *args: order.append(("inverse", args)))
+    monkeypatch.setattr(chunk_inverse_sm90, "launch_kda", lambda *args: order.append(("inverse", args)))
     launches.clear()
     p = build_problem("chunk_kda", q=q, k=k, v=v, gk=g, beta=p.beta, delta=True, gva=True, gate_in_op="kda",
                       A_log=torch.zeros(HV))

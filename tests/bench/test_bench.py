@@ -285,12 +285,12 @@ def test_compile_times_script_compiles_a_calls_kernels_for_sm90(tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU's cold start is timed by the bench itself")
 def test_compile_times_script_sets_knobs(tmp_path):
     """``--knob module:ATTR=value`` sets a switch in the child before the call: KDA's first call with
-    the Gluon inverse kernel (chunk_prepare_kda_sm90.INVERSE_SM90) compiles it, with the call's own
-    arguments, in place of the Triton one."""
+    the Triton inverse kernel (chunk_prepare_kda_sm90.INVERSE_SM90 off) compiles it, with the call's
+    own arguments, in place of the Gluon one."""
     compile_times = _compile_times_module()
     out = tmp_path / "compile.json"
-    knob = "fastla.backends.gluon.chunk_prepare_kda_sm90:INVERSE_SM90=True"
+    knob = "fastla.backends.gluon.chunk_prepare_kda_sm90:INVERSE_SM90=False"
     assert compile_times.main(["--filter", "kda/h64/1x8192", "--ahead", "off", "--knob", knob, "--json", str(out)]) == 0
     (res,) = json.loads(out.read_text())["results"]
     names = {n for n, _ in res["kernels"]}
-    assert "_kda_inverse_sm90_kernel" in names and "_kda_inverse_kernel" not in names, names
+    assert "_kda_inverse_kernel" in names and "_kda_inverse_sm90_kernel" not in names, names

@@ -299,14 +299,14 @@ def test_wide_blocks_rewrite_flagged_blocks_exactly(gate, delta, varlen):
                 assert got[~own].isnan().all() and torch.allclose(got[own], ref[own], rtol=rtol, atol=1e-6)
 
 
-@pytest.mark.parametrize("kernel", ["triton", "triton-beta-cols", "sm90"])
+@pytest.mark.parametrize("kernel", ["triton", "triton-beta-cols", "sm90", "sm90-beta-cols"])
 @pytest.mark.parametrize("varlen", [False, True])
 def test_inverse_kernel_matches_fp64(varlen, kernel):
     """The KDA inverse kernel (chunk_prepare_kda.launch_inverse after the sm_90 prologue; ``sm90``:
     its Gluon port, chunk_inverse_sm90.launch_kda, on an sm_90 GPU only): P = (I + A)^-1 per chunk and
     value head from a strictly lower fp32 A, partial last chunks included, against torch's fp64
     inverse of that A; rows past a chunk's end and entries on and above the diagonal are never read
-    (poisoned) and rows past the end never written. ``triton-beta-cols``: P diag(sigmoid(beta))
+    (poisoned) and rows past the end never written. ``*-beta-cols``: P diag(sigmoid(beta))
     (gluon/chunk_delta.BETA_IN_P), the same bound scaled by the columns' beta."""
     from types import SimpleNamespace
 
@@ -316,7 +316,7 @@ def test_inverse_kernel_matches_fp64(varlen, kernel):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not interpreting():
         pytest.skip("the Triton kernels need CUDA or the interpreter")
-    if kernel == "sm90":
+    if kernel.startswith("sm90"):
         from fastla.backends.gluon import available, chunk_inverse_sm90
         if device == "cpu" or available(torch.device(device)) is not None:
             pytest.skip("the Gluon kernel needs an sm_90 GPU")
@@ -337,9 +337,9 @@ def test_inverse_kernel_matches_fp64(varlen, kernel):
         index = [(i, c) for i, n in enumerate(lengths) for c in range(-(-n // 64))]
         tables = (cu.to(device), torch.tensor(index, dtype=torch.int32, device=device))
     out = torch.full((B, T, HV, 64), nan, device=device)
-    launch = chunk_inverse_sm90.launch_kda if kernel == "sm90" else chunk_prepare_kda.launch_inverse
+    launch = chunk_inverse_sm90.launch_kda if kernel.startswith("sm90") else chunk_prepare_kda.launch_inverse
     beta = torch.randn(B, T, HV, generator=gen) * 2
-    cols = dict(beta=beta.to(device), beta_mode=BETA_SIGMOID) if kernel == "triton-beta-cols" else {}
+    cols = dict(beta=beta.to(device), beta_mode=BETA_SIGMOID) if kernel.endswith("beta-cols") else {}
     launch(SimpleNamespace(T=T, HV=HV), len(chunks), tables, a.to(device), out, **cols)
     for b, t0, n in chunks:
         for hv in range(HV):

@@ -121,8 +121,7 @@ GATES_IN_SCAN = True
 # Where the scan forms GDN's scores or KDA's gated keys (the plans above), the inverse kernel writes
 # P diag(beta) instead of P, each block's columns scaled before its one bf16 rounding, and the
 # chain's Y = v - X diag(w) skips beta (32 FMUL and the vector's loads a step off the chain, which
-# paces the one-chain step: docs/notes/gdn-prefill.md v35); the Triton KDA inverse only
-# (chunk_prepare_kda_sm90.INVERSE_SM90 off). False: beta applied in the scan (A/B)
+# paces the one-chain step: docs/notes/gdn-prefill.md v35-v36). False: beta applied in the scan (A/B)
 BETA_IN_P = True
 # With it, the gaters' three products on bf16 pairs (chunk_delta_regs_sm90._gater_t's PACKED: HMUL2 /
 # HFMA2 on the raw bf16 tiles, 2^G and 2^(G_last - G) rounded to bf16 first, one rounding more an
@@ -477,7 +476,7 @@ def run(p: Problem):
     if in_scan:
         kernels.pop("gdn_scores")
     gates = "kda_prologue" in kernels and gates_in_scan(p, config)
-    beta_in_p = BETA_IN_P and (in_scan or (gates and not kda_prologue.INVERSE_SM90))
+    beta_in_p = BETA_IN_P and (in_scan or gates)
     return triton_chunk.run(p, config, sequence_scan=_sequence_scan, summaries=summaries_sm90(p), dense=False,
                             scores_in_scan=in_scan, gates_in_scan=gates, beta_in_p=beta_in_p, **kernels)
 

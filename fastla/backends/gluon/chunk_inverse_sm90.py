@@ -351,14 +351,24 @@ def _lower_block(a, base, bi: gl.constexpr, bj: gl.constexpr, n_left, HV: gl.con
     return gl.load(a + (base + r * HV) * 64 + c, mask=r < n_left, other=0.0).to(gl.float32)
 
 
+@gluon.jit
+def _beta_columns(beta, base, c: gl.constexpr, n_left, HV: gl.constexpr, BETA: gl.constexpr):
+    """beta of column block c's 16 tokens [1, 16] in the mma layout (activated; 0 past the chunk)."""
+    t = 16 * c + gl.arange(0, 16, layout=COLS)
+    return _activate_beta(gl.load(beta + base + t * HV, mask=t < n_left, other=0.0), t < n_left, BETA)[None, :]
+
+
 @gluon.jit(do_not_specialize=["T", "NT"])
-def _kda_inverse_sm90_kernel(a, p_out, cu_seqlens, chunk_index, T, NT, HV: gl.constexpr, VARLEN: gl.constexpr):
+def _kda_inverse_sm90_kernel(a, p_out, beta, cu_seqlens, chunk_index, T, NT, HV: gl.constexpr,
+                             VARLEN: gl.constexpr, BETA: gl.constexpr, BETA_COLS: gl.constexpr):
     """KDA's P = (I + A)^-1 per chunk and value head from the strictly lower A (beta applied, fp32
     ``[B, T, HV, 64]``) that the sm_90 prologue writes: the contract of the Triton kernel
     (chunk_prepare_kda._kda_inverse_kernel, whole rows of P with zeros above the block diagonal, the
     chunk's rows only), the algorithm of _gdn_inverse_sm90_kernel from A's blocks on: the diagonal
     blocks by column substitution in shared memory, the six below by tf32 mma.sync. Grid
-    (chunks, HV), one warp; 8 KB of shared memory for the blocks' scratch, 8 KB for P (bf16)."""
+    (chunks, HV), one warp; 8 KB of shared memory for the blocks' scratch, 8 KB for P (bf16).
+    BETA_COLS: P diag(beta) (beta activated as BETA numbers it, loaded first), each block's columns
+    scaled before the one rounding."""
     ld3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 8, 4], [1, 1, 1], [2, 1, 0])    # [4, 16, 16] rows of A
 
     i_c = gl.program_id(0).to(gl.int64)
@@ -367,6 +377,9 @@ def _kda_inverse_sm90_kernel(a, p_out, cu_seqlens, chunk_index, T, NT, HV: gl.co
     t0 = bos + c_seq * 64                                                   # first token (int64)
     n_left = eos - t0                                                       # tokens of the chunk from t0, >= 1
     base = t0 * HV + i_hv                                                   # the chunk's row 0 in A and P
+    if BETA_COLS:
+        e = (_beta_columns(beta, base, 0, n_left, HV, BETA), _beta_columns(beta, base, 1, n_left, HV, BETA),
+             _beta_columns(beta, base, 2, n_left, HV, BETA), _beta_columns(beta, base, 3, n_left, HV, BETA))
 
     dg_s = gl.allocate_shared_memory(gl.float32, [4, 16, 16], PLAIN3)
     dp_s = gl.allocate_shared_memory(gl.float32, [4, 16, 16], PLAIN3)
@@ -393,23 +406,28 @@ def _kda_inverse_sm90_kernel(a, p_out, cu_seqlens, chunk_index, T, NT, HV: gl.co
     blocks = (p00, p10, p11, p20, p21, p22, p30, p31, p32, p33)             # row b's blocks from b (b + 1) / 2
     for b in gl.static_range(4):
         for c in gl.static_range(b + 1):
-            p_s.slice(16 * b, 16, dim=0).slice(16 * c, 16, dim=1).store(blocks[b * (b + 1) // 2 + c].to(p_s.dtype))
+            x = blocks[b * (b + 1) // 2 + c]
+            if BETA_COLS:
+                x = x * e[c]
+            p_s.slice(16 * b, 16, dim=0).slice(16 * c, 16, dim=1).store(x.to(p_s.dtype))
     gl.thread_barrier()
     r_o = gl.arange(0, 64, layout=gl.SliceLayout(1, OUT))[:, None]
     c_o = gl.arange(0, 64, layout=gl.SliceLayout(0, OUT))[None, :]
     gl.store(p_out + (base + r_o * HV) * 64 + c_o, p_s.load(OUT), mask=r_o < n_left)
 
 
-def launch_kda(p, total: int, tables, a, inverse) -> None:
+def launch_kda(p, total: int, tables, a, inverse, beta=None, beta_mode: int = 0) -> None:
     """chunk_prepare_kda.launch_inverse's contract: P = (I + A)^-1 into ``inverse`` ``[B, T, HV, 64]``
-    from the fp32 A of the sm_90 prologue."""
+    from the fp32 A of the sm_90 prologue; with ``beta`` ``[B, T, HV]`` (activated as ``beta_mode``
+    numbers it), P diag(beta)."""
     from fastla.backends.triton.launch import launcher
 
     cu, chunk_index = tables
     varlen = cu is not None
     NT = -(-p.T // 64)
     launcher(_kda_inverse_sm90_kernel, p.T, NT)[(total, p.HV)](
-        a, inverse, cu if varlen else a, chunk_index if varlen else a, p.T, NT, HV=p.HV, VARLEN=varlen, num_warps=1)
+        a, inverse, beta if beta is not None else a, cu if varlen else a, chunk_index if varlen else a, p.T, NT,
+        HV=p.HV, VARLEN=varlen, BETA=beta_mode, BETA_COLS=beta is not None, num_warps=1)
 
 
 def launch(p, g, beta, beta_mode: int, total: int, tables, gcum, inverse, dot, config, rq=None, rk=None,

@@ -479,11 +479,13 @@ UNBOUNDED = True
 # +80 us, four: +180 us at 1x8k H64, benchmarks/results/kda_prefill_sweep-v4-knobs.json).
 MAXNREG = None
 INVERSE_WARPS = 1
-# P = (I + A)^-1 by the Gluon kernel (chunk_inverse_sm90._kda_inverse_sm90_kernel: compiles in ~1 s
-# against the Triton kernel's 3.6-4.3 s, the first call's longest compile; not yet run on a GPU,
-# docs/notes/kda-prefill.md v15; one warp a program, INVERSE_WARPS does not apply); False: the
-# Triton inverse kernel
-INVERSE_SM90 = False
+# P = (I + A)^-1 by the Gluon kernel (chunk_inverse_sm90._kda_inverse_sm90_kernel; one warp a
+# program, INVERSE_WARPS does not apply): it compiles in ~1 s against the Triton kernel's 5-7 s on
+# the 2-core CPU (60 unrolled row loads), the first call's longest compile, which put KDA's first
+# call past 10 s on an H100 host (11.8 s bounded gate, 16.0 softplus, 15.0 given; docs/notes/
+# kda-prefill.md v28); it ran within the noise of the Triton kernel (v17: 1x8k H64 839.7 vs 830.3
+# us). False: the Triton inverse kernel
+INVERSE_SM90 = True
 # The gate's bias a slice ahead and beta at the item's start (the kernel's AHEAD), on the bounded
 # gate's FROM_X builds: an H100 profile of 1x8k H64 (ncu, docs/notes/kda-prefill.md v23) put 6.3%
 # of the stall samples on the bias's first use, loaded after the slot's barrier, and 1.7% on beta's,
@@ -531,7 +533,7 @@ def launch(p, beta, beta_mode: int, total: int, tables, inverse, scores, kg, kd,
     (``p.delta`` False: no beta, A, kg nor inverse) Aqk, kd, qg and decay. ``kg``, ``kd`` and ``qg``
     None: the scan forms them (gluon/chunk_delta.gates_in_scan; the bounded gate only), and with
     the l2norm in the op 1 / |q| and 1 / |k| go to ``rq``, ``rk`` ``[B, T, H]``. ``beta_cols``:
-    P diag(beta) instead of P (triton_chunk.run's ``beta_in_p``; the Triton inverse kernel only)."""
+    P diag(beta) instead of P (triton_chunk.run's ``beta_in_p``)."""
     from fastla.backends.gluon.chunk_delta import _tile_layout, tma_descriptor
     from fastla.backends.gluon import chunk_inverse_sm90
     from fastla.backends.triton import chunk_prepare_kda, chunk_prepare_kda_wide
@@ -551,8 +553,8 @@ def launch(p, beta, beta_mode: int, total: int, tables, inverse, scores, kg, kd,
         raise ValueError("the scan forms the gated keys for KDA's bounded gate only")
     if not gated:
         kg = kd = qg = decay
-    if beta_cols and (INVERSE_SM90 or not p.delta):
-        raise ValueError("P diag(beta) comes from the Triton inverse kernel, for the delta rule")
+    if beta_cols and not p.delta:
+        raise ValueError("P diag(beta) is the delta rule's (GLA has no P)")
     if not gated and p.use_qk_l2norm and (rq is None or rk is None):
         raise ValueError("the scan's gated keys need the rows' norms: rq and rk")
     flags = call_plan.empty((total, p.HV), torch.int32, p.device) if flag else decay
@@ -573,8 +575,8 @@ def launch(p, beta, beta_mode: int, total: int, tables, inverse, scores, kg, kd,
     )
     if flag:                                                # the flagged blocks again, exactly
         chunk_prepare_kda_wide.launch(p, beta, beta_mode, total, tables, a_kk, scores, kg, kd, qg, flags)
+    cols = {"beta": beta, "beta_mode": beta_mode} if beta_cols else {}
     if p.delta and INVERSE_SM90:    # (GLA, the plain rule, reads Aqk, qg, kd and decay only)
-        chunk_inverse_sm90.launch_kda(p, total, tables, a_kk, inverse)
+        chunk_inverse_sm90.launch_kda(p, total, tables, a_kk, inverse, **cols)
     elif p.delta:
-        chunk_prepare_kda.launch_inverse(p, total, tables, a_kk, inverse, INVERSE_WARPS,
-                                         **({"beta": beta, "beta_mode": beta_mode} if beta_cols else {}))
+        chunk_prepare_kda.launch_inverse(p, total, tables, a_kk, inverse, INVERSE_WARPS, **cols)
