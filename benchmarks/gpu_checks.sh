@@ -26,7 +26,7 @@
 #   bash benchmarks/gpu_checks.sh loads-ahead    # the KDA prologue's loads ahead: their bit-equality
 #                                              # tests, then the A/B sweep (~2 min)
 #   bash benchmarks/gpu_checks.sh gates-in-scan  # KDA's gates formed in the scan: GPU tests, A/B sweep, then
-#                                              # the registry rows the H200 table owes (2 KDA, 10 GDN; ~9.5 min)
+#                                              # the registry rows the H200 table owes (4 KDA, 10 GDN; ~9.5 min)
 #   bash benchmarks/gpu_checks.sh scores-in-scan # GDN's scores formed in the scan: GPU tests and
 #                                              # the A/B sweep (docs/notes/gdn-prefill.md v32; ~9 min)
 #   bash benchmarks/gpu_checks.sh whole-branches # the scan's row masks skipped on whole chunks: GPU tests

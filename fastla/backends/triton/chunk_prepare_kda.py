@@ -291,13 +291,14 @@ def _kda_inverse_kernel(a, p_out, beta, cu_seqlens, chunk_index, T, NT, HV: tl.c
     i_n, c, bos, eos = _chunk(chunk_index, cu_seqlens, i_c, T, NT, VARLEN)
     t0 = bos + c * BT
     n_left = eos - t0
-    row0 = (t0 * HV + i_hv) * BT
+    base = t0 * HV + i_hv                                                                   # chunk row 0 in beta
+    row0 = base * BT
     stride = HV * BT
     if BETA_COLS:               # (loaded first: their latency under the substitution, not after it)
-        e0 = _beta_block(beta, t0 * HV + i_hv, 0, n_left, HV, BETA)[None, :]
-        e1 = _beta_block(beta, t0 * HV + i_hv, 1, n_left, HV, BETA)[None, :]
-        e2 = _beta_block(beta, t0 * HV + i_hv, 2, n_left, HV, BETA)[None, :]
-        e3 = _beta_block(beta, t0 * HV + i_hv, 3, n_left, HV, BETA)[None, :]
+        e0 = _beta_block(beta, base, 0, n_left, HV, BETA)[None, :]
+        e1 = _beta_block(beta, base, 1, n_left, HV, BETA)[None, :]
+        e2 = _beta_block(beta, base, 2, n_left, HV, BETA)[None, :]
+        e3 = _beta_block(beta, base, 3, n_left, HV, BETA)[None, :]
     p00, p11, p22, p33 = _diag_inverses_rows(a, row0, 16, n_left, stride)                  # [16, 16] each
     p10, p20, p21, p30, p31, p32 = _lower_merge(
         p00, p11, p22, p33, _load_block(a, row0, 1, 0, n_left, stride), _load_block(a, row0, 2, 0, n_left, stride),
