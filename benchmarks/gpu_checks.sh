@@ -33,6 +33,7 @@
 #                                              # and A/B sweeps, KDA and GDN (~8 min)
 #   bash benchmarks/gpu_checks.sh beta-in-p    # P diag(beta) from the inverse kernels, the scan's Y without
 #                                              # beta: GPU tests and A/B sweeps, KDA and GDN (~8 min)
+#   bash benchmarks/gpu_checks.sh table-rest   # the table's forward rows gates-in-scan leaves (~4 min)
 #   bash benchmarks/gpu_checks.sh graph-eager  # why big rows' graph times exceed their eager ones: five
 #                                              # timings, SM clock and power (benchmarks/graph_vs_eager.py; ~3 min)
 #   bash benchmarks/gpu_checks.sh kda-rows     # the registry's eight KDA rows (the README table; ~5 min)
@@ -249,6 +250,12 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
       --shapes gdn/h16-hv64/1x32768,gdn/h16-hv32/4x8192,gdn/h16-hv64/1x8192 --out "$out" 2>&1 | tail -8
     echo "-- $(( $(date +%s) - start )) s"
     ;;
+  table-rest)
+    # the H200 table's forward rows that gates-in-scan does not rerun (run it first; with it, every
+    # GDN and KDA forward row of the registry on the current code; ~4 min with FLA's tuning cache)
+    timeout 570 python3 -m fastla bench --filter \
+      gdn/h16-hv32/1x32768,gdn/h16-hv32/1x8192,gdn/h8-hv32/1x32768,gdn/h8-hv32/1x8192,gdn/h4-hv16/1x32768,gdn/h4-hv16/1x8192,gdn/h2-hv8/,kda/h64/varlen8x15193,kda/h96/1x8192,kda/h96/1x16384,kda/h96/varlen8x15193 \
+      --modes fwd --quick --no-cold --out "$out" 2>&1 | tail -16 ;;
   graph-eager)
     timeout 500 python3 benchmarks/graph_vs_eager.py --out "$out" 2>&1 | tail -8 ;;
   regs-rows)
