@@ -33,6 +33,7 @@
 #                                              # and A/B sweeps, KDA and GDN (~8 min)
 #   bash benchmarks/gpu_checks.sh beta-in-p    # P diag(beta) from the inverse kernels, the scan's Y without
 #                                              # beta: GPU tests and A/B sweeps, KDA and GDN (~8 min)
+#   bash benchmarks/gpu_checks.sh table        # every KDA and GDN forward row of the registry (~6-8 min)
 #   bash benchmarks/gpu_checks.sh table-rest   # the table's forward rows gates-in-scan leaves (~4 min)
 #   bash benchmarks/gpu_checks.sh graph-eager  # why big rows' graph times exceed their eager ones: five
 #                                              # timings, SM clock and power (benchmarks/graph_vs_eager.py; ~3 min)
@@ -250,6 +251,13 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
       --shapes gdn/h16-hv64/1x32768,gdn/h16-hv32/4x8192,gdn/h16-hv64/1x8192 --out "$out" 2>&1 | tail -8
     echo "-- $(( $(date +%s) - start )) s"
     ;;
+  table)
+    # every KDA then every GDN forward row of the registry (the README table's owed rows, KDA's goals
+    # first), in one call: ~10 s a row with FLA's tuning cache, ~6-8 min
+    start=$(date +%s)
+    timeout 300 python3 -m fastla bench --filter kda/ --modes fwd --quick --no-cold --out "$out" 2>&1 | grep "|" | tail -9
+    timeout $(( 585 - ($(date +%s) - start) )) python3 -m fastla bench --filter gdn/ --modes fwd --quick --no-cold \
+      --out "$out" 2>&1 | grep "|" | tail -21 ;;
   table-rest)
     # the H200 table's forward rows that gates-in-scan does not rerun (run it first; with it, every
     # GDN and KDA forward row of the registry on the current code; ~4 min with FLA's tuning cache)
