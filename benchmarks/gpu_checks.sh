@@ -254,7 +254,10 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
   table)
     # every KDA then every GDN forward row of the registry (the README table's owed rows, KDA's goals
     # first), in one call: ~10 s a row with FLA's tuning cache, ~6-8 min
+    # (on an H200 first the gaters' A/B, measured on H100s only: docs/notes/kda-prefill.md v22-v23)
     start=$(date +%s)
+    nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && timeout 150 python3 benchmarks/kda_prefill_sweep.py \
+      --tier gluon --variants tiles,gates-in-scan --shapes kda/h64/1x8192,kda/h64/2x16384 --out "$out" 2>&1 | grep gluon | cut -c1-150
     timeout 300 python3 -m fastla bench --filter kda/ --modes fwd --quick --no-cold --out "$out" 2>&1 | grep "|" | tail -9
     timeout $(( 585 - ($(date +%s) - start) )) python3 -m fastla bench --filter gdn/ --modes fwd --quick --no-cold \
       --out "$out" 2>&1 | grep "|" | tail -21 ;;
