@@ -252,6 +252,40 @@ def test_sm90_prologue_loads_ahead(case, persistent, monkeypatch):
         assert torch.equal(a, b), f"{name}: {(a.float() - b.float()).abs().max()} from the loads where used"
 
 
+@pytest.mark.parametrize("persistent", [False, True], ids=["full-grid", "two-programs"])
+@pytest.mark.parametrize("case", ["bounded-gate", "bounded-gate-whole", "bounded-varlen", "bounded-k64",
+                                  "bounded-neg-eigval"])
+def test_sm90_prologue_stacked(case, persistent, monkeypatch):
+    """The 8-warp prologue (chunk_prepare_kda_sm90.STACKED) under the gaters' scan: launched, the op
+    within the fp64 check with outputs poisoned, equal over two runs, and within 1e-2 of the 4-warp
+    prologue's call (the same products; the cumsum's sums in another order); on two programs the
+    q / k buffers and gate slots go through many phases."""
+    from fastla.backends import triton as triton_backend
+    from fastla.backends.gluon import chunk_delta as gluon_chunk
+    from fastla.backends.gluon import chunk_prepare_kda_sm90 as sm90
+    from tests.helpers import poison, rel_rms
+    if persistent:
+        monkeypatch.setattr(triton_backend, "sm_count", lambda device: 1)
+    monkeypatch.setattr(gluon_chunk, "REGS_CHAINS", 1)      # (the small shapes plan the other scans)
+    launched = []
+    t, opts = bf16_case(case)
+    four = on_tier(call_chunk, SPEC, t, tier="gluon", output_final_state=True, **opts)
+    monkeypatch.setattr(sm90, "STACKED", True)
+    from fastla.backends.triton import launch
+    original = launch.launcher
+    monkeypatch.setattr(launch, "launcher", lambda fn, *a: launched.append(fn) or original(fn, *a))
+    poison()
+    check_fp64(t, opts, tier="gluon")
+    assert sm90._kda_prologue_stacked_sm90_kernel in launched, "the stacked prologue did not run"
+    poison()
+    first = on_tier(call_chunk, SPEC, t, tier="gluon", output_final_state=True, **opts)
+    poison()
+    again = on_tier(call_chunk, SPEC, t, tier="gluon", output_final_state=True, **opts)
+    for name, a, b, c in zip(("o", "final_state"), first, again, four):
+        assert torch.equal(a, b), f"{name} moved between two runs"
+        assert rel_rms(a, c) <= 1e-2, f"{name}: {rel_rms(a, c):.2e} from the 4-warp prologue's call"
+
+
 @pytest.mark.parametrize("case", ["bounded-gate", "bounded-varlen", "bounded-k64", "unbounded-gate", "strong-decay"])
 def test_sm90_inverse_matches_triton(case, monkeypatch):
     """The Gluon inverse kernel (chunk_prepare_kda_sm90.INVERSE_SM90): the op against fp64, and its P
