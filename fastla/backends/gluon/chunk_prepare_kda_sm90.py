@@ -136,10 +136,13 @@ def _slice(x_s, ks, valid, L3: gl.constexpr, MASK: gl.constexpr = True):
 
 
 @gluon.jit
-def _row_norms(x_s, base, NS: gl.constexpr, L3: gl.constexpr):
+def _row_norms(x_s, base, NS: gl.constexpr, L3: gl.constexpr, WARPGROUPS: gl.constexpr = 1):
     """1 / |x_t| [4, 16, 1] (FLA's eps) from the diagonal of X X^T, by wgmma over the NS slices
-    base .. base + NS - 1 in shared memory (no sums across lanes; rows past the chunk's end are masked where they are used)."""
-    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+    base .. base + NS - 1 in shared memory (no sums across lanes; rows past the chunk's end are masked where they are used).
+    WARPGROUPS 2 (the stacked kernel's 8 warps): [8, 8, 1], each warpgroup on half the columns (the
+    diagonal's sum crosses them)."""
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WARPGROUPS],
+                                                    instr_shape=[16, 64 // WARPGROUPS, 16])
     acc = gl.zeros([64, 64], gl.float32, acc_l)
     for ks in gl.static_range(NS):
         acc = warpgroup_mma(x_s.index(base + ks), x_s.index(base + ks).permute((1, 0)), acc, is_async=True)
@@ -147,7 +150,7 @@ def _row_norms(x_s, base, NS: gl.constexpr, L3: gl.constexpr):
     r = gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l))
     c = gl.arange(0, 64, layout=gl.SliceLayout(0, acc_l))
     n = gl.rsqrt(gl.sum(gl.where(r[:, None] == c[None, :], acc, 0.0), 1) + 1e-6)   # [64] rows
-    return gl.expand_dims(gl.convert_layout(gl.reshape(n, [4, 16]), gl.SliceLayout(2, L3)), 2)
+    return gl.expand_dims(gl.convert_layout(gl.reshape(n, [4 * WARPGROUPS, 16 // WARPGROUPS]), gl.SliceLayout(2, L3)), 2)
 
 
 @gluon.jit
@@ -504,21 +507,6 @@ def _unstack_halves(e, L_hc: gl.constexpr):
             gl.convert_layout(e6, out)[None, :], gl.convert_layout(e7, out)[None, :])
 
 
-@gluon.jit
-def _row_norms_8(x_s, base, NS: gl.constexpr, L3: gl.constexpr):
-    """_row_norms for the stacked kernel's 8 warps: 1 / |x_t| [8, 8, 1], the two warpgroups each
-    taking half of X X^T's columns (the diagonal's sum crosses them)."""
-    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
-    acc = gl.zeros([64, 64], gl.float32, acc_l)
-    for ks in gl.static_range(NS):
-        acc = warpgroup_mma(x_s.index(base + ks), x_s.index(base + ks).permute((1, 0)), acc, is_async=True)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    r = gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l))
-    c = gl.arange(0, 64, layout=gl.SliceLayout(0, acc_l))
-    n = gl.rsqrt(gl.sum(gl.where(r[:, None] == c[None, :], acc, 0.0), 1) + 1e-6)   # [64] rows
-    return gl.expand_dims(gl.convert_layout(gl.reshape(n, [8, 8]), gl.SliceLayout(2, L3)), 2)
-
-
 @gluon.jit(do_not_specialize=["T", "NT", "total"])
 def _kda_prologue_stacked_sm90_kernel(
     q_desc, k_desc, g_desc, beta, A_log, dt_bias, lower_bound, scale, a_kk, a_qk, decay, rq_out, rk_out,
@@ -603,8 +591,8 @@ def _kda_prologue_stacked_sm90_kernel(
         _load_qk(q_desc, k_desc, q_in, k_in, qk_bar.index(1 - buf), 1 - buf, t0_n, h_n, has_next, K, NS)
         mbarrier.wait(qk_bar.index(buf), (it // 2) & 1)
 
-        rk = _row_norms_8(k_in, buf * NS, NS, L3)
-        nq = _row_norms_8(q_in, buf * NS, NS, L3)
+        rk = _row_norms(k_in, buf * NS, NS, L3, 2)
+        nq = _row_norms(q_in, buf * NS, NS, L3, 2)
         first = valid & (i_hv % (HV // H) == 0)
         gl.store(rk_out + (t0 + t) * H + i_h, rk, mask=first)
         gl.store(rq_out + (t0 + t) * H + i_h, nq, mask=first)
