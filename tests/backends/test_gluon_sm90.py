@@ -755,10 +755,11 @@ def _child_kda_prologue_stacked(name: str, folder: str) -> None:
 
     varlen = name.endswith("varlen-k64")
     consts = dict(H=32, HV=64, K=64 if varlen else 128, HAS_A=True, HAS_BIAS=True, BETA=2, VARLEN=varlen,
-                  FULL=not varlen)
+                  FULL=not varlen, GATED="-gated" in name)
     box = gl.NVMMASharedLayout.get_default_for([64, 32], gl.bfloat16)
     pointers = {"beta": "*bf16", "A_log": "*fp32", "dt_bias": "*fp32", "a_kk": "*fp32", "a_qk": "*bf16",
-                "decay": "*fp32", "rq_out": "*fp32", "rk_out": "*fp32", "cu_seqlens": "*i64", "chunk_index": "*i32"}
+                "kg": "*bf16", "kd": "*bf16", "qg": "*bf16", "decay": "*fp32", "rq_out": "*fp32", "rk_out": "*fp32",
+                "cu_seqlens": "*i64", "chunk_index": "*i32"}
     sig = {}
     for n in kern.arg_names:
         if n.endswith("_desc"):
@@ -768,14 +769,20 @@ def _child_kda_prologue_stacked(name: str, folder: str) -> None:
     print(json.dumps(_compile_sm90(kern, sig, consts, folder, {"num_warps": 8, "maxnreg": STACKED_MAXNREG})))
 
 
-@pytest.mark.parametrize("name", ["kda-prologue-stacked", "kda-prologue-stacked-varlen-k64"])
+# (with kg, qg and kd stored: three of the item's values spilled outside the slice loop)
+KDA_STACKED_STACK = {"kda-prologue-stacked-gated": 16, "kda-prologue-stacked-gated-varlen-k64": 32}
+
+
+@pytest.mark.parametrize("name", ["kda-prologue-stacked", "kda-prologue-stacked-varlen-k64",
+                                  "kda-prologue-stacked-gated", "kda-prologue-stacked-gated-varlen-k64"])
 def test_kda_prologue_stacked_compiles_for_sm90(name, tmp_path):
-    """The 8-warp prologue (chunk_prepare_kda_sm90.STACKED) at its register cap: wgmma products, TMA
-    loads, no spill, two programs an SM."""
+    """The 8-warp prologue (chunk_prepare_kda_sm90.STACKED) at its register cap, under the gaters'
+    scan and with the gated stores: wgmma products, TMA loads, no spill (bar the known), two
+    programs an SM."""
     res = _run_child(f"_child_kda_prologue_stacked({name!r}, {str(tmp_path)!r})", tmp_path,
                      module="tests.backends.test_gluon_sm90")
     assert res["hgmma"] > 0 and res["utmaldg"] > 0, res
-    assert res["LOCAL"] == 0 and res["STACK"] == 0 and res["REG"] <= 128, f"spills: {res}"
+    assert res["LOCAL"] == 0 and res["STACK"] <= KDA_STACKED_STACK.get(name, 0) and res["REG"] <= 128, f"spills: {res}"
     assert res["shared_bytes"] <= 227 * 1024 // 2, res
 
 
@@ -950,9 +957,9 @@ def test_kda_prologue_launch_builds_descriptors(monkeypatch):
 
 
 def test_kda_prologue_stacked_launch(monkeypatch):
-    """With STACKED, the prologue that feeds the gaters' scan (no kg, qg nor kd) launches the 8-warp
-    kernel at its register cap, then the inverse on the same A; the prologue with the gated tiles
-    stays on the 4-warp kernel."""
+    """With STACKED, the bounded gate's prologue launches the 8-warp kernel at its register cap,
+    under the gaters' scan (no kg, qg nor kd) and with the gated tiles, then the inverse on the
+    same A; without it, the 4-warp kernel."""
     import torch
 
     from fastla.backends.gluon import chunk_inverse_sm90
@@ -992,8 +999,15 @@ def test_kda_prologue_stacked_launch(monkeypatch):
     assert args[names.index("rq_out")] is rq and args[names.index("rk_out")] is rk
     ((inv_args, inv_kw),) = inverses
     assert inv_args[3] is args[names.index("a_kk")] and inv_args[4] is inverse and inv_kw["beta"] is p.beta
+    assert kw["GATED"] is False
     launches.clear()
     gated = [torch.empty(B, T, HV, K, **bf) for _ in range(3)]
+    sm90.launch(p, p.beta, 2, total, (None, None), inverse, scores, *gated, decay)
+    ((fn, _, args, kw),) = launches
+    assert fn is sm90._kda_prologue_stacked_sm90_kernel and kw["GATED"] is True
+    assert [args[names.index(n)] for n in ("kg", "kd", "qg")] == gated
+    launches.clear()
+    monkeypatch.setattr(sm90, "STACKED", False)
     sm90.launch(p, p.beta, 2, total, (None, None), inverse, scores, *gated, decay)
     assert launches[0][0] is sm90._kda_prologue_sm90_kernel
 

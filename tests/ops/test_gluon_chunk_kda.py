@@ -259,14 +259,15 @@ def test_sm90_prologue_loads_ahead(case, persistent, monkeypatch):
         assert torch.equal(a, b), f"{name}: {(a.float() - b.float()).abs().max()} from the loads where used"
 
 
+@pytest.mark.parametrize("gates", ["in-scan", "tiles"])
 @pytest.mark.parametrize("persistent", [False, True], ids=["full-grid", "two-programs"])
 @pytest.mark.parametrize("case", ["bounded-gate", "bounded-gate-whole", "bounded-varlen", "bounded-k64",
                                   "bounded-neg-eigval"])
-def test_sm90_prologue_stacked(case, persistent, monkeypatch):
-    """The 8-warp prologue (chunk_prepare_kda_sm90.STACKED) under the gaters' scan: launched, the op
-    within the fp64 check with outputs poisoned, equal over two runs, and within 1e-2 of the 4-warp
-    prologue's call (the same products; the cumsum's sums in another order); on two programs the
-    q / k buffers and gate slots go through many phases."""
+def test_sm90_prologue_stacked(case, persistent, gates, monkeypatch):
+    """The 8-warp prologue (chunk_prepare_kda_sm90.STACKED) under the gaters' scan and storing the
+    gated tiles: launched, the op within the fp64 check with outputs poisoned, equal over two runs,
+    and within 1e-2 of the 4-warp prologue's call (the same products; the cumsum's sums in another
+    order); on two programs the q / k buffers and gate slots go through many phases."""
     from fastla.backends import triton as triton_backend
     from fastla.backends.gluon import chunk_delta as gluon_chunk
     from fastla.backends.gluon import chunk_prepare_kda_sm90 as sm90
@@ -274,6 +275,7 @@ def test_sm90_prologue_stacked(case, persistent, monkeypatch):
     if persistent:
         monkeypatch.setattr(triton_backend, "sm_count", lambda device: 1)
     monkeypatch.setattr(gluon_chunk, "REGS_CHAINS", 1)      # (the small shapes plan the other scans)
+    monkeypatch.setattr(gluon_chunk, "GATES_IN_SCAN", gates == "in-scan")
     launched = []
     t, opts = bf16_case(case)
     four = on_tier(call_chunk, SPEC, t, tier="gluon", output_final_state=True, **opts)

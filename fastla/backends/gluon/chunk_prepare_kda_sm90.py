@@ -52,10 +52,11 @@ faster than the inverse kernel: +114 us in this kernel against the inverse's 119
 (notes, v6).
 
 The stacked build (``_kda_prologue_stacked_sm90_kernel``, STACKED, off until it runs on a GPU):
-the FROM_X, ungated prologue under the gaters' scan on 8 warps, warp w on rows 8w .. 8w + 7 (8 rows
-a thread), the halves' sums through shared memory once a slice, and both sides of a column block
-in one wgmma of M = 128 ([X ... ; Q ...] against the shared R_c^T: warpgroup 0 accumulates A,
-warpgroup 1 Aqk); 128 registers without stack, 109.5 KB of shared memory: 16 warps an SM.
+the FROM_X prologue (bf16 gate; with or without kg, qg and kd) on 8 warps, warp w on rows 8w ..
+8w + 7 (8 rows a thread), the halves' sums through shared memory once a slice, and both sides of
+a column block in one wgmma of M = 128 ([X ... ; Q ...] against the shared R_c^T: warpgroup 0
+accumulates A, warpgroup 1 Aqk); 128 registers (no stack without the gated stores, 16-32 bytes
+with them), 109.5 KB of shared memory: 16 warps an SM.
 
 Budget and measurements: docs/notes/kda-prefill.md (v4 to v21; persistent since v10: 1x8k H64
 523 -> 491 us with the inverse; v19-v21 on the H200: the call 736.9 -> 681.0 us).
@@ -509,13 +510,13 @@ def _unstack_halves(e, L_hc: gl.constexpr):
 
 @gluon.jit(do_not_specialize=["T", "NT", "total"])
 def _kda_prologue_stacked_sm90_kernel(
-    q_desc, k_desc, g_desc, beta, A_log, dt_bias, lower_bound, scale, a_kk, a_qk, decay, rq_out, rk_out,
+    q_desc, k_desc, g_desc, beta, A_log, dt_bias, lower_bound, scale, a_kk, a_qk, kg, kd, qg, decay, rq_out, rk_out,
     cu_seqlens, chunk_index, T, NT, total,
     H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, HAS_A: gl.constexpr, HAS_BIAS: gl.constexpr,
-    BETA: gl.constexpr, VARLEN: gl.constexpr, FULL: gl.constexpr,
+    BETA: gl.constexpr, VARLEN: gl.constexpr, FULL: gl.constexpr, GATED: gl.constexpr,
 ):
-    """The FROM_X, ungated build of _kda_prologue_sm90_kernel (the bounded gate in the op, the
-    l2norm in the op, the scan forming kg, qg and kd: gluon/chunk_delta.gates_in_scan) on 8 warps
+    """The FROM_X build of _kda_prologue_sm90_kernel (the bounded gate in the op, the l2norm in the
+    op; GATED: kg, qg and kd stored, else the rows' norms for the gaters' scan) on 8 warps
     a program instead of 4, for twice the warps an SM at two programs: warp w holds rows 8w ..
     8w + 7 of the chunk (half of block w // 2), lane = channel, 8 rows a thread; the halves' sums
     go through shared memory once a slice. Column block c's products take both sides in one wgmma
@@ -593,10 +594,12 @@ def _kda_prologue_stacked_sm90_kernel(
 
         rk = _row_norms(k_in, buf * NS, NS, L3, 2)
         nq = _row_norms(q_in, buf * NS, NS, L3, 2)
-        first = valid & (i_hv % (HV // H) == 0)
-        gl.store(rk_out + (t0 + t) * H + i_h, rk, mask=first)
-        gl.store(rq_out + (t0 + t) * H + i_h, nq, mask=first)
+        if not GATED:
+            first = valid & (i_hv % (HV // H) == 0)
+            gl.store(rk_out + (t0 + t) * H + i_h, rk, mask=first)
+            gl.store(rq_out + (t0 + t) * H + i_h, nq, mask=first)
         rq = nq * scale
+        gate_base = beta_base * K                                           # chunk row 0 in kg, kd, qg
         if HAS_A:
             a_h = gl.exp(gl.load(A_log + i_hv).to(gl.float32))
         else:
@@ -643,6 +646,10 @@ def _kda_prologue_stacked_sm90_kernel(
             # R^T [4 x 32 channels, 16 rows of the block]
             Rt = gl.permute(gl.reshape(R, [4, 2, 8, BC]), (0, 3, 1, 2))
             f_s.store(gl.reshape(Rt, [4 * BC, 16]).to(gl.bfloat16))
+            out = gate_base + t * (HV * K) + ks * BC + o_c
+            if GATED:                                                       # k 2^(G_last - G)
+                _store_rows(kd + out, (R * gl.expand_dims(gl.exp2(c_last - start - 0.5 * span), 1)).to(kd.dtype.element_ty),
+                            valid, FULL)
             for cb in gl.static_range(4):
                 # M_c = c_(c-1) + half of block c's sum
                 below = gl.expand_dims(gl.where(ib >= cb, gl.exp2(start - mids[cb]), 0.0), 1)   # [8, 1, 32]
@@ -653,6 +660,10 @@ def _kda_prologue_stacked_sm90_kernel(
             a1 = warpgroup_mma(xq_s[1].permute((1, 0)), f_s.slice(1 * BC, BC, dim=0), a1, is_async=True)
             a2 = warpgroup_mma(xq_s[2].permute((1, 0)), f_s.slice(2 * BC, BC, dim=0), a2, is_async=True)
             a3 = warpgroup_mma(xq_s[3].permute((1, 0)), f_s.slice(3 * BC, BC, dim=0), a3, is_async=True)
+            if GATED:                                                       # from the chunk's start
+                e_start = gl.expand_dims(gl.exp2(start), 1)                 # 2^(c_(b-1)) <= 1
+                _store_rows(kg + out, (X * e_start).to(kg.dtype.element_ty), valid, FULL)
+                _store_rows(qg + out, (Q * e_start).to(qg.dtype.element_ty), valid, FULL)
             gl.store(decay + (i_c * HV + i_hv) * K + ks * BC + o_c2, gl.exp2(c_last))   # (the same from every warp)
             a0, a1, a2, a3 = warpgroup_mma_wait(num_outstanding=0, deps=(a0, a1, a2, a3))
 
@@ -683,12 +694,13 @@ def _store_stacked(a_kk, a_qk, row_off, r64, side_a, valid_r, beta_r, c: gl.cons
     gl.store(a_kk + off, gl.where(col < r64[:, None], acc * beta_r[:, None], 0.0), mask=m_a)
     gl.store(a_qk + off, gl.where(col <= r64[:, None], acc, 0.0).to(gl.bfloat16), mask=m_q)
 
-# The prologue that feeds the gaters' scan (no kg, qg nor kd; the bounded gate's FROM_X build, a
-# bf16 gate) on _kda_prologue_stacked_sm90_kernel: 8 warps a program at 128 registers (no stack),
-# so 16 warps an SM at two programs against 8. The 4-warp kernel waits on its own chains (ncu, v23:
-# 0.60 eligible warps a scheduler of 1.97; instruction cuts returned ~nothing, v23-v25); the stacked
-# one issues ~17% more instructions an SM (its slice loop 427 SASS instructions a warp against
-# 733 on half the warps). Not yet run on a GPU: off (docs/notes/kda-prefill.md v30)
+# The bounded gate's FROM_X prologue with a bf16 gate on _kda_prologue_stacked_sm90_kernel: 8 warps
+# a program at 128 registers (no stack under the gaters' scan; with kg, qg and kd stored 16-32
+# bytes, reloaded once an item), so 16 warps an SM at two programs against 8. The 4-warp kernel
+# waits on its own chains (ncu, v23: 0.60 eligible warps a scheduler of 1.97; instruction cuts
+# returned ~nothing, v23-v25); the stacked one issues ~17% more instructions an SM (its slice loop
+# 427 SASS instructions a warp against 733 on half the warps; 524 with the gated stores). Not yet
+# run on a GPU: off (docs/notes/kda-prefill.md v30)
 STACKED = False
 STACKED_MAXNREG = 128
 
@@ -782,13 +794,14 @@ def launch(p, beta, beta_mode: int, total: int, tables, inverse, scores, kg, kd,
     programs = min(items, PROGRAMS_PER_SM * sm_count(p.device)) if PROGRAMS_PER_SM else items
     from_x = BOUNDED_OPERANDS and not flag and p.use_qk_l2norm
     full = FULL_CHUNKS and not varlen and p.T % 64 == 0
-    if STACKED and from_x and not gated and p.delta and p.gk.dtype == torch.bfloat16:
+    if STACKED and from_x and p.delta and p.gk.dtype == torch.bfloat16:
         launcher(_kda_prologue_stacked_sm90_kernel, p.T, NT)[(programs,)](
             desc(p.q, p.H), desc(p.k, p.H), desc(p.gk, p.HV), beta, p.A_log if p.A_log is not None else decay,
-            p.dt_bias if p.dt_bias is not None else decay, float(p.lower_bound), p.scale, a_kk, scores, decay,
-            rq, rk, cu if varlen else decay, chunk_index if varlen else decay, p.T, NT, total,
+            p.dt_bias if p.dt_bias is not None else decay, float(p.lower_bound), p.scale, a_kk, scores, kg, kd, qg,
+            decay, rq if rq is not None else decay, rk if rk is not None else decay,
+            cu if varlen else decay, chunk_index if varlen else decay, p.T, NT, total,
             H=p.H, HV=p.HV, K=p.K, HAS_A=p.A_log is not None, HAS_BIAS=p.dt_bias is not None, BETA=beta_mode,
-            VARLEN=varlen, FULL=full, num_warps=8, maxnreg=STACKED_MAXNREG,
+            VARLEN=varlen, FULL=full, GATED=gated, num_warps=8, maxnreg=STACKED_MAXNREG,
         )
         _inverse(p, total, tables, a_kk, inverse, beta, beta_mode, beta_cols)
         return
