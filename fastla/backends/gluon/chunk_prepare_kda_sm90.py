@@ -648,10 +648,9 @@ def _kda_prologue_stacked_sm90_kernel(
             f_s.store(gl.reshape(Rt, [4 * BC, 16]).to(gl.bfloat16))
             out = gate_base + t * (HV * K) + ks * BC + o_c
             if GATED:                                                       # k 2^(G_last - G)
-                _store_rows(kd + out, (R * gl.expand_dims(gl.exp2(c_last - start - 0.5 * span), 1)).to(kd.dtype.element_ty),
-                            valid, FULL)
-            for cb in gl.static_range(4):
-                # M_c = c_(c-1) + half of block c's sum
+                kd_val = R * gl.expand_dims(gl.exp2(c_last - start - 0.5 * span), 1)
+                _store_rows(kd + out, kd_val.to(kd.dtype.element_ty), valid, FULL)
+            for cb in gl.static_range(4):                                   # 2^(c_(b-1) - M_c), blocks b >= c
                 below = gl.expand_dims(gl.where(ib >= cb, gl.exp2(start - mids[cb]), 0.0), 1)   # [8, 1, 32]
                 both = gl.permute(gl.join(X * below, Q * below), (3, 0, 1, 2))              # [2, 8, 8, 32]
                 xq_s[cb].store(gl.permute(gl.reshape(both, [128, BC]), (1, 0)).to(gl.bfloat16))
