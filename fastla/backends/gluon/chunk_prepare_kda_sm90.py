@@ -151,7 +151,8 @@ def _row_norms(x_s, base, NS: gl.constexpr, L3: gl.constexpr, WARPGROUPS: gl.con
     r = gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l))
     c = gl.arange(0, 64, layout=gl.SliceLayout(0, acc_l))
     n = gl.rsqrt(gl.sum(gl.where(r[:, None] == c[None, :], acc, 0.0), 1) + 1e-6)   # [64] rows
-    return gl.expand_dims(gl.convert_layout(gl.reshape(n, [4 * WARPGROUPS, 16 // WARPGROUPS]), gl.SliceLayout(2, L3)), 2)
+    n = gl.reshape(n, [4 * WARPGROUPS, 16 // WARPGROUPS])                  # (warp, row in the warp)
+    return gl.expand_dims(gl.convert_layout(n, gl.SliceLayout(2, L3)), 2)
 
 
 @gluon.jit
