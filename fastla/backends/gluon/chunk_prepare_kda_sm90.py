@@ -126,11 +126,13 @@ def _rcp_approx(x):
 
 
 @gluon.jit
-def _slice(x_s, ks, valid, L3: gl.constexpr, MASK: gl.constexpr = True):
+def _slice(x_s, ks, valid, L3: gl.constexpr, MASK: gl.constexpr = True, WARPS: gl.constexpr = 4):
     """Slice ks [4, 16, 32] of a chunk's tile in shared memory as fp32, 0 past n_left (not MASK: as
-    loaded, where every use masks those rows itself)."""
-    x = gl.convert_layout(gl.reshape(x_s.index(ks).load(gl.BlockedLayout([16, 1], [1, 32], [4, 1], [0, 1])),
-                                     [4, 16, BC]), L3).to(gl.float32)
+    loaded, where every use masks those rows itself). WARPS 8 (the stacked kernel): [8, 8, 32],
+    a warp's rows half a block."""
+    ROWS: gl.constexpr = 64 // WARPS
+    x = x_s.index(ks).load(gl.BlockedLayout([ROWS, 1], [1, 32], [WARPS, 1], [0, 1]))
+    x = gl.convert_layout(gl.reshape(x, [WARPS, ROWS, BC]), L3).to(gl.float32)
     if MASK:
         x = gl.where(valid, x, 0.0)
     return x
@@ -483,14 +485,6 @@ def _kda_prologue_sm90_kernel(
 
 
 @gluon.jit
-def _halves(x_s, ks, L3: gl.constexpr):
-    """Slice ks [8, 8, 32] (half-block, row in the half, channel) of a chunk's [64, 32] tiles in
-    shared memory, fp32, as loaded (the stacked kernel's uses mask the rows past n_left)."""
-    x = x_s.index(ks).load(gl.BlockedLayout([8, 1], [1, 32], [8, 1], [0, 1]))
-    return gl.convert_layout(gl.reshape(x, [8, 8, BC]), L3).to(gl.float32)
-
-
-@gluon.jit
 def _unstack_halves(e, L_hc: gl.constexpr):
     """The eight [1, 32] vectors (in ``L_hc``) of ``e`` [1, 8, 32], whose dim 1 is in each thread's
     registers: splits, no instructions."""
@@ -616,7 +610,7 @@ def _kda_prologue_stacked_sm90_kernel(
                 bias_n = gl.load(dt_bias + gl.where(ahead, i_hv, hv_n) * K + o_c + gl.where(ahead, ks + 1, 0) * BC)
                 bias_n = bias_n.to(gl.float32)
             mbarrier.wait(g_bar.index(slot), ((it * NS + ks) // 2) & 1)
-            x = _halves(g_in, slot, L3)
+            x = _slice(g_in, slot, valid, L3, False, 8)
             gl.thread_barrier()                 # the slot refilled: this item's slice ks + 2, else the next's
             same = ks + 2 < NS
             _load_gate(g_desc, g_in, g_bar.index(slot), slot, gl.where(same, t0, t0_n), gl.where(same, i_hv, hv_n),
@@ -637,8 +631,8 @@ def _kda_prologue_stacked_sm90_kernel(
             first_half = gl.where(ib == 0, e0, gl.where(ib == 1, e2, gl.where(ib == 2, e4, e6))) - start
             before = gl.where(ih % 2 == 1, first_half, 0.0)                 # [8, 32] the block's first half
             c_last = e7                                                     # [1, 32] G_last
-            kb = _halves(k_in, buf * NS + ks, L3) * rk
-            qb = _halves(q_in, buf * NS + ks, L3) * rq
+            kb = _slice(k_in, buf * NS + ks, valid, L3, False, 8) * rk
+            qb = _slice(q_in, buf * NS + ks, valid, L3, False, 8) * rq
             Lg = L + gl.expand_dims(before, 1)                              # G - c_(b-1)
             e_in = gl.exp2(Lg)
             X = kb * e_in                                                   # k 2^(G - c_(b-1)) <= |k|
