@@ -33,7 +33,6 @@
 #                                              # and A/B sweeps, KDA and GDN (~8 min)
 #   bash benchmarks/gpu_checks.sh beta-in-p    # P diag(beta) from the inverse kernels, the scan's Y without
 #                                              # beta: GPU tests and A/B sweeps, KDA and GDN (~8 min)
-#   bash benchmarks/gpu_checks.sh stacked      # the bounded gate's prologue on 8 warps: GPU tests, A/B sweep (~8 min)
 #   bash benchmarks/gpu_checks.sh table        # every KDA and GDN forward row of the registry (~6-8 min)
 #   bash benchmarks/gpu_checks.sh table-rest   # the table's forward rows gates-in-scan leaves (~4 min)
 #   bash benchmarks/gpu_checks.sh graph-eager  # why big rows' graph times exceed their eager ones: five
@@ -262,16 +261,6 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
     timeout 300 python3 -m fastla bench --filter kda/ --modes fwd --quick --no-cold --out "$out" 2>&1 | grep "|" | tail -9
     timeout $(( 585 - ($(date +%s) - start) )) python3 -m fastla bench --filter gdn/ --modes fwd --quick --no-cold \
       --out "$out" 2>&1 | grep "|" | tail -21 ;;
-  stacked)
-    # the bounded gate's prologue on 8 warps (chunk_prepare_kda_sm90.STACKED, docs/notes/kda-prefill.md
-    # v30): its GPU tests (under the gaters' scan and storing the gated tiles), then the A/B sweep on
-    # shapes of both (~8 min)
-    start=$(date +%s)
-    t 240 tests/ops/test_gluon_chunk_kda.py -k "prologue_stacked"
-    timeout $(( 570 - ($(date +%s) - start) )) python3 benchmarks/kda_prefill_sweep.py --tier gluon \
-      --variants default,stacked,default --shapes kda/h64/1x8192,kda/h64/2x16384,kda/h96/1x8192,kda/h64/varlen8x15193 \
-      --out "$out" 2>&1 |
-      grep gluon | cut -c1-150 ;;
   table-rest)
     # the H200 table's forward rows that gates-in-scan does not rerun (run it first; with it, every
     # GDN and KDA forward row of the registry on the current code; ~4 min with FLA's tuning cache)

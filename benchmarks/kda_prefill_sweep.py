@@ -79,7 +79,6 @@ VARIANTS = {
     # the gater warpgroup on one chain; the prologue stores no kg, kd nor qg
     "gates-in-scan": dict(gates_in_scan=True),
     "tiles": dict(gates_in_scan=False),
-    "stacked": dict(stacked=True),              # the gaters' prologue on 8 warps (chunk_prepare_kda_sm90.STACKED)
     "regs1-tiles": dict(gates_in_scan=False, scan_regs=True, regs_chains=1),   # one chain, the prologue's tiles
     "gates-one-chain": dict(gates_in_scan=True, scan_regs=True, regs_chains=1),  # the gaters where two chains are planned
     "gates-packed": dict(gates_in_scan=True, gater_packed=True),   # the gaters' products on bf16 pairs (GATER_PACKED)
@@ -133,7 +132,6 @@ def main() -> int:
     default_ahead = sm90_prologue.LOADS_AHEAD
     default_whole = gluon_chunk.WHOLE_CHUNK_BRANCHES
     default_beta_in_p = gluon_chunk.BETA_IN_P
-    default_stacked = sm90_prologue.STACKED
     for shape in args.shapes.split(","):
         kw = with_gate(call_kwargs(make_inputs(get_config(shape), "cuda")), args.gate)
         fla_o = fla_us = first_o = None
@@ -162,7 +160,6 @@ def main() -> int:
             gluon_chunk.GATER_PACKED = over.pop("gater_packed", default_packed)
             gluon_chunk.WHOLE_CHUNK_BRANCHES = over.pop("whole_branches", default_whole)
             gluon_chunk.BETA_IN_P = over.pop("beta_in_p", default_beta_in_p)
-            sm90_prologue.STACKED = over.pop("stacked", default_stacked)
             chunk_delta.default_config = config_with(original, over)
             try:
                 with use_tier(args.tier, strict=True), torch.no_grad():
@@ -191,7 +188,6 @@ def main() -> int:
                 gluon_chunk.GATER_PACKED = default_packed
                 gluon_chunk.WHOLE_CHUNK_BRANCHES = default_whole
                 gluon_chunk.BETA_IN_P = default_beta_in_p
-                sm90_prologue.STACKED = default_stacked
             prep = sum(v for k, v in split.items() if any(w in k for w in ("prepare", "prologue", "inverse", "wide", "list")))
             scan = sum(v for k, v in split.items() if "scan" in k)
             rows.append(dict(shape=shape, variant=name, tier=args.tier, gate=args.gate, us=us, prepare_us=prep, scan_us=scan, kernels=split,

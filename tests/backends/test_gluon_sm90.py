@@ -747,45 +747,6 @@ def test_kda_prologue_compiles_for_sm90(name, tmp_path):
     assert res["shared_bytes"] <= 227 * 1024 // 2, res                    # two programs per SM
 
 
-def _child_kda_prologue_stacked(name: str, folder: str) -> None:
-    from triton.experimental.gluon import language as gl
-
-    from fastla.backends.gluon.chunk_prepare_kda_sm90 import STACKED_MAXNREG
-    from fastla.backends.gluon.chunk_prepare_kda_sm90 import _kda_prologue_stacked_sm90_kernel as kern
-
-    varlen = name.endswith("varlen-k64")
-    consts = dict(H=32, HV=64, K=64 if varlen else 128, HAS_A=True, HAS_BIAS=True, BETA=2, VARLEN=varlen,
-                  FULL=not varlen, GATED="-gated" in name)
-    box = gl.NVMMASharedLayout.get_default_for([64, 32], gl.bfloat16)
-    pointers = {"beta": "*bf16", "A_log": "*fp32", "dt_bias": "*fp32", "a_kk": "*fp32", "a_qk": "*bf16",
-                "kg": "*bf16", "kd": "*bf16", "qg": "*bf16", "decay": "*fp32", "rq_out": "*fp32", "rk_out": "*fp32",
-                "cu_seqlens": "*i64", "chunk_index": "*i32"}
-    sig = {}
-    for n in kern.arg_names:
-        if n.endswith("_desc"):
-            sig[n] = f"tensordesc<bf16[64, 32],{box!r}>"
-        else:
-            sig[n] = pointers.get(n) or ("constexpr" if n in consts else ("i32" if n in ("T", "NT", "total") else "fp32"))
-    print(json.dumps(_compile_sm90(kern, sig, consts, folder, {"num_warps": 8, "maxnreg": STACKED_MAXNREG})))
-
-
-# (with kg, qg and kd stored: three of the item's values spilled outside the slice loop)
-KDA_STACKED_STACK = {"kda-prologue-stacked-gated": 16, "kda-prologue-stacked-gated-varlen-k64": 32}
-
-
-@pytest.mark.parametrize("name", ["kda-prologue-stacked", "kda-prologue-stacked-varlen-k64",
-                                  "kda-prologue-stacked-gated", "kda-prologue-stacked-gated-varlen-k64"])
-def test_kda_prologue_stacked_compiles_for_sm90(name, tmp_path):
-    """The 8-warp prologue (chunk_prepare_kda_sm90.STACKED) at its register cap, under the gaters'
-    scan and with the gated stores: wgmma products, TMA loads, no spill (bar the known), two
-    programs an SM."""
-    res = _run_child(f"_child_kda_prologue_stacked({name!r}, {str(tmp_path)!r})", tmp_path,
-                     module="tests.backends.test_gluon_sm90")
-    assert res["hgmma"] > 0 and res["utmaldg"] > 0, res
-    assert res["LOCAL"] == 0 and res["STACK"] <= KDA_STACKED_STACK.get(name, 0) and res["REG"] <= 128, f"spills: {res}"
-    assert res["shared_bytes"] <= 227 * 1024 // 2, res
-
-
 GDN_SCORES_VARIANTS = {
     # name: constexprs over the default launch (K = 128, GVA 4:1, l2norm)
     "gdn-scores": {},
@@ -954,62 +915,6 @@ def test_kda_prologue_launch_builds_descriptors(monkeypatch):
     flags = args[names.index("flags")]
     assert flags.shape == (total, HV) and flags.dtype == torch.int32 and wide[-1] is flags
     assert wide[5] is args[names.index("a_kk")] is order[1][1][3] and wide[6] is out[1]
-
-
-def test_kda_prologue_stacked_launch(monkeypatch):
-    """With STACKED, the bounded gate's prologue launches the 8-warp kernel at its register cap,
-    under the gaters' scan (no kg, qg nor kd) and with the gated tiles, then the inverse on the
-    same A; without it, the 4-warp kernel."""
-    import torch
-
-    from fastla.backends.gluon import chunk_inverse_sm90
-    from fastla.backends.gluon import chunk_prepare_kda_sm90 as sm90
-    from fastla.backends.triton import launch
-    from fastla.core.validation import build_problem
-
-    launches, inverses = [], []
-
-    class Recorder:
-        def __init__(self, fn):
-            self.fn = fn
-
-        def __getitem__(self, grid):
-            return lambda *args, **kw: launches.append((self.fn, grid, args, kw))
-
-    monkeypatch.setattr(launch, "launcher", lambda fn, T=None, NT=None: Recorder(fn))
-    monkeypatch.setattr(chunk_inverse_sm90, "launch_kda", lambda *args, **kw: inverses.append((args, kw)))
-    monkeypatch.setattr(sm90, "STACKED", True)
-    B, T, H, HV, K = 1, 256, 2, 4, 128
-    bf = dict(dtype=torch.bfloat16)
-    q, k = torch.randn(B, T, H, K, **bf), torch.randn(B, T, H, K, **bf)
-    v, g = torch.randn(B, T, HV, K, **bf), torch.randn(B, T, HV, K, **bf)
-    p = build_problem("chunk_kda", q=q, k=k, v=v, gk=g, beta=torch.rand(B, T, HV, **bf), delta=True, gva=True,
-                      gate_in_op="kda", A_log=torch.zeros(HV), lower_bound=-5.0, use_qk_l2norm=True)
-    total = T // 64
-    inverse, scores = torch.empty(B, T, HV, 64, **bf), torch.empty(B, T, HV, 64, **bf)
-    decay = torch.empty(total, HV, K)
-    rq, rk = torch.empty(B, T, H), torch.empty(B, T, H)
-    sm90.launch(p, p.beta, 2, total, (None, None), inverse, scores, None, None, None, decay, rq=rq, rk=rk,
-                beta_cols=True)
-    ((fn, grid, args, kw),) = launches
-    names = fn.arg_names
-    assert fn is sm90._kda_prologue_stacked_sm90_kernel
-    assert kw["num_warps"] == 8 and kw["maxnreg"] == sm90.STACKED_MAXNREG and kw["FULL"] is True
-    assert args[names.index("a_qk")] is scores and args[names.index("decay")] is decay
-    assert args[names.index("rq_out")] is rq and args[names.index("rk_out")] is rk
-    ((inv_args, inv_kw),) = inverses
-    assert inv_args[3] is args[names.index("a_kk")] and inv_args[4] is inverse and inv_kw["beta"] is p.beta
-    assert kw["GATED"] is False
-    launches.clear()
-    gated = [torch.empty(B, T, HV, K, **bf) for _ in range(3)]
-    sm90.launch(p, p.beta, 2, total, (None, None), inverse, scores, *gated, decay)
-    ((fn, _, args, kw),) = launches
-    assert fn is sm90._kda_prologue_stacked_sm90_kernel and kw["GATED"] is True
-    assert [args[names.index(n)] for n in ("kg", "kd", "qg")] == gated
-    launches.clear()
-    monkeypatch.setattr(sm90, "STACKED", False)
-    sm90.launch(p, p.beta, 2, total, (None, None), inverse, scores, *gated, decay)
-    assert launches[0][0] is sm90._kda_prologue_sm90_kernel
 
 
 def test_kda_prologue_serves_every_gate(monkeypatch):

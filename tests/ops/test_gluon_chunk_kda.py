@@ -50,19 +50,6 @@ def test_state_in_registers_scan(case, chains, monkeypatch):
         check_fp64(*bf16_case(case), tier="gluon")
 
 
-def _twice_and_close(t, opts, other, what: str) -> None:
-    """Two runs of the call on the Gluon tier, outputs poisoned before each: bit-equal, and within
-    1e-2 (relative RMS) of ``other`` (output, final state) for each."""
-    from tests.helpers import poison, rel_rms
-    poison()
-    first = on_tier(call_chunk, SPEC, t, tier="gluon", output_final_state=True, **opts)
-    poison()
-    again = on_tier(call_chunk, SPEC, t, tier="gluon", output_final_state=True, **opts)
-    for name, a, b, c in zip(("o", "final_state"), first, again, other):
-        assert torch.equal(a, b), f"{name} moved between two runs"
-        assert rel_rms(a, c) <= 1e-2, f"{name}: {rel_rms(a, c):.2e} from {what}"
-
-
 @pytest.mark.parametrize("packed", [False, True], ids=["fp32-products", "bf16-pairs"])
 @pytest.mark.parametrize("case", ["bounded-gate", "bounded-gate-whole", "bounded-varlen", "bounded-k64",
                                   "bounded-plain", "bounded-neg-eigval"])
@@ -73,7 +60,7 @@ def test_gates_in_scan(case, packed, monkeypatch):
     the call that reads the prologue's gated tiles (both round them to bf16); with the gaters'
     products on fp32 and on bf16 pairs (GATER_PACKED, shipped)."""
     from fastla.backends.gluon import chunk_delta as gluon_chunk
-    from tests.helpers import poison
+    from tests.helpers import poison, rel_rms
     monkeypatch.setattr(gluon_chunk, "REGS_CHAINS", 1)      # (the small shapes plan the other scans)
     monkeypatch.setattr(gluon_chunk, "GATER_PACKED", packed)
     planned = []
@@ -87,7 +74,13 @@ def test_gates_in_scan(case, packed, monkeypatch):
     poison()
     check_fp64(t, opts, tier="gluon")
     assert planned[-1], "the gates were not planned in the scan"
-    _twice_and_close(t, opts, tiles, "the prologue's gated tiles")
+    poison()
+    first = on_tier(call_chunk, SPEC, t, tier="gluon", output_final_state=True, **opts)
+    poison()
+    again = on_tier(call_chunk, SPEC, t, tier="gluon", output_final_state=True, **opts)
+    for name, a, b, c in zip(("o", "final_state"), first, again, tiles):
+        assert torch.equal(a, b), f"{name} moved between two runs"
+        assert rel_rms(a, c) <= 1e-2, f"{name}: {rel_rms(a, c):.2e} from the prologue's gated tiles"
 
 
 @pytest.mark.parametrize("in_place", [False, True], ids=["copies", "strided-tma"])
@@ -257,36 +250,6 @@ def test_sm90_prologue_loads_ahead(case, persistent, monkeypatch):
     ahead = on_tier(call_chunk, SPEC, t, tier="gluon", output_final_state=True, **opts)
     for name, a, b in zip(("o", "final_state"), ahead, late):
         assert torch.equal(a, b), f"{name}: {(a.float() - b.float()).abs().max()} from the loads where used"
-
-
-@pytest.mark.parametrize("gates", ["in-scan", "tiles"])
-@pytest.mark.parametrize("persistent", [False, True], ids=["full-grid", "two-programs"])
-@pytest.mark.parametrize("case", ["bounded-gate", "bounded-gate-whole", "bounded-varlen", "bounded-k64",
-                                  "bounded-neg-eigval"])
-def test_sm90_prologue_stacked(case, persistent, gates, monkeypatch):
-    """The 8-warp prologue (chunk_prepare_kda_sm90.STACKED) under the gaters' scan and storing the
-    gated tiles: launched, the op within the fp64 check with outputs poisoned, equal over two runs,
-    and within 1e-2 of the 4-warp prologue's call (the same products; the cumsum's sums in another
-    order); on two programs the q / k buffers and gate slots go through many phases."""
-    from fastla.backends import triton as triton_backend
-    from fastla.backends.gluon import chunk_delta as gluon_chunk
-    from fastla.backends.gluon import chunk_prepare_kda_sm90 as sm90
-    from tests.helpers import poison
-    if persistent:
-        monkeypatch.setattr(triton_backend, "sm_count", lambda device: 1)
-    monkeypatch.setattr(gluon_chunk, "REGS_CHAINS", 1)      # (the small shapes plan the other scans)
-    monkeypatch.setattr(gluon_chunk, "GATES_IN_SCAN", gates == "in-scan")
-    launched = []
-    t, opts = bf16_case(case)
-    four = on_tier(call_chunk, SPEC, t, tier="gluon", output_final_state=True, **opts)
-    monkeypatch.setattr(sm90, "STACKED", True)
-    from fastla.backends.triton import launch
-    original = launch.launcher
-    monkeypatch.setattr(launch, "launcher", lambda fn, *a: launched.append(fn) or original(fn, *a))
-    poison()
-    check_fp64(t, opts, tier="gluon")
-    assert sm90._kda_prologue_stacked_sm90_kernel in launched, "the stacked prologue did not run"
-    _twice_and_close(t, opts, four, "the 4-warp prologue's call")
 
 
 @pytest.mark.parametrize("case", ["bounded-gate", "bounded-varlen", "bounded-k64", "unbounded-gate", "strong-decay"])

@@ -51,13 +51,6 @@ here instead (the diagonal blocks by substitution, then block-Jacobi steps on wg
 faster than the inverse kernel: +114 us in this kernel against the inverse's 119 at 1x8k H64
 (notes, v6).
 
-The stacked build (``_kda_prologue_stacked_sm90_kernel``, STACKED, off until it runs on a GPU):
-the FROM_X prologue (bf16 gate; with or without kg, qg and kd) on 8 warps, warp w on rows 8w ..
-8w + 7 (8 rows a thread), the halves' sums through shared memory once a slice, and both sides of
-a column block in one wgmma of M = 128 ([X ... ; Q ...] against the shared R_c^T: warpgroup 0
-accumulates A, warpgroup 1 Aqk); 128 registers (no stack without the gated stores, 16-32 bytes
-with them), 109.5 KB of shared memory: 16 warps an SM.
-
 Budget and measurements: docs/notes/kda-prefill.md (v4 to v21; persistent since v10: 1x8k H64
 523 -> 491 us with the inverse; v19-v21 on the H200: the call 736.9 -> 681.0 us).
 """
@@ -126,26 +119,21 @@ def _rcp_approx(x):
 
 
 @gluon.jit
-def _slice(x_s, ks, valid, L3: gl.constexpr, MASK: gl.constexpr = True, WARPS: gl.constexpr = 4):
+def _slice(x_s, ks, valid, L3: gl.constexpr, MASK: gl.constexpr = True):
     """Slice ks [4, 16, 32] of a chunk's tile in shared memory as fp32, 0 past n_left (not MASK: as
-    loaded, where every use masks those rows itself). WARPS 8 (the stacked kernel): [8, 8, 32],
-    a warp's rows half a block."""
-    ROWS: gl.constexpr = 64 // WARPS
-    x = x_s.index(ks).load(gl.BlockedLayout([ROWS, 1], [1, 32], [WARPS, 1], [0, 1]))
-    x = gl.convert_layout(gl.reshape(x, [WARPS, ROWS, BC]), L3).to(gl.float32)
+    loaded, where every use masks those rows itself)."""
+    x = gl.convert_layout(gl.reshape(x_s.index(ks).load(gl.BlockedLayout([16, 1], [1, 32], [4, 1], [0, 1])),
+                                     [4, 16, BC]), L3).to(gl.float32)
     if MASK:
         x = gl.where(valid, x, 0.0)
     return x
 
 
 @gluon.jit
-def _row_norms(x_s, base, NS: gl.constexpr, L3: gl.constexpr, WARPGROUPS: gl.constexpr = 1):
+def _row_norms(x_s, base, NS: gl.constexpr, L3: gl.constexpr):
     """1 / |x_t| [4, 16, 1] (FLA's eps) from the diagonal of X X^T, by wgmma over the NS slices
-    base .. base + NS - 1 in shared memory (no sums across lanes; rows past the chunk's end are masked where they are used).
-    WARPGROUPS 2 (the stacked kernel's 8 warps): [8, 8, 1], each warpgroup on half the columns (the
-    diagonal's sum crosses them)."""
-    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WARPGROUPS],
-                                                    instr_shape=[16, 64 // WARPGROUPS, 16])
+    base .. base + NS - 1 in shared memory (no sums across lanes; rows past the chunk's end are masked where they are used)."""
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     acc = gl.zeros([64, 64], gl.float32, acc_l)
     for ks in gl.static_range(NS):
         acc = warpgroup_mma(x_s.index(base + ks), x_s.index(base + ks).permute((1, 0)), acc, is_async=True)
@@ -153,8 +141,7 @@ def _row_norms(x_s, base, NS: gl.constexpr, L3: gl.constexpr, WARPGROUPS: gl.con
     r = gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l))
     c = gl.arange(0, 64, layout=gl.SliceLayout(0, acc_l))
     n = gl.rsqrt(gl.sum(gl.where(r[:, None] == c[None, :], acc, 0.0), 1) + 1e-6)   # [64] rows
-    n = gl.reshape(n, [4 * WARPGROUPS, 16 // WARPGROUPS])                  # (warp, row in the warp)
-    return gl.expand_dims(gl.convert_layout(n, gl.SliceLayout(2, L3)), 2)
+    return gl.expand_dims(gl.convert_layout(gl.reshape(n, [4, 16]), gl.SliceLayout(2, L3)), 2)
 
 
 @gluon.jit
@@ -484,220 +471,6 @@ def _kda_prologue_sm90_kernel(
         mbarrier.invalidate(g_bar.index(i))
 
 
-@gluon.jit
-def _unstack_halves(e, L_hc: gl.constexpr):
-    """The eight [1, 32] vectors (in ``L_hc``) of ``e`` [1, 8, 32], whose dim 1 is in each thread's
-    registers: splits, no instructions."""
-    x = gl.reshape(gl.permute(e, (0, 2, 1)), [BC, 4, 2])                   # u = 2 m + i
-    e_even, e_odd = gl.split(x)                                             # [32, 4] by m
-    a, b = gl.split(gl.reshape(e_even, [BC, 2, 2]))                        # u = 4 n + {0, 2}
-    c, d = gl.split(gl.reshape(e_odd, [BC, 2, 2]))                         # u = 4 n + {1, 3}
-    e0, e4 = gl.split(a)
-    e2, e6 = gl.split(b)
-    e1, e5 = gl.split(c)
-    e3, e7 = gl.split(d)
-    out: gl.constexpr = gl.SliceLayout(0, L_hc)
-    return (gl.convert_layout(e0, out)[None, :], gl.convert_layout(e1, out)[None, :],
-            gl.convert_layout(e2, out)[None, :], gl.convert_layout(e3, out)[None, :],
-            gl.convert_layout(e4, out)[None, :], gl.convert_layout(e5, out)[None, :],
-            gl.convert_layout(e6, out)[None, :], gl.convert_layout(e7, out)[None, :])
-
-
-@gluon.jit(do_not_specialize=["T", "NT", "total"])
-def _kda_prologue_stacked_sm90_kernel(
-    q_desc, k_desc, g_desc, beta, A_log, dt_bias, lower_bound, scale, a_kk, a_qk, kg, kd, qg, decay, rq_out, rk_out,
-    cu_seqlens, chunk_index, T, NT, total,
-    H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, HAS_A: gl.constexpr, HAS_BIAS: gl.constexpr,
-    BETA: gl.constexpr, VARLEN: gl.constexpr, FULL: gl.constexpr, GATED: gl.constexpr,
-):
-    """The FROM_X build of _kda_prologue_sm90_kernel (the bounded gate in the op, the l2norm in the
-    op; GATED: kg, qg and kd stored, else the rows' norms for the gaters' scan) on 8 warps
-    a program instead of 4, for twice the warps an SM at two programs: warp w holds rows 8w ..
-    8w + 7 of the chunk (half of block w // 2), lane = channel, 8 rows a thread; the halves' sums
-    go through shared memory once a slice. Column block c's products take both sides in one wgmma
-    of M = 128: the left operand [X 2^(..) ; Q 2^(..)] (rows 0-63 the keys', 64-127 the queries')
-    against the shared right operand R_c^T, warpgroup 0 accumulating A's columns, warpgroup 1
-    Aqk's ([128, 16] fp32, 8 registers a thread a block). Same outputs as the 4-warp kernel's
-    (the sums' order aside). Shared memory: q / k of two items 64 KB, gate slots 8 KB, the stacked
-    operands 4 x 8 KB and R^T 4 KB, the halves' sums 1 KB."""
-    gl.static_assert(K % BC == 0, "K in slices of 32 channels")
-    NS: gl.constexpr = K // BC
-    gl.static_assert(NS % 2 == 0, "the gate's slices alternate between two slots")
-    # [8, 8, 32]: (half-block hb = 2 b + h, row in the half, channel); the same layout holds every
-    # half's sum in each thread as [1, 8, 32] (dim 1 then the half u)
-    L3: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8, 1], threads_per_warp=[1, 1, 32],
-                                        warps_per_cta=[8, 1, 1], order=[2, 1, 0])
-    L_hc: gl.constexpr = gl.SliceLayout(1, L3)                              # [8, 32] (half, channel)
-    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, 16, 16])
-    xq_tile: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    f_tile: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2)
-    rows_l: gl.constexpr = gl.SliceLayout(1, acc_l)
-    cols_l: gl.constexpr = gl.SliceLayout(0, acc_l)
-
-    ihb = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))[:, None, None]   # [8, 1, 1] half
-    iu = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))[None, :, None]    # [1, 8, 1] row / half u
-    o_c = gl.arange(0, BC, layout=gl.SliceLayout(0, L_hc))[None, None, :]  # [1, 1, 32]
-    t = ihb * 8 + iu                                                        # [8, 8, 1] chunk rows
-    ih = gl.arange(0, 8, layout=gl.SliceLayout(1, L_hc))[:, None]          # [8, 1] half
-    ib = ih // 2                                                            # its block
-    o_c2 = gl.arange(0, BC, layout=gl.SliceLayout(0, L_hc))[None, :]       # [1, 32]
-    r = gl.arange(0, 128, layout=rows_l)                                    # stacked rows: A's, then Aqk's
-    r64 = r % 64
-    side_a = r < 64
-    items = total * HV
-    programs = gl.num_programs(0)
-
-    q_in = gl.allocate_shared_memory(q_desc.dtype, [2 * NS, 64, BC], q_desc.layout)
-    k_in = gl.allocate_shared_memory(k_desc.dtype, [2 * NS, 64, BC], k_desc.layout)
-    g_in = gl.allocate_shared_memory(g_desc.dtype, [2, 64, BC], g_desc.layout)
-    qk_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    g_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
-        mbarrier.init(qk_bar.index(i), count=1)
-        mbarrier.init(g_bar.index(i), count=1)
-    xq_s = (gl.allocate_shared_memory(gl.bfloat16, [BC, 128], xq_tile),   # [X ; Q] per column block,
-            gl.allocate_shared_memory(gl.bfloat16, [BC, 128], xq_tile),   # channel-major
-            gl.allocate_shared_memory(gl.bfloat16, [BC, 128], xq_tile),
-            gl.allocate_shared_memory(gl.bfloat16, [BC, 128], xq_tile))
-    f_s = gl.allocate_shared_memory(gl.bfloat16, [4 * BC, 16], f_tile)    # R_c^T in rows 32c .. 32c + 31
-    sums_s = gl.allocate_shared_memory(gl.float32, [8, BC], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
-    fence_async_shared()
-
-    j0 = gl.program_id(0)
-    _, hv0, h0, t00, _ = _item(j0, total, chunk_index, cu_seqlens, T, NT, H, HV, VARLEN)
-    _load_qk(q_desc, k_desc, q_in, k_in, qk_bar.index(0), 0, t00, h0, j0 < items, K, NS)
-    _load_gate(g_desc, g_in, g_bar.index(0), 0, t00, hv0, 0, j0 < items, K)
-    _load_gate(g_desc, g_in, g_bar.index(1), 1, t00, hv0, 1, j0 < items, K)
-    bias_n = gl.zeros([1, 1, BC], gl.float32, L3)
-    if HAS_BIAS:
-        bias_n = gl.load(dt_bias + hv0 * K + o_c, mask=(o_c < BC) & (j0 < items), other=0.0).to(gl.float32)
-    it = 0
-    for j in range(j0, items, programs):
-        i_c, i_hv, i_h, t0, eos = _item(j, total, chunk_index, cu_seqlens, T, NT, H, HV, VARLEN)
-        has_next = j + programs < items
-        _, hv_n, h_n, t0_n, _ = _item(gl.minimum(j + programs, items - 1), total, chunk_index, cu_seqlens, T, NT,
-                                      H, HV, VARLEN)
-        n_left = gl.minimum(eos - t0, 64).to(gl.int32)                    # tokens of the chunk from t0
-        valid = t < n_left
-        beta_base = t0 * HV + i_hv                                          # chunk row 0 in beta, A, Aqk
-        valid_r = r64 < n_left
-        beta_in = gl.load(beta + beta_base + r64 * HV, mask=valid_r & side_a, other=0.0)
-        buf = it % 2
-        gl.thread_barrier()                     # the next item's q and k (the other buffer: read last item)
-        _load_qk(q_desc, k_desc, q_in, k_in, qk_bar.index(1 - buf), 1 - buf, t0_n, h_n, has_next, K, NS)
-        mbarrier.wait(qk_bar.index(buf), (it // 2) & 1)
-
-        rk = _row_norms(k_in, buf * NS, NS, L3, 2)
-        nq = _row_norms(q_in, buf * NS, NS, L3, 2)
-        if not GATED:
-            first = valid & (i_hv % (HV // H) == 0)
-            gl.store(rk_out + (t0 + t) * H + i_h, rk, mask=first)
-            gl.store(rq_out + (t0 + t) * H + i_h, nq, mask=first)
-        rq = nq * scale
-        gate_base = beta_base * K                                           # chunk row 0 in kg, kd, qg
-        if HAS_A:
-            a_h = gl.exp(gl.load(A_log + i_hv).to(gl.float32))
-        else:
-            a_h = 1.0
-
-        zero = gl.zeros([128, 16], gl.float32, acc_l)
-        a0, a1, a2, a3 = zero, zero, zero, zero
-        for ks in range(0, NS):
-            slot = ks % 2
-            bias = bias_n
-            if HAS_BIAS:                                                    # slice ks + 1, or the next item's 0
-                ahead = ks + 1 < NS
-                bias_n = gl.load(dt_bias + gl.where(ahead, i_hv, hv_n) * K + o_c + gl.where(ahead, ks + 1, 0) * BC)
-                bias_n = bias_n.to(gl.float32)
-            mbarrier.wait(g_bar.index(slot), ((it * NS + ks) // 2) & 1)
-            x = _slice(g_in, slot, valid, L3, False, 8)
-            gl.thread_barrier()                 # the slot refilled: this item's slice ks + 2, else the next's
-            same = ks + 2 < NS
-            _load_gate(g_desc, g_in, g_bar.index(slot), slot, gl.where(same, t0, t0_n), gl.where(same, i_hv, hv_n),
-                       gl.where(same, ks + 2, ks + 2 - NS), same or has_next, K)
-            if HAS_BIAS:
-                x = x + bias
-            x = (LOG2E * lower_bound) * _rcp_approx(1.0 + gl.exp2(-LOG2E * a_h * x))   # log2 decay
-            if not FULL:
-                x = gl.where(valid, x, 0.0)
-            L = gl.associative_scan(x, 1, _add)                             # [8, 8, 32] within each half
-            sums_s.store(gl.sum(x, 1))                                      # the halves' sums
-            s_all = gl.expand_dims(sums_s.load(gl.SliceLayout(0, L3)), 0)  # [1, 8, 32] every half's
-            # e_u: G at the end of half u, [1, 32] each; block b ends at e_(2b + 1)
-            e0, e1, e2, e3, e4, e5, e6, e7 = _unstack_halves(gl.associative_scan(s_all, 1, _add), L_hc)
-            start = gl.where(ib == 0, 0.0, gl.where(ib == 1, e1, gl.where(ib == 2, e3, e5)))   # [8, 32] c_(b-1)
-            span = gl.where(ib == 0, e1, gl.where(ib == 1, e3, gl.where(ib == 2, e5, e7))) - start   # (-span)
-            mids = (0.5 * e1, 0.5 * (e1 + e3), 0.5 * (e3 + e5), 0.5 * (e5 + e7))    # M_c
-            first_half = gl.where(ib == 0, e0, gl.where(ib == 1, e2, gl.where(ib == 2, e4, e6))) - start
-            before = gl.where(ih % 2 == 1, first_half, 0.0)                 # [8, 32] the block's first half
-            c_last = e7                                                     # [1, 32] G_last
-            kb = _slice(k_in, buf * NS + ks, valid, L3, False, 8) * rk
-            qb = _slice(q_in, buf * NS + ks, valid, L3, False, 8) * rq
-            Lg = L + gl.expand_dims(before, 1)                              # G - c_(b-1)
-            e_in = gl.exp2(Lg)
-            X = kb * e_in                                                   # k 2^(G - c_(b-1)) <= |k|
-            Q = qb * e_in
-            R = kb * gl.exp2(gl.expand_dims(0.5 * span, 1) - Lg)            # k 2^(M_b - G)
-            # R^T [4 x 32 channels, 16 rows of the block]
-            Rt = gl.permute(gl.reshape(R, [4, 2, 8, BC]), (0, 3, 1, 2))
-            f_s.store(gl.reshape(Rt, [4 * BC, 16]).to(gl.bfloat16))
-            out = gate_base + t * (HV * K) + ks * BC + o_c
-            if GATED:                                                       # k 2^(G_last - G)
-                kd_val = R * gl.expand_dims(gl.exp2(c_last - start - 0.5 * span), 1)
-                _store_rows(kd + out, kd_val.to(kd.dtype.element_ty), valid, FULL)
-            for cb in gl.static_range(4):                                   # 2^(c_(b-1) - M_c), blocks b >= c
-                below = gl.expand_dims(gl.where(ib >= cb, gl.exp2(start - mids[cb]), 0.0), 1)   # [8, 1, 32]
-                both = gl.permute(gl.join(X * below, Q * below), (3, 0, 1, 2))              # [2, 8, 8, 32]
-                xq_s[cb].store(gl.permute(gl.reshape(both, [128, BC]), (1, 0)).to(gl.bfloat16))
-            fence_async_shared()
-            a0 = warpgroup_mma(xq_s[0].permute((1, 0)), f_s.slice(0 * BC, BC, dim=0), a0, is_async=True)
-            a1 = warpgroup_mma(xq_s[1].permute((1, 0)), f_s.slice(1 * BC, BC, dim=0), a1, is_async=True)
-            a2 = warpgroup_mma(xq_s[2].permute((1, 0)), f_s.slice(2 * BC, BC, dim=0), a2, is_async=True)
-            a3 = warpgroup_mma(xq_s[3].permute((1, 0)), f_s.slice(3 * BC, BC, dim=0), a3, is_async=True)
-            if GATED:                                                       # from the chunk's start
-                e_start = gl.expand_dims(gl.exp2(start), 1)                 # 2^(c_(b-1)) <= 1
-                _store_rows(kg + out, (X * e_start).to(kg.dtype.element_ty), valid, FULL)
-                _store_rows(qg + out, (Q * e_start).to(qg.dtype.element_ty), valid, FULL)
-            gl.store(decay + (i_c * HV + i_hv) * K + ks * BC + o_c2, gl.exp2(c_last))   # (the same from every warp)
-            a0, a1, a2, a3 = warpgroup_mma_wait(num_outstanding=0, deps=(a0, a1, a2, a3))
-
-        beta_r = _activate_beta(beta_in, valid_r & side_a, BETA)
-        row_off = (beta_base + r64 * HV) * 64
-        _store_stacked(a_kk, a_qk, row_off, r64, side_a, valid_r, beta_r, 0, a0, cols_l, FULL)
-        _store_stacked(a_kk, a_qk, row_off, r64, side_a, valid_r, beta_r, 1, a1, cols_l, FULL)
-        _store_stacked(a_kk, a_qk, row_off, r64, side_a, valid_r, beta_r, 2, a2, cols_l, FULL)
-        _store_stacked(a_kk, a_qk, row_off, r64, side_a, valid_r, beta_r, 3, a3, cols_l, FULL)
-        it += 1
-    for i in gl.static_range(2):
-        mbarrier.invalidate(qk_bar.index(i))
-        mbarrier.invalidate(g_bar.index(i))
-
-
-@gluon.jit
-def _store_stacked(a_kk, a_qk, row_off, r64, side_a, valid_r, beta_r, c: gl.constexpr, acc, cols_l: gl.constexpr,
-                   FULL: gl.constexpr):
-    """Columns 16c .. 16c + 15 of A (rows 0-63 of the stacked accumulator: strict lower, times
-    beta, fp32) and Aqk (rows 64-127: lower, bf16), rows < n_left."""
-    col = (16 * c + gl.arange(0, 16, layout=cols_l))[None, :]
-    off = row_off[:, None] + col
-    m_a = side_a[:, None]
-    m_q = (~side_a)[:, None]
-    if not FULL:
-        m_a = m_a & valid_r[:, None]
-        m_q = m_q & valid_r[:, None]
-    gl.store(a_kk + off, gl.where(col < r64[:, None], acc * beta_r[:, None], 0.0), mask=m_a)
-    gl.store(a_qk + off, gl.where(col <= r64[:, None], acc, 0.0).to(gl.bfloat16), mask=m_q)
-
-# The bounded gate's FROM_X prologue with a bf16 gate on _kda_prologue_stacked_sm90_kernel: 8 warps
-# a program at 128 registers (no stack under the gaters' scan; with kg, qg and kd stored 16-32
-# bytes, reloaded once an item), so 16 warps an SM at two programs against 8. The 4-warp kernel
-# waits on its own chains (ncu, v23: 0.60 eligible warps a scheduler of 1.97; instruction cuts
-# returned ~nothing, v23-v25); the stacked one issues ~17% more instructions an SM (its slice loop
-# 427 SASS instructions a warp against 733 on half the warps; 524 with the gated stores). Not yet
-# run on a GPU: off (docs/notes/kda-prefill.md v30)
-STACKED = False
-STACKED_MAXNREG = 128
-
 # Unbounded and precomputed gates on this prologue too (the blocks with a span past SPAN_LIMIT,
 # or a rising gate, rewritten by the wide-block kernel); False sends them all to the Triton prologue
 UNBOUNDED = True
@@ -762,6 +535,7 @@ def launch(p, beta, beta_mode: int, total: int, tables, inverse, scores, kg, kd,
     the l2norm in the op 1 / |q| and 1 / |k| go to ``rq``, ``rk`` ``[B, T, H]``. ``beta_cols``:
     P diag(beta) instead of P (triton_chunk.run's ``beta_in_p``)."""
     from fastla.backends.gluon.chunk_delta import _tile_layout, tma_descriptor
+    from fastla.backends.gluon import chunk_inverse_sm90
     from fastla.backends.triton import chunk_prepare_kda, chunk_prepare_kda_wide
     from fastla.backends.triton import sm_count
     from fastla.backends.triton.launch import launcher
@@ -787,18 +561,6 @@ def launch(p, beta, beta_mode: int, total: int, tables, inverse, scores, kg, kd,
     items = total * p.HV
     programs = min(items, PROGRAMS_PER_SM * sm_count(p.device)) if PROGRAMS_PER_SM else items
     from_x = BOUNDED_OPERANDS and not flag and p.use_qk_l2norm
-    full = FULL_CHUNKS and not varlen and p.T % 64 == 0
-    if STACKED and from_x and p.delta and p.gk.dtype == torch.bfloat16:
-        launcher(_kda_prologue_stacked_sm90_kernel, p.T, NT)[(programs,)](
-            desc(p.q, p.H), desc(p.k, p.H), desc(p.gk, p.HV), beta, p.A_log if p.A_log is not None else decay,
-            p.dt_bias if p.dt_bias is not None else decay, float(p.lower_bound), p.scale, a_kk, scores, kg, kd, qg,
-            decay, rq if rq is not None else decay, rk if rk is not None else decay,
-            cu if varlen else decay, chunk_index if varlen else decay, p.T, NT, total,
-            H=p.H, HV=p.HV, K=p.K, HAS_A=p.A_log is not None, HAS_BIAS=p.dt_bias is not None, BETA=beta_mode,
-            VARLEN=varlen, FULL=full, GATED=gated, num_warps=8, maxnreg=STACKED_MAXNREG,
-        )
-        _inverse(p, total, tables, a_kk, inverse, beta, beta_mode, beta_cols)
-        return
     launcher(_kda_prologue_sm90_kernel, p.T, NT)[(programs,)](
         desc(p.q, p.H), desc(p.k, p.H), desc(p.gk, p.HV), beta, p.A_log if p.A_log is not None else decay,
         p.dt_bias if p.dt_bias is not None else decay, float(p.lower_bound or 0.0), p.scale,
@@ -807,23 +569,14 @@ def launch(p, beta, beta_mode: int, total: int, tables, inverse, scores, kg, kd,
         total, H=p.H, HV=p.HV, K=p.K, L2NORM=p.use_qk_l2norm, GATE=chunk_prepare_kda.gate_mode(p),
         HAS_A=p.A_log is not None, HAS_BIAS=p.dt_bias is not None, BETA=beta_mode, VARLEN=varlen, FLAG=flag,
         QK_BUFFERS=2 if p.gk.dtype == torch.bfloat16 else 1, DELTA=p.delta,
-        FROM_X=from_x, FULL=full,
+        FROM_X=from_x, FULL=FULL_CHUNKS and not varlen and p.T % 64 == 0,
         GATED=gated, AHEAD=LOADS_AHEAD and from_x, num_warps=4,
         **({"maxnreg": MAXNREG} if MAXNREG and p.K == 128 else {}),
     )
     if flag:                                                # the flagged blocks again, exactly
         chunk_prepare_kda_wide.launch(p, beta, beta_mode, total, tables, a_kk, scores, kg, kd, qg, flags)
-    if p.delta:                     # (GLA, the plain rule, reads Aqk, qg, kd and decay only)
-        _inverse(p, total, tables, a_kk, inverse, beta, beta_mode, beta_cols)
-
-
-def _inverse(p, total: int, tables, a_kk, inverse, beta, beta_mode: int, beta_cols: bool) -> None:
-    """P = (I + A)^-1 (times diag(beta) with ``beta_cols``) into ``inverse`` from the prologue's A."""
-    from fastla.backends.gluon import chunk_inverse_sm90
-    from fastla.backends.triton import chunk_prepare_kda
-
     cols = {"beta": beta, "beta_mode": beta_mode} if beta_cols else {}
-    if INVERSE_SM90:
+    if p.delta and INVERSE_SM90:    # (GLA, the plain rule, reads Aqk, qg, kd and decay only)
         chunk_inverse_sm90.launch_kda(p, total, tables, a_kk, inverse, **cols)
-    else:
+    elif p.delta:
         chunk_prepare_kda.launch_inverse(p, total, tables, a_kk, inverse, INVERSE_WARPS, **cols)
