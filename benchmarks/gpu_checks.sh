@@ -33,7 +33,9 @@
 #                                              # and A/B sweeps, KDA and GDN (~8 min)
 #   bash benchmarks/gpu_checks.sh beta-in-p    # P diag(beta) from the inverse kernels, the scan's Y without
 #                                              # beta: GPU tests and A/B sweeps, KDA and GDN (~8 min)
-#   bash benchmarks/gpu_checks.sh table        # every KDA and GDN forward row of the registry (~6-8 min)
+#   bash benchmarks/gpu_checks.sh a16          # KDA's A scratch in fp16: GPU tests, A/B sweep (~4 min; SHAPES)
+#   bash benchmarks/gpu_checks.sh table        # every KDA and GDN forward row of the registry (~6-8 min;
+#                                              # AB=0 skips the H200's gaters A/B)
 #   bash benchmarks/gpu_checks.sh table-rest   # the table's forward rows gates-in-scan leaves (~4 min)
 #   bash benchmarks/gpu_checks.sh graph-eager  # why big rows' graph times exceed their eager ones: five
 #                                              # timings, SM clock and power (benchmarks/graph_vs_eager.py; ~3 min)
@@ -256,11 +258,20 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
     # first), in one call: ~10 s a row with FLA's tuning cache, ~6-8 min
     # (on an H200 first the gaters' A/B, measured on H100s only: docs/notes/kda-prefill.md v22-v23)
     start=$(date +%s)
-    nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && timeout 150 python3 benchmarks/kda_prefill_sweep.py \
+    [ "${AB:-1}" = 1 ] && nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && timeout 150 python3 benchmarks/kda_prefill_sweep.py \
       --tier gluon --variants tiles,gates-in-scan --shapes kda/h64/1x8192,kda/h64/2x16384 --out "$out" 2>&1 | grep gluon | cut -c1-150
     timeout 300 python3 -m fastla bench --filter kda/ --modes fwd --quick --no-cold --out "$out" 2>&1 | grep "|" | tail -9
     timeout $(( 585 - ($(date +%s) - start) )) python3 -m fastla bench --filter gdn/ --modes fwd --quick --no-cold \
       --out "$out" 2>&1 | grep "|" | tail -21 ;;
+  a16)
+    # KDA's A scratch in fp16 where |A| <= 2 (chunk_prepare_kda_sm90.A_FP16, docs/notes/kda-prefill.md
+    # v32): its GPU test (the error against fp64 beside the fp32 scratch's), then the A/B sweep
+    start=$(date +%s)
+    t 200 tests/ops/test_gluon_chunk_kda.py -k "a_scratch_fp16 or (bf16_cases and bounded)"
+    timeout $(( 560 - ($(date +%s) - start) )) python3 benchmarks/kda_prefill_sweep.py --tier gluon \
+      --variants default,a-fp32,default --shapes ${SHAPES:-kda/h64/1x8192,kda/h64/2x16384,kda/h96/1x8192,kda/h64/varlen8x15193} \
+      --out "$out" 2>&1 | grep gluon | cut -c1-150
+    echo "-- $(( $(date +%s) - start )) s" ;;
   table-rest)
     # the H200 table's forward rows that gates-in-scan does not rerun (run it first; with it, every
     # GDN and KDA forward row of the registry on the current code; ~4 min with FLA's tuning cache)

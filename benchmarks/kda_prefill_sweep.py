@@ -86,6 +86,7 @@ VARIANTS = {
     "loads-late": dict(loads_ahead=False),   # the prologue's bias and beta loaded where used (LOADS_AHEAD off, v23)
     "masks-always": dict(whole_branches=False),   # the scan's row masks on every chunk (WHOLE_CHUNK_BRANCHES off, v24)
     "beta-in-scan": dict(beta_in_p=False),   # beta applied in the scan's Y, P without it (BETA_IN_P off, v27)
+    "a-fp32": dict(a_fp16=False),   # the sm_90 prologue's A scratch in fp32 everywhere (A_FP16 off, v32)
 }
 SHAPES = "kda/h64/1x8192,kda/h64/2x16384,kda/h96/varlen8x15193"
 
@@ -132,6 +133,7 @@ def main() -> int:
     default_ahead = sm90_prologue.LOADS_AHEAD
     default_whole = gluon_chunk.WHOLE_CHUNK_BRANCHES
     default_beta_in_p = gluon_chunk.BETA_IN_P
+    default_a_fp16 = sm90_prologue.A_FP16
     for shape in args.shapes.split(","):
         kw = with_gate(call_kwargs(make_inputs(get_config(shape), "cuda")), args.gate)
         fla_o = fla_us = first_o = None
@@ -160,6 +162,7 @@ def main() -> int:
             gluon_chunk.GATER_PACKED = over.pop("gater_packed", default_packed)
             gluon_chunk.WHOLE_CHUNK_BRANCHES = over.pop("whole_branches", default_whole)
             gluon_chunk.BETA_IN_P = over.pop("beta_in_p", default_beta_in_p)
+            sm90_prologue.A_FP16 = over.pop("a_fp16", default_a_fp16)
             chunk_delta.default_config = config_with(original, over)
             try:
                 with use_tier(args.tier, strict=True), torch.no_grad():
@@ -188,6 +191,7 @@ def main() -> int:
                 gluon_chunk.GATER_PACKED = default_packed
                 gluon_chunk.WHOLE_CHUNK_BRANCHES = default_whole
                 gluon_chunk.BETA_IN_P = default_beta_in_p
+                sm90_prologue.A_FP16 = default_a_fp16
             prep = sum(v for k, v in split.items() if any(w in k for w in ("prepare", "prologue", "inverse", "wide", "list")))
             scan = sum(v for k, v in split.items() if "scan" in k)
             rows.append(dict(shape=shape, variant=name, tier=args.tier, gate=args.gate, us=us, prepare_us=prep, scan_us=scan, kernels=split,

@@ -688,6 +688,9 @@ KDA_PROLOGUE_VARIANTS = {
     # the gated keys and queries formed in the scan (gluon/chunk_delta.gates_in_scan): not stored here
     "kda-prologue-from-x-full-ungated": dict(FROM_X=True, FULL=True, GATED=False),
     "kda-prologue-from-x-varlen-ungated": dict(FROM_X=True, VARLEN=True, GATED=False),
+    # A's scratch in fp16 (chunk_prepare_kda_sm90.A_FP16: the bounded gate, l2norm, beta by sigmoid)
+    "kda-prologue-from-x-full-ungated-a16": dict(FROM_X=True, FULL=True, GATED=False, A_FP16=True),
+    "kda-prologue-from-x-varlen-a16": dict(FROM_X=True, VARLEN=True, A_FP16=True),
     # the bias and beta loaded where they are used (chunk_prepare_kda_sm90.LOADS_AHEAD off)
     "kda-prologue-from-x-full-ungated-loads-late": dict(FROM_X=True, FULL=True, GATED=False, AHEAD=False),
     # unbounded gates with the block flags: given (bf16 and fp32) and softplus
@@ -719,10 +722,12 @@ def _child_kda_prologue(name: str, folder: str) -> None:
     consts.update(KDA_PROLOGUE_VARIANTS[name])
     consts.setdefault("AHEAD", consts["FROM_X"])                            # as launch() (LOADS_AHEAD)
     gate_fp32 = consts.pop("GATE_FP32", False)
+    a_fp16 = consts.pop("A_FP16", False)
     consts["QK_BUFFERS"] = 1 if gate_fp32 else 2                           # as launch()
     box = gl.NVMMASharedLayout.get_default_for([64, 32], gl.bfloat16)
     gate_box = gl.NVMMASharedLayout.get_default_for([64, 32], gl.float32) if gate_fp32 else box
-    pointers = {"beta": "*bf16", "A_log": "*fp32", "dt_bias": "*fp32", "a_kk": "*fp32", "a_qk": "*bf16",
+    pointers = {"beta": "*bf16", "A_log": "*fp32", "dt_bias": "*fp32", "a_kk": "*fp16" if a_fp16 else "*fp32",
+                "a_qk": "*bf16",
                 "kg": "*bf16", "kd": "*bf16", "qg": "*bf16", "decay": "*fp32", "flags": "*i32",
                 "rq_out": "*fp32", "rk_out": "*fp32", "cu_seqlens": "*i64", "chunk_index": "*i32"}
     names = kern.arg_names
@@ -833,14 +838,18 @@ def test_gdn_inverse_compiles_for_sm90(name, tmp_path):
 
 # (P diag(beta) where the scan forms the gated keys: gluon/chunk_delta.BETA_IN_P)
 KDA_INVERSE_VARIANTS = {"kda-inverse": {}, "kda-inverse-varlen": dict(VARLEN=True),
-                        "kda-inverse-beta-cols": dict(BETA_COLS=True)}
+                        "kda-inverse-beta-cols": dict(BETA_COLS=True),
+                        # A in fp16 (chunk_prepare_kda_sm90.A_FP16), as the registry's calls launch it
+                        "kda-inverse-a16-beta-cols": dict(BETA_COLS=True, A_FP16=True)}
 
 
 def _child_kda_inverse(name: str, folder: str) -> None:
     from fastla.backends.gluon.chunk_inverse_sm90 import _kda_inverse_sm90_kernel as kern
 
     consts = {"HV": 64, "VARLEN": False, "BETA": 2, "BETA_COLS": False, **KDA_INVERSE_VARIANTS[name]}
-    pointers = {"a": "*fp32", "p_out": "*bf16", "beta": "*bf16", "cu_seqlens": "*i64", "chunk_index": "*i32"}
+    a_fp16 = consts.pop("A_FP16", False)
+    pointers = {"a": "*fp16" if a_fp16 else "*fp32", "p_out": "*bf16", "beta": "*bf16", "cu_seqlens": "*i64",
+                "chunk_index": "*i32"}
     sig = {n: pointers.get(n) or ("constexpr" if n in consts else "i32") for n in kern.arg_names}
     res = _compile_sm90(kern, sig, consts, folder, {"num_warps": 1})
     print(json.dumps(res))
@@ -901,15 +910,25 @@ def test_kda_prologue_launch_builds_descriptors(monkeypatch):
     assert args[names.index("a_qk")] is out[1] and args[names.index("kg")] is out[2]
     ((_, n_chunks, _, a_kk, inverse),) = inverses
     assert n_chunks == total and inverse is out[0] and a_kk is args[names.index("a_kk")]
+    assert a_kk.dtype == torch.float32                                      # raw keys: |A| unbounded
+    # A's scratch in fp16 (A_FP16) with the l2norm in the op and beta by sigmoid; raw beta keeps fp32
+    p_unit = build_problem("chunk_kda", q=q, k=k, v=v, gk=g, beta=p.beta, delta=True, gva=True, gate_in_op="kda",
+                           A_log=torch.zeros(HV), lower_bound=-5.0, use_qk_l2norm=True)
+    for beta_mode, dtype in ((2, torch.float16), (3, torch.float16), (1, torch.float32)):
+        launches.clear()
+        sm90.launch(p_unit, p.beta, beta_mode, total, (None, None), *out, torch.empty(total, HV, K))
+        ((_, args, _),) = launches
+        assert args[names.index("a_kk")].dtype == dtype and inverses[-1][3] is args[names.index("a_kk")]
     # an unbounded gate: block flags, then the wide-block kernel on the same scratch, then the inverse
     order = []
     monkeypatch.setattr(chunk_prepare_kda_wide, "launch", lambda *args: order.append(("wide", args)))
     monkeypatch.setattr(chunk_inverse_sm90, "launch_kda", lambda *args: order.append(("inverse", args)))
     launches.clear()
     p = build_problem("chunk_kda", q=q, k=k, v=v, gk=g, beta=p.beta, delta=True, gva=True, gate_in_op="kda",
-                      A_log=torch.zeros(HV))
+                      A_log=torch.zeros(HV), use_qk_l2norm=True)
     sm90.launch(p, p.beta, 2, total, (None, None), *out, torch.empty(total, HV, K))
     ((grid, args, kw),) = launches
+    assert args[names.index("a_kk")].dtype == torch.float32                 # (unbounded gate: fp32, as the wide rewrite)
     assert kw["FLAG"] is True and [name for name, _ in order] == ["wide", "inverse"]
     wide = order[0][1]
     flags = args[names.index("flags")]

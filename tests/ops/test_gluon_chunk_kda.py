@@ -252,6 +252,37 @@ def test_sm90_prologue_loads_ahead(case, persistent, monkeypatch):
         assert torch.equal(a, b), f"{name}: {(a.float() - b.float()).abs().max()} from the loads where used"
 
 
+@pytest.mark.parametrize("case", ["bounded-gate", "bounded-gate-whole", "bounded-varlen", "bounded-k64",
+                                  "bounded-neg-eigval", "bounded-plain", "unbounded-gate"])
+def test_sm90_a_scratch_fp16(case, monkeypatch):
+    """A's scratch in fp16 (chunk_prepare_kda_sm90.A_FP16) exactly where |A| <= 2 (the bounded gate,
+    the l2norm and beta's sigmoid in the op; bounded-plain and unbounded-gate keep fp32): the op
+    against fp64 with outputs poisoned, and its error there within 5% (+1e-5) of the fp32 scratch's
+    on the same inputs, output and final state."""
+    from fastla.backends.gluon import chunk_inverse_sm90
+    from fastla.backends.gluon import chunk_prepare_kda_sm90 as sm90
+    from tests.helpers import call_reference, poison, rel_rms
+    scratch = []
+    original = chunk_inverse_sm90.launch_kda
+    monkeypatch.setattr(chunk_inverse_sm90, "launch_kda", lambda p, total, tables, a, *r, **kw:
+                        scratch.append(a.dtype) or original(p, total, tables, a, *r, **kw))
+    t, opts = bf16_case(case)
+    ref_opts = {n: (x.double() if torch.is_tensor(x) and x.is_floating_point() else x)
+                for n, x in opts.items() if n != "cu_seqlens_cpu"}
+    ref = call_reference(SPEC, {n: x.double() for n, x in t.items()}, output_final_state=True, **ref_opts)
+    errors = {}
+    for half in (True, False):
+        monkeypatch.setattr(sm90, "A_FP16", half)
+        poison()
+        out = on_tier(call_chunk, SPEC, t, tier="gluon", output_final_state=True, **opts)
+        errors[half] = [rel_rms(x, r) for x, r in zip(out, ref)]
+    bounded = case not in ("bounded-plain", "unbounded-gate")
+    assert scratch == [torch.float16 if bounded else torch.float32, torch.float32], scratch
+    for name, e16, e32 in zip(("o", "final_state"), errors[True], errors[False]):
+        assert e16 <= 1.05 * e32 + 1e-5, f"{name}: {e16:.3e} against fp64 with the fp16 scratch, {e32:.3e} with fp32"
+        assert e16 <= 2e-2, f"{name}: {e16:.3e}"
+
+
 @pytest.mark.parametrize("case", ["bounded-gate", "bounded-varlen", "bounded-k64", "unbounded-gate", "strong-decay"])
 def test_sm90_inverse_matches_triton(case, monkeypatch):
     """The Gluon inverse kernel (chunk_prepare_kda_sm90.INVERSE_SM90): the op against fp64, and its P

@@ -32,11 +32,12 @@ four heads (registers), twelve at one. Measured (H200, docs/notes/gdn-prefill.md
 than the Triton kernel before the scratch moved (1x32k HV64 397 -> 363 us, 4x8k HV32 243 -> 214),
 still latency-bound.
 
-KDA's inverse (``_kda_inverse_sm90_kernel``, off until it runs on a GPU: chunk_prepare_kda_sm90.
-INVERSE_SM90): the same from A's blocks on, A read from the fp32 ``[B, T, HV, 64]`` the KDA sm_90
-prologue writes (beta applied) instead of formed from keys. Grid (chunks, HV), one warp; sm_90
-compile: 152-168 registers, no spill, 16 KB of shared memory (bf16 P), ~1 s to compile against
-the Triton kernel's 3.6-4.3 s (its Coalesce pass alone takes 2 s on the 60 unrolled row loads).
+KDA's inverse (``_kda_inverse_sm90_kernel``, on by default: chunk_prepare_kda_sm90.INVERSE_SM90):
+the same from A's blocks on, A read from the fp32 (fp16 where |A| <= 2) ``[B, T, HV, 64]`` the
+KDA sm_90 prologue writes (beta applied) instead of formed from keys. Grid (chunks, HV), one warp;
+sm_90 compile: 152-168 registers, no spill, 16 KB of shared memory (bf16 P), ~1 s to compile
+against the Triton kernel's 3.6-4.3 s (its Coalesce pass alone takes 2 s on the 60 unrolled row
+loads).
 """
 from __future__ import annotations
 
@@ -362,10 +363,11 @@ def _beta_columns(beta, base, c: gl.constexpr, n_left, HV: gl.constexpr, BETA: g
 def _kda_inverse_sm90_kernel(a, p_out, beta, cu_seqlens, chunk_index, T, NT, HV: gl.constexpr,
                              VARLEN: gl.constexpr, BETA: gl.constexpr, BETA_COLS: gl.constexpr):
     """KDA's P = (I + A)^-1 per chunk and value head from the strictly lower A (beta applied, fp32
-    ``[B, T, HV, 64]``) that the sm_90 prologue writes: the contract of the Triton kernel
-    (chunk_prepare_kda._kda_inverse_kernel, whole rows of P with zeros above the block diagonal, the
-    chunk's rows only), the algorithm of _gdn_inverse_sm90_kernel from A's blocks on: the diagonal
-    blocks by column substitution in shared memory, the six below by tf32 mma.sync. Grid
+    or fp16 ``[B, T, HV, 64]``, chunk_prepare_kda_sm90.A_FP16) that the sm_90 prologue writes: the
+    contract of the Triton kernel (chunk_prepare_kda._kda_inverse_kernel, whole rows of P with zeros
+    above the block diagonal, the chunk's rows only), the algorithm of _gdn_inverse_sm90_kernel
+    from A's blocks on: the diagonal blocks by column substitution in shared memory, the six below
+    by tf32 mma.sync. Grid
     (chunks, HV), one warp; 8 KB of shared memory for the blocks' scratch, 8 KB for P (bf16).
     BETA_COLS: P diag(beta) (beta activated as BETA numbers it, loaded first), each block's columns
     scaled before the one rounding."""
@@ -418,8 +420,8 @@ def _kda_inverse_sm90_kernel(a, p_out, beta, cu_seqlens, chunk_index, T, NT, HV:
 
 def launch_kda(p, total: int, tables, a, inverse, beta=None, beta_mode: int = 0) -> None:
     """chunk_prepare_kda.launch_inverse's contract: P = (I + A)^-1 into ``inverse`` ``[B, T, HV, 64]``
-    from the fp32 A of the sm_90 prologue; with ``beta`` ``[B, T, HV]`` (activated as ``beta_mode``
-    numbers it), P diag(beta)."""
+    from the fp32 or fp16 A of the sm_90 prologue; with ``beta`` ``[B, T, HV]`` (activated as
+    ``beta_mode`` numbers it), P diag(beta)."""
     from fastla.backends.triton.launch import launcher
 
     cu, chunk_index = tables

@@ -6,8 +6,9 @@ the inverse kernel, and for unbounded gates the wide-block rewrite before it).
 Per 64-token chunk and value head, with G the in-chunk cumsum of the log decay (log2 units), unit
 keys and queries when the l2norm is in the op, and per-channel products
 ``(a * b)_ij = sum_c a_ic b_jc 2^(G_ic - G_jc)``, it writes
-    A   = strict_lower(diag(beta) (k * k))          fp32  [B * T, HV, 64]  (scratch: the inverse
-                                                          kernel turns it into P = (I + A)^-1)
+    A   = strict_lower(diag(beta) (k * k))     fp32 / fp16  [B * T, HV, 64]  (scratch: the inverse
+                                                          kernel turns it into P = (I + A)^-1;
+                                                          fp16 where |A| <= 2, A_FP16)
     Aqk = scale lower(q * k)                         bf16  [B * T, HV, 64]  (whole rows, zeros above)
     kg = k 2^G,  qg = scale q 2^G,  kd = k 2^(G_last - G)     bf16  [B * T, HV, K]
     decay = 2^(G_last)                               fp32  [chunks, HV, K]
@@ -46,7 +47,7 @@ in the registry's dense build, up to 168 bytes in the others: tests/backends/tes
 Two build options, on by default (module flags below, v19-v20 in the notes): the bounded gate's
 operands from X (FROM_X), whole chunks without row masks (FULL); the slice loop takes 4 barriers
 (14 before v21: the operand tiles' views of one allocation, the sums' converts across warps).
-The fp32 A scratch is B T HV 256 bytes (0.5 GB at 1x32k, HV 64). P formed
+The fp32 A scratch is B T HV 256 bytes (0.5 GB at 1x32k, HV 64; half in fp16). P formed
 here instead (the diagonal blocks by substitution, then block-Jacobi steps on wgmma) measured no
 faster than the inverse kernel: +114 us in this kernel against the inverse's 119 at 1x8k H64
 (notes, v6).
@@ -506,6 +507,14 @@ PROGRAMS_PER_SM = 2
 # (v21): 4.6-10.5% off the call (1x8k H64 736.9 -> 692.7 us, 2x16k 2813 -> 2684, varlen H96 2171 ->
 # 1944); False: kmid / qmid as before (A/B sweeps)
 BOUNDED_OPERANDS = True
+# A's scratch in fp16 where its entries are bounded: the bounded gate decays (2^(G_i - G_j) <= 1 below
+# the diagonal), the l2norm in the op makes |k_i . k_j| <= 1 and beta's sigmoid (times 2 with
+# allow_neg_eigval) keeps it <= 2, so |A_ij| <= 2. fp16 rounds an entry to 2^-12 of itself, under the
+# 2^-9 of the bf16 operands A's products already carry (entries below 2^-24 flush, against P's
+# unit diagonal), and halves the 256 bytes a token-head that this kernel writes and the inverse
+# reads (docs/notes/kda-prefill.md v32). Raw beta, raw keys and unbounded gates keep fp32.
+# False: fp32 everywhere (A/B sweeps)
+A_FP16 = True
 # A dense batch with T a multiple of 64 (every chunk whole) without row masks on the gate's activation
 # and the stores (FULL): the slice loop's masked stores recompute a predicate a row at each store.
 # H200 (v21): within the noise alone (+1.0% at 1x8k H64, -0.4% at 2x16k), part of the fastest build
@@ -546,8 +555,9 @@ def launch(p, beta, beta_mode: int, total: int, tables, inverse, scores, kg, kd,
     cu, chunk_index = tables
     varlen = cu is not None
     NT = -(-p.T // 64)
-    a_kk = call_plan.empty((p.B, p.T, p.HV, 64), torch.float32, p.device) if p.delta else decay    # (GLA: no A)
     flag = not chunk_prepare_kda.bounded_spans(p)           # unbounded spans: flag the blocks past SPAN_LIMIT
+    a_dtype = torch.float16 if A_FP16 and not flag and p.use_qk_l2norm and beta_mode >= 2 else torch.float32
+    a_kk = call_plan.empty((p.B, p.T, p.HV, 64), a_dtype, p.device) if p.delta else decay    # (GLA: no A)
     gated = kg is not None
     if not gated and (flag or not p.delta):
         raise ValueError("the scan forms the gated keys for KDA's bounded gate only")
