@@ -269,7 +269,7 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
     start=$(date +%s)
     t 200 tests/ops/test_gluon_chunk_kda.py -k "a_scratch_fp16 or (bf16_cases and bounded)"
     timeout $(( 560 - ($(date +%s) - start) )) python3 benchmarks/kda_prefill_sweep.py --tier gluon \
-      --variants default,a-fp32,default --shapes ${SHAPES:-kda/h64/1x8192,kda/h64/2x16384,kda/h96/1x8192,kda/h64/varlen8x15193} \
+      --variants a-fp32,a-fp16,a-fp32,a-fp16 --shapes ${SHAPES:-kda/h64/1x8192,kda/h64/2x16384,kda/h96/1x8192,kda/h64/varlen8x15193} \
       --out "$out" 2>&1 | grep gluon | cut -c1-150
     echo "-- $(( $(date +%s) - start )) s" ;;
   table-rest)

@@ -87,6 +87,7 @@ VARIANTS = {
     "masks-always": dict(whole_branches=False),   # the scan's row masks on every chunk (WHOLE_CHUNK_BRANCHES off, v24)
     "beta-in-scan": dict(beta_in_p=False),   # beta applied in the scan's Y, P without it (BETA_IN_P off, v27)
     "a-fp32": dict(a_fp16=False),   # the sm_90 prologue's A scratch in fp32 everywhere (A_FP16 off, v32)
+    "a-fp16": dict(a_fp16=True),    # in fp16 where |A| <= 2 (A_FP16 on)
 }
 SHAPES = "kda/h64/1x8192,kda/h64/2x16384,kda/h96/varlen8x15193"
 

@@ -839,7 +839,7 @@ def test_gdn_inverse_compiles_for_sm90(name, tmp_path):
 # (P diag(beta) where the scan forms the gated keys: gluon/chunk_delta.BETA_IN_P)
 KDA_INVERSE_VARIANTS = {"kda-inverse": {}, "kda-inverse-varlen": dict(VARLEN=True),
                         "kda-inverse-beta-cols": dict(BETA_COLS=True),
-                        # A in fp16 (chunk_prepare_kda_sm90.A_FP16), as the registry's calls launch it
+                        # A in fp16 (chunk_prepare_kda_sm90.A_FP16), P diag(beta) as the registry's calls
                         "kda-inverse-a16-beta-cols": dict(BETA_COLS=True, A_FP16=True)}
 
 
@@ -912,6 +912,7 @@ def test_kda_prologue_launch_builds_descriptors(monkeypatch):
     assert n_chunks == total and inverse is out[0] and a_kk is args[names.index("a_kk")]
     assert a_kk.dtype == torch.float32                                      # raw keys: |A| unbounded
     # A's scratch in fp16 (A_FP16) with the l2norm in the op and beta by sigmoid; raw beta keeps fp32
+    monkeypatch.setattr(sm90, "A_FP16", True)
     p_unit = build_problem("chunk_kda", q=q, k=k, v=v, gk=g, beta=p.beta, delta=True, gva=True, gate_in_op="kda",
                            A_log=torch.zeros(HV), lower_bound=-5.0, use_qk_l2norm=True)
     for beta_mode, dtype in ((2, torch.float16), (3, torch.float16), (1, torch.float32)):

@@ -513,8 +513,9 @@ BOUNDED_OPERANDS = True
 # 2^-9 of the bf16 operands A's products already carry (entries below 2^-24 flush, against P's
 # unit diagonal), and halves the 256 bytes a token-head that this kernel writes and the inverse
 # reads (docs/notes/kda-prefill.md v32). Raw beta, raw keys and unbounded gates keep fp32.
-# False: fp32 everywhere (A/B sweeps)
-A_FP16 = True
+# Off until it runs on a GPU (tests/ops/test_gluon_chunk_kda.py -k a_scratch_fp16); False: fp32
+# everywhere
+A_FP16 = False
 # A dense batch with T a multiple of 64 (every chunk whole) without row masks on the gate's activation
 # and the stores (FULL): the slice loop's masked stores recompute a predicate a row at each store.
 # H200 (v21): within the noise alone (+1.0% at 1x8k H64, -0.4% at 2x16k), part of the fastest build
