@@ -271,6 +271,10 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
     timeout $(( 560 - ($(date +%s) - start) )) python3 benchmarks/kda_prefill_sweep.py --tier gluon \
       --variants a-fp32,a-fp16,a-fp32,a-fp16 --shapes ${SHAPES:-kda/h64/1x8192,kda/h64/2x16384,kda/h96/1x8192,kda/h64/varlen8x15193} \
       --out "$out" 2>&1 | grep gluon | cut -c1-150
+    left=$(( 570 - ($(date +%s) - start) ))
+    mkdir -p "$out/unbounded"
+    [ "$left" -gt 40 ] && timeout "$left" python3 benchmarks/kda_prefill_sweep.py --tier gluon --gate unbounded \
+      --variants a-fp32,a-fp16 --shapes kda/h64/1x8192 --out "$out/unbounded" 2>&1 | grep gluon | cut -c1-150
     echo "-- $(( $(date +%s) - start )) s" ;;
   table-rest)
     # the H200 table's forward rows that gates-in-scan does not rerun (run it first; with it, every

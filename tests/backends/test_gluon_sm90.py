@@ -697,6 +697,7 @@ KDA_PROLOGUE_VARIANTS = {
     "kda-prologue-given-gate": dict(GATE=0, HAS_A=False, HAS_BIAS=False, FLAG=True),
     "kda-prologue-given-fp32-gate": dict(GATE=0, HAS_A=False, HAS_BIAS=False, FLAG=True, GATE_FP32=True),
     "kda-prologue-softplus-gate": dict(GATE=2, FLAG=True),
+    "kda-prologue-softplus-gate-a16": dict(GATE=2, FLAG=True, A_FP16=True),
     "kda-prologue-wide-bounded-neg-eigval": dict(FLAG=True, BETA=3),
     # GLA (the plain rule, DELTA False): its given gate, no l2norm, no A nor kg
     "gla-prologue": dict(GATE=0, HAS_A=False, HAS_BIAS=False, FLAG=True, L2NORM=False, BETA=1, DELTA=False, H=64),
@@ -708,7 +709,8 @@ KDA_PROLOGUE_VARIANTS = {
 KDA_PROLOGUE_STACK = {"kda-prologue": 24, "kda-prologue-varlen-bare": 8, "kda-prologue-k64": 48,
                       "kda-prologue-varlen-k64": 48, "kda-prologue-from-x-varlen-k64": 16,
                       "kda-prologue-given-gate": 24, "kda-prologue-given-fp32-gate": 152,
-                      "kda-prologue-softplus-gate": 48, "kda-prologue-wide-bounded-neg-eigval": 48}
+                      "kda-prologue-softplus-gate": 48, "kda-prologue-softplus-gate-a16": 48,
+                      "kda-prologue-wide-bounded-neg-eigval": 48}
 
 
 def _child_kda_prologue(name: str, folder: str) -> None:
@@ -929,12 +931,18 @@ def test_kda_prologue_launch_builds_descriptors(monkeypatch):
                       A_log=torch.zeros(HV), use_qk_l2norm=True)
     sm90.launch(p, p.beta, 2, total, (None, None), *out, torch.empty(total, HV, K))
     ((grid, args, kw),) = launches
-    assert args[names.index("a_kk")].dtype == torch.float32                 # (unbounded gate: fp32, as the wide rewrite)
+    assert args[names.index("a_kk")].dtype == torch.float16                 # (the softplus gate decays too)
     assert kw["FLAG"] is True and [name for name, _ in order] == ["wide", "inverse"]
     wide = order[0][1]
     flags = args[names.index("flags")]
     assert flags.shape == (total, HV) and flags.dtype == torch.int32 and wide[-1] is flags
     assert wide[5] is args[names.index("a_kk")] is order[1][1][3] and wide[6] is out[1]
+    # a given gate may rise: fp32
+    launches.clear()
+    p = build_problem("chunk_kda", q=q, k=k, v=v, gk=g, beta=p.beta, delta=True, gva=True, use_qk_l2norm=True)
+    sm90.launch(p, p.beta, 2, total, (None, None), *out, torch.empty(total, HV, K))
+    ((_, args, kw),) = launches
+    assert args[names.index("a_kk")].dtype == torch.float32 and kw["FLAG"] is True
 
 
 def test_kda_prologue_serves_every_gate(monkeypatch):

@@ -8,7 +8,7 @@ keys and queries when the l2norm is in the op, and per-channel products
 ``(a * b)_ij = sum_c a_ic b_jc 2^(G_ic - G_jc)``, it writes
     A   = strict_lower(diag(beta) (k * k))     fp32 / fp16  [B * T, HV, 64]  (scratch: the inverse
                                                           kernel turns it into P = (I + A)^-1;
-                                                          fp16 where |A| <= 2, A_FP16)
+                                                          fp16 where |A| <= 2: A_FP16)
     Aqk = scale lower(q * k)                         bf16  [B * T, HV, 64]  (whole rows, zeros above)
     kg = k 2^G,  qg = scale q 2^G,  kd = k 2^(G_last - G)     bf16  [B * T, HV, K]
     decay = 2^(G_last)                               fp32  [chunks, HV, K]
@@ -507,12 +507,13 @@ PROGRAMS_PER_SM = 2
 # (v21): 4.6-10.5% off the call (1x8k H64 736.9 -> 692.7 us, 2x16k 2813 -> 2684, varlen H96 2171 ->
 # 1944); False: kmid / qmid as before (A/B sweeps)
 BOUNDED_OPERANDS = True
-# A's scratch in fp16 where its entries are bounded: the bounded gate decays (2^(G_i - G_j) <= 1 below
-# the diagonal), the l2norm in the op makes |k_i . k_j| <= 1 and beta's sigmoid (times 2 with
-# allow_neg_eigval) keeps it <= 2, so |A_ij| <= 2. fp16 rounds an entry to 2^-12 of itself, under the
-# 2^-9 of the bf16 operands A's products already carry (entries below 2^-24 flush, against P's
-# unit diagonal), and halves the 256 bytes a token-head that this kernel writes and the inverse
-# reads (docs/notes/kda-prefill.md v32). Raw beta, raw keys and unbounded gates keep fp32.
+# A's scratch in fp16 where its entries are bounded: a gate computed in the op decays (bounded or
+# softplus: 2^(G_i - G_j) <= 1 below the diagonal), the l2norm in the op makes |k_i . k_j| <= 1 and
+# beta's sigmoid (times 2 with allow_neg_eigval) keeps it <= 2, so |A_ij| <= 2. fp16 rounds an entry
+# to 2^-12 of itself, under the 2^-9 of the bf16 operands A's products already carry (entries below
+# 2^-24 flush, against P's unit diagonal), and halves the 256 bytes a token-head that this kernel
+# (and the wide-block rewrite) writes and the inverse reads (docs/notes/kda-prefill.md v32). Raw
+# beta, raw keys and a given gate keep fp32.
 # Off until it runs on a GPU (tests/ops/test_gluon_chunk_kda.py -k a_scratch_fp16); False: fp32
 # everywhere
 A_FP16 = False
@@ -557,7 +558,8 @@ def launch(p, beta, beta_mode: int, total: int, tables, inverse, scores, kg, kd,
     varlen = cu is not None
     NT = -(-p.T // 64)
     flag = not chunk_prepare_kda.bounded_spans(p)           # unbounded spans: flag the blocks past SPAN_LIMIT
-    a_dtype = torch.float16 if A_FP16 and not flag and p.use_qk_l2norm and beta_mode >= 2 else torch.float32
+    bounded_a = chunk_prepare_kda.decaying_gate(p) and p.use_qk_l2norm and beta_mode >= 2     # |A| <= 2
+    a_dtype = torch.float16 if A_FP16 and bounded_a else torch.float32
     a_kk = call_plan.empty((p.B, p.T, p.HV, 64), a_dtype, p.device) if p.delta else decay    # (GLA: no A)
     gated = kg is not None
     if not gated and (flag or not p.delta):

@@ -336,6 +336,13 @@ def gate_mode(p) -> int:
     return GATE_KDA if p.lower_bound is None else GATE_KDA_BOUNDED
 
 
+def decaying_gate(p) -> bool:
+    """Whether the log decay is <= 0 at every token by construction, so that 2^(G_i - G_j) <= 1 for
+    i >= j: the gate computed in the op, softplus (-e^A_log softplus(x + dt_bias)) or bounded with
+    lower_bound <= 0 (lower_bound sigmoid(.)). A given gate may rise."""
+    return p.gate_in_op == "kda" and (p.lower_bound is None or p.lower_bound <= 0)
+
+
 def bounded_spans(p) -> bool:
     """Whether every 16-token block's decay span is at most 16 x 5 <= SPAN_LIMIT by construction:
     the bounded gate computed in the op with lower_bound in [-5, 0] (safe_gate's range). A positive
