@@ -688,8 +688,9 @@ KDA_PROLOGUE_VARIANTS = {
     # the gated keys and queries formed in the scan (gluon/chunk_delta.gates_in_scan): not stored here
     "kda-prologue-from-x-full-ungated": dict(FROM_X=True, FULL=True, GATED=False),
     "kda-prologue-from-x-varlen-ungated": dict(FROM_X=True, VARLEN=True, GATED=False),
-    # A's scratch in fp16 (chunk_prepare_kda_sm90.A_FP16: the bounded gate, l2norm, beta by sigmoid)
-    "kda-prologue-from-x-full-ungated-a16": dict(FROM_X=True, FULL=True, GATED=False, A_FP16=True),
+    # A's scratch in fp16 (chunk_prepare_kda_sm90.A_FP16: a decaying gate, l2norm, beta by sigmoid, the
+    # gated tiles stored)
+    "kda-prologue-from-x-full-a16": dict(FROM_X=True, FULL=True, A_FP16=True),
     "kda-prologue-from-x-varlen-a16": dict(FROM_X=True, VARLEN=True, A_FP16=True),
     # the bias and beta loaded where they are used (chunk_prepare_kda_sm90.LOADS_AHEAD off)
     "kda-prologue-from-x-full-ungated-loads-late": dict(FROM_X=True, FULL=True, GATED=False, AHEAD=False),
@@ -914,7 +915,7 @@ def test_kda_prologue_launch_builds_descriptors(monkeypatch):
     assert n_chunks == total and inverse is out[0] and a_kk is args[names.index("a_kk")]
     assert a_kk.dtype == torch.float32                                      # raw keys: |A| unbounded
     # A's scratch in fp16 (A_FP16) with the l2norm in the op and beta by sigmoid; raw beta keeps fp32
-    monkeypatch.setattr(sm90, "A_FP16", True)
+    assert sm90.A_FP16
     p_unit = build_problem("chunk_kda", q=q, k=k, v=v, gk=g, beta=p.beta, delta=True, gva=True, gate_in_op="kda",
                            A_log=torch.zeros(HV), lower_bound=-5.0, use_qk_l2norm=True)
     for beta_mode, dtype in ((2, torch.float16), (3, torch.float16), (1, torch.float32)):
@@ -922,6 +923,12 @@ def test_kda_prologue_launch_builds_descriptors(monkeypatch):
         sm90.launch(p_unit, p.beta, beta_mode, total, (None, None), *out, torch.empty(total, HV, K))
         ((_, args, _),) = launches
         assert args[names.index("a_kk")].dtype == dtype and inverses[-1][3] is args[names.index("a_kk")]
+    # under the gaters' scan (no gated tiles stored) fp32: fp16 measured slower there
+    launches.clear()
+    sm90.launch(p_unit, p.beta, 2, total, (None, None), out[0], out[1], None, None, None, torch.empty(total, HV, K),
+                torch.empty(B, T, H), torch.empty(B, T, H))
+    ((_, args, kw),) = launches
+    assert kw["GATED"] is False and args[names.index("a_kk")].dtype == torch.float32
     # an unbounded gate: block flags, then the wide-block kernel on the same scratch, then the inverse
     order = []
     monkeypatch.setattr(chunk_prepare_kda_wide, "launch", lambda *args: order.append(("wide", args)))

@@ -513,10 +513,12 @@ BOUNDED_OPERANDS = True
 # to 2^-12 of itself, under the 2^-9 of the bf16 operands A's products already carry (entries below
 # 2^-24 flush, against P's unit diagonal), and halves the 256 bytes a token-head that this kernel
 # (and the wide-block rewrite) writes and the inverse reads (docs/notes/kda-prefill.md v32). Raw
-# beta, raw keys and a given gate keep fp32.
-# Off until it runs on a GPU (tests/ops/test_gluon_chunk_kda.py -k a_scratch_fp16); False: fp32
-# everywhere
-A_FP16 = False
+# beta, raw keys and a given gate keep fp32. Measured on an H100 (kda_prefill_sweep-v32-a16-h100.json):
+# -2.1% on the calls that store the gated tiles (H96 1x8k 1191 -> 1167 us, the H64 varlen batch
+# 1489 -> 1457; the softplus gate at 1x8k H64 -0.7%), but +3.6% under the gaters' scan at 1x8k H64
+# (719 -> 745: the prologue +15 us, the inverse with P diag(beta) +4; 2x16k -0.4%), so only the
+# gated-tiles calls take it. False: fp32 everywhere
+A_FP16 = True
 # A dense batch with T a multiple of 64 (every chunk whole) without row masks on the gate's activation
 # and the stores (FULL): the slice loop's masked stores recompute a predicate a row at each store.
 # H200 (v21): within the noise alone (+1.0% at 1x8k H64, -0.4% at 2x16k), part of the fastest build
@@ -558,10 +560,10 @@ def launch(p, beta, beta_mode: int, total: int, tables, inverse, scores, kg, kd,
     varlen = cu is not None
     NT = -(-p.T // 64)
     flag = not chunk_prepare_kda.bounded_spans(p)           # unbounded spans: flag the blocks past SPAN_LIMIT
-    bounded_a = chunk_prepare_kda.decaying_gate(p) and p.use_qk_l2norm and beta_mode >= 2     # |A| <= 2
-    a_dtype = torch.float16 if A_FP16 and bounded_a else torch.float32
-    a_kk = call_plan.empty((p.B, p.T, p.HV, 64), a_dtype, p.device) if p.delta else decay    # (GLA: no A)
     gated = kg is not None
+    bounded_a = chunk_prepare_kda.decaying_gate(p) and p.use_qk_l2norm and beta_mode >= 2     # |A| <= 2
+    a_dtype = torch.float16 if A_FP16 and bounded_a and gated else torch.float32
+    a_kk = call_plan.empty((p.B, p.T, p.HV, 64), a_dtype, p.device) if p.delta else decay    # (GLA: no A)
     if not gated and (flag or not p.delta):
         raise ValueError("the scan forms the gated keys for KDA's bounded gate only")
     if not gated:
