@@ -258,22 +258,21 @@ def test_sm90_a_scratch_fp16(case, monkeypatch):
     """A's scratch in fp16 (chunk_prepare_kda_sm90.A_FP16) on the calls that store the gated tiles
     (the small shapes plan them anyway), exactly where |A| <= 2 (a gate computed in the op, bounded
     or softplus, the l2norm and beta's sigmoid in the op; bounded-plain, without them, keeps fp32;
-    unbounded-gate goes through the wide-block rewrite): the op
-    against fp64 with outputs poisoned, and its error there within 5% (+1e-5) of the fp32 scratch's
-    on the same inputs, output and final state."""
+    unbounded-gate goes through the wide-block rewrite): the op against fp64 with outputs poisoned,
+    and its error there within 5% (+1e-5) of the fp32 scratch's on the same inputs, output and
+    final state."""
+    from fastla.backends.gluon import chunk_delta as gluon_chunk
     from fastla.backends.gluon import chunk_inverse_sm90
     from fastla.backends.gluon import chunk_prepare_kda_sm90 as sm90
-    from fastla.backends.gluon import chunk_delta as gluon_chunk
-    from tests.helpers import call_reference, poison, rel_rms
+    from tests.helpers import poison, rel_rms
+    from tests.ops.test_triton_chunk_kda import fp64_reference
     monkeypatch.setattr(gluon_chunk, "GATES_IN_SCAN", False)
     scratch = []
     original = chunk_inverse_sm90.launch_kda
     monkeypatch.setattr(chunk_inverse_sm90, "launch_kda", lambda p, total, tables, a, *r, **kw:
                         scratch.append(a.dtype) or original(p, total, tables, a, *r, **kw))
     t, opts = bf16_case(case)
-    ref_opts = {n: (x.double() if torch.is_tensor(x) and x.is_floating_point() else x)
-                for n, x in opts.items() if n != "cu_seqlens_cpu"}
-    ref = call_reference(SPEC, {n: x.double() for n, x in t.items()}, output_final_state=True, **ref_opts)
+    ref = fp64_reference(t, opts)
     errors = {}
     for half in (True, False):
         monkeypatch.setattr(sm90, "A_FP16", half)

@@ -153,14 +153,18 @@ def bf16_case(case: str):
     return t, opts
 
 
+def fp64_reference(t, opts):
+    """The token-by-token reference's output and final state in fp64 for inputs ``t`` and options
+    ``opts`` (a case's, as bf16_case gives them)."""
+    return call_reference(SPEC, {n: x.double() for n, x in t.items()}, output_final_state=True,
+                          **{n: (x.double() if torch.is_tensor(x) and x.is_floating_point() else x)
+                             for n, x in opts.items() if n != "cu_seqlens_cpu"})
+
+
 def check_fp64(t, opts, tier="triton", **extra):
     """The tier's output and final state against the fp64 reference (tolerance 2e-2)."""
     o, ht, *rest = on_tier(call_chunk, SPEC, t, output_final_state=True, tier=tier, **opts, **extra)
-    opts = {n: x for n, x in opts.items() if n != "cu_seqlens_cpu"}
-    ref = {n: x.double() for n, x in t.items()}
-    ro, rht = call_reference(SPEC, ref, output_final_state=True,
-                             **{n: (x.double() if torch.is_tensor(x) and x.is_floating_point() else x)
-                                for n, x in opts.items()})
+    ro, rht = fp64_reference(t, opts)
     assert torch.isfinite(o).all() and torch.isfinite(ht).all()
     assert_close("o", o, ro, 2e-2)
     assert_close("final_state", ht, rht, 2e-2)

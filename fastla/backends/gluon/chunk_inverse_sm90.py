@@ -367,8 +367,8 @@ def _kda_inverse_sm90_kernel(a, p_out, beta, cu_seqlens, chunk_index, T, NT, HV:
     contract of the Triton kernel (chunk_prepare_kda._kda_inverse_kernel, whole rows of P with zeros
     above the block diagonal, the chunk's rows only), the algorithm of _gdn_inverse_sm90_kernel
     from A's blocks on: the diagonal blocks by column substitution in shared memory, the six below
-    by tf32 mma.sync. Grid
-    (chunks, HV), one warp; 8 KB of shared memory for the blocks' scratch, 8 KB for P (bf16).
+    by tf32 mma.sync. Grid (chunks, HV), one warp; 8 KB of shared memory for the blocks' scratch,
+    8 KB for P (bf16).
     BETA_COLS: P diag(beta) (beta activated as BETA numbers it, loaded first), each block's columns
     scaled before the one rounding."""
     ld3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 8, 4], [1, 1, 1], [2, 1, 0])    # [4, 16, 16] rows of A
