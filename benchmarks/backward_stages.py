@@ -6,6 +6,8 @@ launch, then compared launch by launch.
     python benchmarks/backward_stages.py run cpu OP B T DTYPE OUT.pt      # the interpreter (minutes)
     python benchmarks/backward_stages.py compare GPU.pt CPU.pt            # argument by argument
 
+``SAVE_STATES=0``: the backward recomputes the chunk-start states (chunk_training.SAVE_STATES).
+
 OP gdn / kda (tests.helpers.gated_case: gate, l2norm and beta sigmoid in the op, KDA's bounded
 gate, K = V = 128, H = 2, HV = 4); inputs made on the CPU from fixed seeds, so both runs see the same numbers. The interpreter's
 backward rounds as the GPU's (bf16 operands, tf32 for float32 ones: tests/interpreter_emulation.py); the
@@ -30,6 +32,7 @@ def run(device, op, B, T, dtype, out):
     from tests.helpers import OPS, as_leaves, call_chunk, forward_backward, gated_case
 
     chunk_training.ENABLED = True
+    chunk_training.SAVE_STATES = os.environ.get("SAVE_STATES", "1") == "1"
     if device == "cpu":
         from tests import interpreter_emulation
         interpreter_emulation.bf16_backward()
