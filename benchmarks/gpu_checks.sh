@@ -13,7 +13,7 @@
 #   bash benchmarks/gpu_checks.sh backward-stages # those tests, and every backward launch's tensors
 #                                              # against the interpreter's (benchmarks/backward_stages.py)
 #   bash benchmarks/gpu_checks.sh backward-scan  # the reverse scan against its float64 recurrence on the GPU
-                                               # run's own tensors, and GDN's dh0 under A/B knobs (~2 min)
+#                                              # run's own tensors, and GDN's dh0 under A/B knobs (~2 min)
 #   bash benchmarks/gpu_checks.sh backward-bench # its fwdbwd against FLA on registry shapes (FILTER: which;
 #                                              # two GDN ones by default; FLA's backward compiles for
 #                                              # minutes without a cache: KDA's tunes ~280 s)
@@ -152,10 +152,10 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
     # the reverse scan against its float64 recurrence on each GPU run's own tensors (benchmarks/
     # reverse_scan_probe.py; GDN, KDA kept and recomputed states), then GDN's dh0 under the A/B knobs
     start=$(date +%s)
-    for run in "gdn 1" "kda 1" "kda 0"; do
-      set -- $run
-      SAVE_STATES=$2 timeout 150 python3 benchmarks/backward_stages.py run cuda $1 2 400 bfloat16 /tmp/$1$2.pt 2>&1 | tail -1
-      python3 benchmarks/reverse_scan_probe.py /tmp/$1$2.pt "$out/$1$2_scan.pt" 2>&1 | tail -6
+    for run in gdn1 kda1 kda0; do       # op, then SAVE_STATES
+      SAVE_STATES=${run:3} timeout 150 python3 benchmarks/backward_stages.py run cuda ${run:0:3} 2 400 bfloat16 \
+        /tmp/$run.pt 2>&1 | tail -1
+      python3 benchmarks/reverse_scan_probe.py /tmp/$run.pt "$out/${run}_scan.pt" 2>&1 | tail -6
     done
     for k in "" chunk_delta_backward.KEYS_TRANSPOSED_LOAD=1 chunk_delta_backward.BLOCK_V=16 chunk_delta_backward.BLOCK_V=64; do
       KNOBS=$k timeout 60 python3 benchmarks/backward_variants.py gdn 2 400 bfloat16 1 1 2>&1 | tail -1 | cut -c1-200
