@@ -4,6 +4,7 @@ vectorised state loads, and a bounded register count.
 The compile runs in a child process: the test session itself uses the Triton interpreter
 (``TRITON_INTERPRET=1``), under which kernels are not compilable objects.
 """
+import inspect
 import json
 import os
 import pathlib
@@ -239,6 +240,9 @@ def _child_gdn(name: str, folder: str) -> None:
                      DELTA=True), **extra}
     names = kern.arg_names
     consts = {n: c for n, c in consts.items() if n in names}
+    # (constexpr parameters left at their defaults compile as those constants, as a launch does)
+    consts.update({q.name: q.default for q in kern.params
+                   if q.is_constexpr and q.name not in consts and q.default is not inspect.Parameter.empty})
     ptrs = {n: t for n, t in ptrs.items() if n in names}            # (a shared table: this kernel's)
     sig = {n: ptrs.get(n) or ("constexpr" if n in consts else ("i32" if n in ("T", "NT", "total", "n_flags") else "fp32"))
            for n in names}
