@@ -158,7 +158,7 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
         /tmp/$run.pt 2>&1 | tail -1
       python3 benchmarks/reverse_scan_probe.py /tmp/$run.pt "$out/${run}_scan.pt" 2>&1 | tail -6
     done
-    for k in "" chunk_delta_backward.KEYS_TRANSPOSED_LOAD=1 chunk_delta_backward.BLOCK_V=16 chunk_delta_backward.BLOCK_V=64; do
+    for k in "" chunk_delta_backward.REVERSE_SCAN_FP32_PRODUCTS=1 chunk_delta_backward.KEYS_TRANSPOSED_LOAD=1 chunk_delta_backward.BLOCK_V=16; do
       KNOBS=$k timeout 60 python3 benchmarks/backward_variants.py gdn 2 400 bfloat16 1 1 2>&1 | tail -1 | cut -c1-200
     done
     echo "-- $(( $(date +%s) - start )) s" ;;

@@ -71,6 +71,7 @@ VALUE_WARPS = 8
 KEY_WARPS = 4
 FP32_STATES = False     # the stored chunk states and their gradients in float32 (A/B; see the docstring)
 KEYS_TRANSPOSED_LOAD = False    # the scalar-gate reverse scan's k^T from a second, transposed load (A/B)
+REVERSE_SCAN_FP32_PRODUCTS = False  # the reverse scan's products on float32 (tf32) operands for bf16 inputs (A/B)
 
 
 @triton.jit(do_not_specialize=["T", "NT"])     # as chunk_delta._scan_kernel
@@ -411,7 +412,8 @@ def reverse_scan(c: Call, q, k, kd, decay, beta, inverse, scores, gcum, do, dht,
     launcher(_reverse_scan_kernel, p.T, c.NT)[(p.N * p.HV, cdiv(p.V, c.BV))](
         q, k, kd, decay, beta, inverse, scores, gcum, do, dht if dht is not None else gcum, dh_chunks, r_buf,
         dh0 if dh0 is not None else gcum, *c.starts(gcum), p.T, c.NT, p.scale, H=p.H, HV=p.HV, K=p.K, V=p.V, BT=BT,
-        BK=c.BK, BV=c.BV, DOT=c.dot, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None,
+        BK=c.BK, BV=c.BV, DOT=tl.float32 if REVERSE_SCAN_FP32_PRODUCTS else c.dot, HAS_DHT=dht is not None,
+        STORE_DH0=dh0 is not None,
         VARLEN=c.cu is not None, DELTA=p.delta, GK=gk, KT_LOAD=KEYS_TRANSPOSED_LOAD, num_warps=SCAN_WARPS,
         num_stages=1)
     return dh_chunks, r_buf, dh0
