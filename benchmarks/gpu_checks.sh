@@ -38,7 +38,8 @@
 #   bash benchmarks/gpu_checks.sh a16          # KDA's A scratch in fp16: GPU tests, A/B sweep (~4 min; SHAPES)
 #   bash benchmarks/gpu_checks.sh table        # every KDA and GDN forward row of the registry (~6-8 min;
 #                                              # AB=0 skips the H200's gaters A/B)
-#   bash benchmarks/gpu_checks.sh unbounded    # KDA's softplus gate on the registry's eight rows vs FLA (~4 min?)
+#   bash benchmarks/gpu_checks.sh unbounded    # KDA's softplus gate on the registry's eight rows vs FLA
+#                                              # (LEFT: its seconds, 570; rows saved as they finish)
 #   bash benchmarks/gpu_checks.sh table-rest   # the table's forward rows gates-in-scan leaves (~4 min)
 #   bash benchmarks/gpu_checks.sh graph-eager  # why big rows' graph times exceed their eager ones: five
 #                                              # timings, SM clock and power (benchmarks/graph_vs_eager.py; ~3 min)
@@ -328,7 +329,7 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
   unbounded)
     # KDA's unbounded (softplus) gate on the registry's eight rows, fastla's sm_90 tier and FLA in one
     # process (issue 4 asks >= 1.5x on the same configs; docs/notes/kda-prefill.md v34, an H100's)
-    timeout 570 python3 benchmarks/kda_prefill_sweep.py --tier gluon --gate unbounded --variants default \
+    timeout ${LEFT:-570} python3 benchmarks/kda_prefill_sweep.py --tier gluon --gate unbounded --variants default \
       --shapes kda/h64/1x8192,kda/h64/2x16384,kda/h96/1x8192,kda/h64/varlen8x15193,kda/h64/1x16384,kda/h96/1x16384,kda/h96/varlen8x15193,kda/h96/2x16384 \
       --out "$out" 2>&1 | grep gluon | cut -c1-150 ;;
   setup) ;;
