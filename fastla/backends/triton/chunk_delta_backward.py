@@ -413,9 +413,8 @@ def reverse_scan(c: Call, q, k, kd, decay, beta, inverse, scores, gcum, do, dht,
         q, k, kd, decay, beta, inverse, scores, gcum, do, dht if dht is not None else gcum, dh_chunks, r_buf,
         dh0 if dh0 is not None else gcum, *c.starts(gcum), p.T, c.NT, p.scale, H=p.H, HV=p.HV, K=p.K, V=p.V, BT=BT,
         BK=c.BK, BV=c.BV, DOT=tl.float32 if REVERSE_SCAN_FP32_PRODUCTS else c.dot, HAS_DHT=dht is not None,
-        STORE_DH0=dh0 is not None,
-        VARLEN=c.cu is not None, DELTA=p.delta, GK=gk, KT_LOAD=KEYS_TRANSPOSED_LOAD, num_warps=SCAN_WARPS,
-        num_stages=1)
+        STORE_DH0=dh0 is not None, VARLEN=c.cu is not None, DELTA=p.delta, GK=gk, KT_LOAD=KEYS_TRANSPOSED_LOAD,
+        num_warps=SCAN_WARPS, num_stages=1)
     return dh_chunks, r_buf, dh0
 
 
