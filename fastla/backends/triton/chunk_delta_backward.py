@@ -70,7 +70,8 @@ SCAN_WARPS = 8
 VALUE_WARPS = 8
 KEY_WARPS = 4
 FP32_STATES = False     # the stored chunk states and their gradients in float32 (A/B; see the docstring)
-KEYS_TRANSPOSED_LOAD = False    # the scalar-gate reverse scan's k^T from a second, transposed load (A/B)
+REVERSE_SCAN_FORM = 0  # the scalar-gate reverse scan's k^T R product (A/B): 0 as written, 1 accumulated into dS,
+                        # 2 from a second load of k (its own shared tile, as the per-channel scan's kg)
 REVERSE_SCAN_FP32_PRODUCTS = False  # the reverse scan's products on float32 (tf32) operands for bf16 inputs (A/B)
 
 
@@ -81,7 +82,7 @@ def _reverse_scan_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr,
     HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, VARLEN: tl.constexpr, DELTA: tl.constexpr, GK: tl.constexpr,
-    KT_LOAD: tl.constexpr = False,
+    FORM: tl.constexpr = 0,
 ):
     """Program (sequence x value head, V tile): dS from dht, chunks last to first; per chunk stores
     dS' (the gradient of the chunk's end state) and R = P^T dV_new (DELTA False, the plain rule:
@@ -112,7 +113,6 @@ def _reverse_scan_kernel(
     r = tl.arange(0, BT)
     lower = r[:, None] >= r[None, :]
     off_kr = r[:, None] * (QK_HEADS * K) + o_k[None, :]                     # [BT, BK] in q, k, kd
-    off_krT = o_k[:, None] + r[None, :] * (QK_HEADS * K)                    # [BK, BT], the same entries
     off_p = r[:, None] * (HV * BT) + r[None, :]                             # [BT, BT] in P, A_qk
     off_v = r[:, None] * (HV * V) + o_v[None, :]                            # [BT, BV] in dO, R
     for i in range(0, n_chunks):
@@ -147,14 +147,15 @@ def _reverse_scan_kernel(
         if DELTA:
             if GK:
                 b_k = tl.load(k + qk_row0 + off_kr, mask=m_tk, other=0.0).to(DOT)                 # kg
+            elif FORM == 2:
+                b_k = tl.load(k + qk_row0 + off_kr, mask=m_tk, other=0.0, cache_modifier=".cg").to(DOT)
             b_P = tl.load(p_in + base * BT + off_p, mask=m_t[:, None] & lower, other=0.0).to(DOT)
             b_beta = tl.load(beta + base + r * HV, mask=m_t, other=0.0)
             b_r = tl.dot(tl.trans(b_P), b_dvn.to(DOT))                                           # R
-            if KT_LOAD and not GK:
-                b_kT = tl.load(k + qk_row0 + off_krT, mask=m_k[:, None] & m_t[None, :], other=0.0).to(DOT)  # [BK, BT]
+            if FORM == 1:
+                b_dS = tl.dot(tl.trans(b_k), (-(b_eG * b_beta)[:, None] * b_r).to(DOT), b_dS)
             else:
-                b_kT = tl.trans(b_k)
-            b_dS -= tl.dot(b_kT, ((b_eG * b_beta)[:, None] * b_r).to(DOT))
+                b_dS -= tl.dot(tl.trans(b_k), ((b_eG * b_beta)[:, None] * b_r).to(DOT))
         else:
             b_r = b_dvn
         tl.store(r_out + base * V + off_v, b_r, mask=m_tv)
@@ -413,7 +414,7 @@ def reverse_scan(c: Call, q, k, kd, decay, beta, inverse, scores, gcum, do, dht,
         q, k, kd, decay, beta, inverse, scores, gcum, do, dht if dht is not None else gcum, dh_chunks, r_buf,
         dh0 if dh0 is not None else gcum, *c.starts(gcum), p.T, c.NT, p.scale, H=p.H, HV=p.HV, K=p.K, V=p.V, BT=BT,
         BK=c.BK, BV=c.BV, DOT=tl.float32 if REVERSE_SCAN_FP32_PRODUCTS else c.dot, HAS_DHT=dht is not None,
-        STORE_DH0=dh0 is not None, VARLEN=c.cu is not None, DELTA=p.delta, GK=gk, KT_LOAD=KEYS_TRANSPOSED_LOAD,
+        STORE_DH0=dh0 is not None, VARLEN=c.cu is not None, DELTA=p.delta, GK=gk, FORM=REVERSE_SCAN_FORM,
         num_warps=SCAN_WARPS, num_stages=1)
     return dh_chunks, r_buf, dh0
 
