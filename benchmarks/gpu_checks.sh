@@ -12,8 +12,8 @@
 #   bash benchmarks/gpu_checks.sh backward     # the Triton GDN backward (off by default): its GPU tests (~3 min)
 #   bash benchmarks/gpu_checks.sh backward-stages # those tests, and every backward launch's tensors
 #                                              # against the interpreter's (benchmarks/backward_stages.py)
-#   bash benchmarks/gpu_checks.sh backward-scan  # GDN's dh0 under the reverse scan's forms, KDA's, then the
-#                                              # GPU backward tests under FORM (2 by default; ~3-4 min)
+#   bash benchmarks/gpu_checks.sh backward-scan  # GDN's dh0 with the reverse scan on tf32 / bf16 operands,
+#                                              # KDA's, then the GPU backward tests (~4 min)
 #   bash benchmarks/gpu_checks.sh backward-bench # its fwdbwd against FLA on registry shapes (FILTER: which;
 #                                              # two GDN ones by default; FLA's backward compiles for
 #                                              # minutes without a cache: KDA's tunes ~280 s)
@@ -151,20 +151,18 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
       python3 benchmarks/backward_stages.py compare /tmp/${op}_gpu.pt /tmp/${op}_cpu.pt
     done ;;
   backward-scan)
-    # GDN's dh0 under the reverse scan's forms (chunk_delta_backward.REVERSE_SCAN_FORM; the default
-    # twice: an error that moves between runs is a race), KDA's with kept and recomputed states, then
-    # the GPU backward tests under FORM (2 unless set)
+    # GDN's dh0 with the delta rule's reverse scan on tf32 operands (the default), on bf16 operands
+    # (the build that misplaces R's rows), and on tf32 at 16 value columns; KDA's with kept and
+    # recomputed states; then the GPU backward tests
     start=$(date +%s)
-    for k in "" "" chunk_delta_backward.REVERSE_SCAN_FORM=1 chunk_delta_backward.REVERSE_SCAN_FORM=2 \
-        chunk_delta_backward.REVERSE_SCAN_FP32_PRODUCTS=1; do
+    for k in "" chunk_delta_backward.DELTA_SCAN_FP32_PRODUCTS=0 chunk_delta_backward.BLOCK_V=16; do
       KNOBS=$k timeout 60 python3 benchmarks/backward_variants.py gdn 2 400 bfloat16 1 1 2>&1 | tail -1 | cut -c1-230
     done
     for save in 1 0; do
       timeout 60 python3 benchmarks/backward_variants.py kda 2 400 bfloat16 1 $save 2>&1 | tail -1 | cut -c1-230
     done
-    timeout 240 python3 -c "import sys, pytest; from fastla.backends.triton import chunk_delta_backward as m; \
-m.REVERSE_SCAN_FORM = ${FORM:-2}; sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-rf', '--tb=line', \
-'tests/ops/test_triton_chunk_backward.py', '-k', 'cuda or gpu']))" 2>&1 | grep -E "^FAILED|passed|failed" | cut -c1-200
+    timeout 240 python3 -m pytest -q -p no:cacheprovider -rf --tb=line tests/ops/test_triton_chunk_backward.py \
+      -k "cuda or gpu" 2>&1 | grep -E "^FAILED|passed|failed" | cut -c1-200
     echo "-- $(( $(date +%s) - start )) s" ;;
   backward-bench)
     FASTLA_TRITON_BACKWARD=1 timeout 560 python3 -m fastla bench --filter "${FILTER:-gdn/h16-hv32/1x8192,gdn/h2-hv8/1x8192}" \

@@ -194,8 +194,9 @@ GDN_KERNELS = {
                        dict(BV=64, SK=128, SV=1, HAS_H0=True, STORE_FINAL=True, SEG=0, BETA=1, STORE_STATES=False,
                             L2NORM=False, GK=True, DELTA=False, H=32), 8, 2),
     # the backward (chunk_delta_backward.py): the reverse state-gradient scan and the per-chunk gradients
+    # (the delta rule's scalar-gate scan on tf32 operands for bf16 inputs: DELTA_SCAN_FP32_PRODUCTS)
     "bwd-reverse-scan": ("chunk_delta_backward._reverse_scan_kernel", BWD_POINTERS["reverse"],
-                         dict(BV=32, HAS_DHT=True, STORE_DH0=True, GK=False), 8, 1),
+                         dict(BV=32, HAS_DHT=True, STORE_DH0=True, GK=False, DOT="float32"), 8, 1),
     "bwd-value-grads": ("chunk_delta_backward._value_grads_kernel", BWD_POINTERS["value"], dict(BV=16), 8, 1),
     "bwd-key-grads": ("chunk_delta_backward._key_grads_kernel", BWD_POINTERS["key"], dict(BK=64, BV=32), 4, 1),
     # (the plain rule's backward: Simple GLA, Lightning)
@@ -238,6 +239,8 @@ def _child_gdn(name: str, folder: str) -> None:
     kern = getattr(importlib.import_module(f"fastla.backends.triton.{module}"), attr)
     consts = {**dict(H=16, HV=32, K=128, V=128, BT=64, BK=128, DOT=tl.bfloat16, L2NORM=True, VARLEN=False,
                      DELTA=True), **extra}
+    if isinstance(consts["DOT"], str):                                # a product dtype by name
+        consts["DOT"] = getattr(tl, consts["DOT"])
     names = kern.arg_names
     consts = {n: c for n, c in consts.items() if n in names}
     # (constexpr parameters left at their defaults compile as those constants, as a launch does)
@@ -290,9 +293,11 @@ def test_gdn_chunk_kernels_compile_for_sm90(name, tmp_path):
 # warp and spills 8 bytes in both launches (docs/notes/kda-prefill.md); so does the GDN inverse
 # with its diagonal rows read back from memory (measured faster: 1x32k HV64 478 -> 366 us,
 # docs/notes/gdn-prefill.md); the other builds none
-# the per-channel backward's score kernel (the diagonal blocks' [16, 16, 16] products at 8 warps) 64
+# the per-channel backward's score kernel (the diagonal blocks' [16, 16, 16] products at 8 warps) 64;
+# the delta rule's scalar-gate reverse scan on tf32 operands (its bf16 build computes a wrong product
+# on the GPU: docs/notes/chunk-backward.md) 536 at 255 registers
 KNOWN_STACK = {"kda-prepare-given-gate": 8, "kda-prepare-scores-given-gate": 8, "inverse": 8,
-               "bwd-kda-score-grads": 64}
+               "bwd-kda-score-grads": 64, "bwd-reverse-scan": 536}
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))

@@ -70,9 +70,11 @@ SCAN_WARPS = 8
 VALUE_WARPS = 8
 KEY_WARPS = 4
 FP32_STATES = False     # the stored chunk states and their gradients in float32 (A/B; see the docstring)
-REVERSE_SCAN_FORM = 0  # the scalar-gate reverse scan's k^T R product (A/B): 0 as written, 1 accumulated into dS,
-                        # 2 from a second load of k (its own shared tile, as the per-channel scan's kg)
-REVERSE_SCAN_FP32_PRODUCTS = False  # the reverse scan's products on float32 (tf32) operands for bf16 inputs (A/B)
+# The delta rule's scalar-gate reverse scan on float32 (tf32) operands for bf16 inputs too: its bf16
+# build (Triton 3.6.0, sm_90) forms k^T (e^G beta R) with R's rows one 16-token block late, an H100
+# measured (dh0 9.1e-2 from fp64 at B 2 T 400, 2.3e-3 on tf32; the interpreter's bf16 emulation
+# 4.2e-3); two rewrites of that product compiled no better (docs/notes/chunk-backward.md)
+DELTA_SCAN_FP32_PRODUCTS = True
 
 
 @triton.jit(do_not_specialize=["T", "NT"])     # as chunk_delta._scan_kernel
@@ -82,7 +84,6 @@ def _reverse_scan_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr,
     HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, VARLEN: tl.constexpr, DELTA: tl.constexpr, GK: tl.constexpr,
-    FORM: tl.constexpr = 0,
 ):
     """Program (sequence x value head, V tile): dS from dht, chunks last to first; per chunk stores
     dS' (the gradient of the chunk's end state) and R = P^T dV_new (DELTA False, the plain rule:
@@ -147,15 +148,10 @@ def _reverse_scan_kernel(
         if DELTA:
             if GK:
                 b_k = tl.load(k + qk_row0 + off_kr, mask=m_tk, other=0.0).to(DOT)                 # kg
-            elif FORM == 2:
-                b_k = tl.load(k + qk_row0 + off_kr, mask=m_tk, other=0.0, cache_modifier=".cg").to(DOT)
             b_P = tl.load(p_in + base * BT + off_p, mask=m_t[:, None] & lower, other=0.0).to(DOT)
             b_beta = tl.load(beta + base + r * HV, mask=m_t, other=0.0)
             b_r = tl.dot(tl.trans(b_P), b_dvn.to(DOT))                                           # R
-            if FORM == 1:
-                b_dS = tl.dot(tl.trans(b_k), (-(b_eG * b_beta)[:, None] * b_r).to(DOT), b_dS)
-            else:
-                b_dS -= tl.dot(tl.trans(b_k), ((b_eG * b_beta)[:, None] * b_r).to(DOT))
+            b_dS -= tl.dot(tl.trans(b_k), ((b_eG * b_beta)[:, None] * b_r).to(DOT))
         else:
             b_r = b_dvn
         tl.store(r_out + base * V + off_v, b_r, mask=m_tv)
@@ -410,11 +406,12 @@ def reverse_scan(c: Call, q, k, kd, decay, beta, inverse, scores, gcum, do, dht,
     dh0 = call_plan.empty((p.N, p.HV, p.K, p.V), f32, p.device) if p.initial_state is not None else None
     if dht is not None:
         dht = dht.to(f32).contiguous()
+    scan_dot = tl.float32 if DELTA_SCAN_FP32_PRODUCTS and p.delta and not gk else c.dot
     launcher(_reverse_scan_kernel, p.T, c.NT)[(p.N * p.HV, cdiv(p.V, c.BV))](
         q, k, kd, decay, beta, inverse, scores, gcum, do, dht if dht is not None else gcum, dh_chunks, r_buf,
         dh0 if dh0 is not None else gcum, *c.starts(gcum), p.T, c.NT, p.scale, H=p.H, HV=p.HV, K=p.K, V=p.V, BT=BT,
-        BK=c.BK, BV=c.BV, DOT=tl.float32 if REVERSE_SCAN_FP32_PRODUCTS else c.dot, HAS_DHT=dht is not None,
-        STORE_DH0=dh0 is not None, VARLEN=c.cu is not None, DELTA=p.delta, GK=gk, FORM=REVERSE_SCAN_FORM,
+        BK=c.BK, BV=c.BV, DOT=scan_dot, HAS_DHT=dht is not None,
+        STORE_DH0=dh0 is not None, VARLEN=c.cu is not None, DELTA=p.delta, GK=gk,
         num_warps=SCAN_WARPS, num_stages=1)
     return dh_chunks, r_buf, dh0
 
