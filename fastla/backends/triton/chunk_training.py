@@ -11,8 +11,9 @@ and its backward in ``chunk_delta_backward.py``. Calls it cannot serve (say why 
 to the torch tier, which differentiates through PyTorch.
 
 Off by default (``ENABLED``; ``FASTLA_TRITON_BACKWARD=1`` turns it on): the kernels match the
-float64 reference in the CPU interpreter, but on the H200 a dense bf16 case's gradients are off
-(docs/notes/chunk-backward.md).
+float64 reference in the CPU interpreter; on Hopper the scalar-gate reverse scan's bf16 build was
+miscompiled (dense bf16 GDN's dh0 ~9e-2 off) and now runs on tf32, measured right on an H100 at one
+shape; the GPU suite has not run with it yet (docs/notes/chunk-backward.md).
 """
 from __future__ import annotations
 
