@@ -35,8 +35,9 @@ The backward, with dS' the gradient of S' (four launches after the recompute):
             + (d(k k^T) + d(k k^T)^T) k,
    per value head (float32); GVA sums them per q/k head in PyTorch.
 Precision as the forward: products with bf16 operands for bf16 inputs (fp32 in the interpreter;
-the delta rule's reverse scan on tf32 operands, DELTA_SCAN_FP32_PRODUCTS below), fp32 accumulation, the state gradient fp32 in the scan. The stored chunk states S and dS' are in the
-products' operand dtype (bf16 for bf16 inputs, as FLA stores its chunk states; ``FP32_STATES``:
+the delta rule's reverse scan on tf32 operands, DELTA_SCAN_FP32_PRODUCTS below), fp32 accumulation,
+the state gradient fp32 in the scan. The stored chunk states S and dS' are in the products' operand
+dtype (bf16 for bf16 inputs, as FLA stores its chunk states; ``FP32_STATES``:
 float32, twice their bytes): they are the largest traffic, each written once and read by both
 gradient kernels. Off by default (``chunk_training.ENABLED``) until the GPU suite has run with the
 reverse scan on tf32 (the bf16 build's fault: docs/notes/chunk-backward.md).
