@@ -131,6 +131,19 @@ def test_bf16_wide_heads_on_gpu(op, varlen):
     check_bf16(op, "cuda", [300, 1, 64, 65, 500] if varlen else None)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("K", [16, 64])
+@pytest.mark.parametrize("op", ["gdn", "kda"])
+def test_bf16_narrow_heads_on_gpu(op, K):
+    """K = V = 16 (the reverse scan's 16-column build, whose bf16 products faulted on an H100 as an
+    A/B at K = 128: docs/notes/chunk-backward.md) and 64, bf16."""
+    from tests.helpers import poison
+
+    poison()
+    check_bf16(op, "cuda", K=K)
+
+
 @pytest.mark.skipif(not interpreting(), reason="the interpreter's products, rounded as a GPU's")
 @pytest.mark.parametrize("varlen", [False, True])
 @pytest.mark.parametrize("op", ["gdn", "kda"])
