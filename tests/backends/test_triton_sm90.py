@@ -251,7 +251,13 @@ def _child_gdn(name: str, folder: str) -> None:
            for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ptrs}
     src = ASTSource(kern, sig, {(names.index(n),): v for n, v in consts.items()}, attrs)
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    options = {"num_warps": warps, "num_stages": stages}
+    if getattr(kern, "fastla_newer_ptxas", False):        # assembled as its launches are (launch.py)
+        from fastla.backends.triton import launch
+
+        triton.knobs.nvidia.ptxas = launch.sm90_ptxas().path
+        options["ptx_options"] = launch.PTXAS_MARK
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     res = _resources(kernel.asm["cubin"], folder)
     tool = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     path = pathlib.Path(folder) / "k.cubin"

@@ -55,7 +55,7 @@ from fastla.backends.triton.chunk_delta import (
     ChunkConfig, _scan_kernel, _varlen_index, dense_inputs,
 )
 from fastla.backends.triton.chunk_index import BT, _chunk, _sequence
-from fastla.backends.triton.launch import launcher
+from fastla.backends.triton.launch import launcher, newer_ptxas
 from fastla.backends.triton.recurrent import BETA_GIVEN
 from fastla.core import call_plan
 from fastla.core.problem import Problem
@@ -78,6 +78,7 @@ FP32_STATES = False     # the stored chunk states and their gradients in float32
 DELTA_SCAN_FP32_PRODUCTS = True
 
 
+@newer_ptxas                                    # CUDA 12.8's ptxas builds it wrong on sm_90 (launch.py)
 @triton.jit(do_not_specialize=["T", "NT"])     # as chunk_delta._scan_kernel
 def _reverse_scan_kernel(
     q, k, kd, decay, beta, p_in, a_in, gcum, do, dht, dh_chunks, r_out, dh0, cu_seqlens, chunk_start, T, NT,

@@ -22,7 +22,7 @@ import os
 
 import torch
 
-from fastla.backends.triton import chunk_channel_backward, chunk_delta, chunk_delta_backward
+from fastla.backends.triton import chunk_channel_backward, chunk_delta, chunk_delta_backward, launch
 from fastla.core import dispatch
 from fastla.core.gates import beta_activation, gdn_gate, kda_gate, l2norm
 from fastla.core.problem import Problem
@@ -41,6 +41,10 @@ def reason(p: Problem) -> str | None:
     if not ENABLED:
         return ("inputs require grad: the Triton backward is off until it passes its GPU tests "
                 "(FASTLA_TRITON_BACKWARD=1 turns it on; the torch tier has autograd)")
+    if p.q.is_cuda and torch.cuda.get_device_capability(p.q.device) == (9, 0) and launch.sm90_ptxas() is None:
+        return ("inputs require grad: the Triton backward's reverse scan needs ptxas %d.%d or newer on sm_90 "
+                "(CUDA 12.8's builds it wrong; TRITON_PTXAS_PATH names one); the torch tier has autograd"
+                % launch.FIXED_PTXAS)
     if p.return_intermediate_states:
         return "inputs require grad with return_intermediate_states (the torch tier differentiates them)"
     with torch.no_grad():

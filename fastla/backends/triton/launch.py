@@ -28,6 +28,14 @@ K = V = 128 double the Triton scan's tiles (its three-stage build then needs 296
 two-stage one 311 KB, against Hopper's 227 KB), and GPUs before Hopper have less (164 KB on the
 A100). Stages change the schedule of the loads, not the result; each rebuild is logged
 (logger ``fastla``, INFO) and kept under the original key.
+
+A kernel marked with ``newer_ptxas`` is assembled for sm_90 by a ptxas of CUDA 12.9 or newer
+(``sm90_ptxas``: Triton 3.6 assembles sm_90 with CUDA 12.8.93's and ships 12.9's for Blackwell,
+which targets sm_90a as well): 12.8 forms some wgmma shared-memory descriptors of the backward's
+reverse scan from the wrong register (docs/notes/chunk-backward.md, twenty-sixth session). Its
+builds carry ``PTXAS_MARK`` in their options, so Triton's caches (whose key names one ptxas
+version an architecture) keep them apart from a 12.8 build of the same kernel; a dry pass leaves
+them to the first real launch (the override is process-wide while it compiles).
 """
 from __future__ import annotations
 
@@ -42,6 +50,8 @@ from fastla.core import compile_ahead
 from fastla.core.call_plan import recording
 
 _I32 = (-(2 ** 31), 2 ** 31)
+FIXED_PTXAS = (12, 9)   # the first ptxas measured to build the reverse scan's descriptors right
+PTXAS_MARK = "-O3"      # ptxas's default level: a cache key for the marked builds, not a change
 _Tensor = torch.Tensor
 CACHED = True       # False: every launch through Triton (benchmarks/gdn_host_overhead.py compares)
 _LAUNCHERS: dict[tuple[int, bool], "Launcher"] = {}
@@ -58,7 +68,39 @@ def launcher(fn, T: int | None = None, NT: int | None = None) -> "Launcher":
     if found is None or found.base is not fn:
         found = _LAUNCHERS[(id(fn), twin)] = Launcher(length_specialized(fn) if twin else fn)
         found.base = fn
+        found.newer_ptxas = getattr(fn, "fastla_newer_ptxas", False)
     return found
+
+
+def newer_ptxas(fn):
+    """Marks kernel ``fn`` to be assembled for sm_90 by ``sm90_ptxas()`` (the module's docstring)."""
+    fn.fastla_newer_ptxas = True
+    return fn
+
+
+def _version(tool) -> tuple:
+    try:
+        return tuple(int(x) for x in tool.version.split(".")[:2])
+    except (AttributeError, ValueError):
+        return ()
+
+
+def sm90_ptxas():
+    """The ptxas (Triton's ``NvidiaTool``) that assembles marked kernels for sm_90: Triton's sm_90
+    one when it is 12.9 or newer, else its Blackwell one when that is; None when neither is."""
+    for name in ("ptxas", "ptxas_blackwell"):
+        try:
+            tool = getattr(knobs.nvidia, name)
+        except RuntimeError:                    # (not installed)
+            continue
+        if _version(tool) >= FIXED_PTXAS:
+            return tool
+    return None
+
+
+def _compiles_for_sm90(fn) -> bool:
+    """Whether Triton compiles ``fn`` (not the interpreter) for an sm_90 device."""
+    return isinstance(fn, JITFunction) and torch.cuda.get_device_capability() == (9, 0)
 
 
 _TWINS: dict[int, object] = {}
@@ -101,6 +143,7 @@ class Launcher:
     def __init__(self, fn):
         self.fn = fn
         self.base = fn          # the kernel ``launcher`` was asked for (fn may be its twin)
+        self.newer_ptxas = getattr(fn, "fastla_newer_ptxas", False)
         params = fn.params if isinstance(fn, JITFunction) else ()      # not the interpreter's kernels
         self._names = [p.name for p in params]
         # per positional parameter: 0 a constexpr (keyed by value), 1 a runtime value specialized
@@ -145,7 +188,7 @@ class Launcher:
 
     def launch(self, grid, args, kwargs):
         if compile_ahead.dry():     # (its compile submitted under Triton's AsyncCompileMode, nothing launched)
-            if not self._names or self.key(args, kwargs) not in self._cache:
+            if (not self._names or self.key(args, kwargs) not in self._cache) and not self.newer_ptxas:
                 self.fn.run(*args, grid=grid, warmup=True, **kwargs)
             return None
         rec = recording()
@@ -171,7 +214,19 @@ class Launcher:
 
     def through_triton(self, grid, args, kwargs):
         """Launch through Triton (compiling as needed); a build over the GPU's shared memory is
-        rebuilt with one stage fewer, down to one (the module's docstring)."""
+        rebuilt with one stage fewer, down to one; a marked kernel on sm_90 assembled by
+        ``sm90_ptxas()`` (the module's docstring)."""
+        if self.newer_ptxas and _compiles_for_sm90(self.fn):
+            tool = sm90_ptxas()
+            if tool is None:
+                raise RuntimeError(f"{getattr(self.fn, '__name__', self.fn)} needs ptxas {FIXED_PTXAS[0]}."
+                                   f"{FIXED_PTXAS[1]} or newer on sm_90 (TRITON_PTXAS_PATH)")
+            with knobs.nvidia.scope():
+                knobs.nvidia.ptxas = tool.path
+                return self._through_triton(grid, args, dict(kwargs, ptx_options=PTXAS_MARK))
+        return self._through_triton(grid, args, kwargs)
+
+    def _through_triton(self, grid, args, kwargs):
         while True:
             try:
                 return self.fn[grid](*args, **kwargs)
