@@ -110,6 +110,9 @@ def test_served_where_it_can(device, monkeypatch):
     pk = build_problem("chunk_kda", gk=tk.pop("g"), **tk, delta=True, gva=True, chunk_size=32)
     monkeypatch.setattr(chunk_training, "ENABLED", True)
     assert "chunk_size" in dict(dispatch.explain("chunk_kda", pk))["triton"]
+    monkeypatch.setattr(chunk_training, "ENABLED", ("chunk_gated_delta_rule",))      # (the default)
+    assert dict(dispatch.explain("chunk_gated_delta_rule", p))["triton"] is None
+    assert "FASTLA_TRITON_BACKWARD" in dict(dispatch.explain("chunk_kda", pk))["triton"]
 
 
 def check_bf16(op, device, lengths=None, T=400, K=128):

@@ -27,7 +27,11 @@ from fastla.core import dispatch
 from fastla.core.gates import beta_activation, gdn_gate, kda_gate, l2norm
 from fastla.core.problem import Problem
 
-ENABLED = os.environ.get("FASTLA_TRITON_BACKWARD", "0") == "1"
+# Which ops train here: True every one, False none, or a tuple of op names. By default the op whose
+# GPU cases all pass (GDN on an H100: bf16 and fp32, K = V = 16, 64 and 128, dense and varlen, with
+# the reverse scan assembled by ptxas 12.9); FASTLA_TRITON_BACKWARD=1 every chunked op, 0 none
+_SWITCH = os.environ.get("FASTLA_TRITON_BACKWARD")
+ENABLED = True if _SWITCH == "1" else False if _SWITCH == "0" else ("chunk_gated_delta_rule",)
 # The forward keeps its chunk-start states for the backward (False: the backward recomputes them)
 SAVE_STATES = True
 
@@ -38,8 +42,8 @@ def reason(p: Problem) -> str | None:
     """None when this path serves ``p`` (a call that needs gradients), else why not."""
     if p.op not in OPS:
         return "inputs require grad: no Triton backward for this op (the torch tier has autograd)"
-    if not ENABLED:
-        return ("inputs require grad: the Triton backward is off until it passes its GPU tests "
+    if not (ENABLED is True or (ENABLED is not False and p.op in ENABLED)):
+        return (f"inputs require grad: the Triton backward of {p.op} is off until it passes its GPU tests "
                 "(FASTLA_TRITON_BACKWARD=1 turns it on; the torch tier has autograd)")
     if p.q.is_cuda and torch.cuda.get_device_capability(p.q.device) == (9, 0) and launch.sm90_ptxas() is None:
         return ("inputs require grad: the Triton backward's reverse scan needs ptxas %d.%d or newer on sm_90 "
