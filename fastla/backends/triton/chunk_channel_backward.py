@@ -35,8 +35,8 @@ The backward:
 dq and dk are per value head (float32); GVA sums them per q/k head in PyTorch.
 Rows past a sequence's end take G_last as their G, and the reference rows are clamped to the last
 valid one, so that no exponent of a masked entry is positive (inf times zero).
-Off by default (``chunk_training.ENABLED``) until the GPU suite has run with the scalar-gate scan's
-fix (docs/notes/chunk-backward.md); this path measured right on an H100 (B 2, T 400, bf16).
+Off by default (``chunk_training.ENABLED``; FASTLA_TRITON_BACKWARD=1): on an H100 KDA's bf16 cases
+pass at K = V = 16 and 128 but not at 64 (docs/notes/chunk-backward.md, twenty-sixth session).
 """
 from __future__ import annotations
 

@@ -39,8 +39,9 @@ the delta rule's reverse scan on tf32 operands, DELTA_SCAN_FP32_PRODUCTS below),
 the state gradient fp32 in the scan. The stored chunk states S and dS' are in the products' operand
 dtype (bf16 for bf16 inputs, as FLA stores its chunk states; ``FP32_STATES``:
 float32, twice their bytes): they are the largest traffic, each written once and read by both
-gradient kernels. Off by default (``chunk_training.ENABLED``) until the GPU suite has run with the
-reverse scan on tf32 (the bf16 build's fault: docs/notes/chunk-backward.md).
+gradient kernels. The reverse scan is assembled for sm_90 by ptxas 12.9 or newer
+(``launch.newer_ptxas``; CUDA 12.8's formed its wgmma descriptors from a wrong register: GDN's dh0
+9e-2 off, illegal addresses at 16 columns; docs/notes/chunk-backward.md).
 """
 from __future__ import annotations
 
@@ -71,10 +72,10 @@ SCAN_WARPS = 8
 VALUE_WARPS = 8
 KEY_WARPS = 4
 FP32_STATES = False     # the stored chunk states and their gradients in float32 (A/B; see the docstring)
-# The delta rule's scalar-gate reverse scan on float32 (tf32) operands for bf16 inputs too: its bf16
-# build (Triton 3.6.0, sm_90) forms k^T (e^G beta R) with R's rows one 16-token block late, an H100
-# measured (dh0 9.1e-2 from fp64 at B 2 T 400, 2.3e-3 on tf32; the interpreter's bf16 emulation
-# 4.2e-3); two rewrites of that product compiled no better (docs/notes/chunk-backward.md)
+# The delta rule's scalar-gate reverse scan on float32 (tf32) operands for bf16 inputs too: the
+# build the GPU suite passed with (H100). Its bf16 build, wrong under ptxas 12.8 (dh0 9.1e-2 from
+# fp64 at B 2 T 400), measured right under 12.9 (2.9e-3; tf32 2.3e-3) but has not run the suite
+# nor been timed against it (docs/notes/chunk-backward.md)
 DELTA_SCAN_FP32_PRODUCTS = True
 
 
