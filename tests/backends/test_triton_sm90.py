@@ -4,6 +4,7 @@ vectorised state loads, and a bounded register count.
 The compile runs in a child process: the test session itself uses the Triton interpreter
 (``TRITON_INTERPRET=1``), under which kernels are not compilable objects.
 """
+import contextlib
 import inspect
 import json
 import os
@@ -252,12 +253,13 @@ def _child_gdn(name: str, folder: str) -> None:
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ptrs}
     src = ASTSource(kern, sig, {(names.index(n),): v for n, v in consts.items()}, attrs)
     options = {"num_warps": warps, "num_stages": stages}
+    build = contextlib.nullcontext({})
     if getattr(kern, "fastla_newer_ptxas", False):        # assembled as its launches are (launch.py)
         from fastla.backends.triton import launch
 
-        triton.knobs.nvidia.ptxas = launch.sm90_ptxas().path
-        options["ptx_options"] = launch.PTXAS_MARK
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+        build = launch.newer_ptxas_build()
+    with build as extra_options:
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={**options, **extra_options})
     res = _resources(kernel.asm["cubin"], folder)
     tool = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     path = pathlib.Path(folder) / "k.cubin"

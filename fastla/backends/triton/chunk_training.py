@@ -12,10 +12,11 @@ to the torch tier, which differentiates through PyTorch.
 
 On by default for GDN only (``ENABLED``; ``FASTLA_TRITON_BACKWARD=1`` every chunked op, ``0`` none):
 the kernels match the float64 reference in the CPU interpreter, and on an H100 GDN's GPU cases
-all pass (bf16 and fp32, K = V = 16, 64 and 128, dense and varlen; fwd + bwd at B1 T8192 H16 HV32
-6.0 ms against the torch tier's 103 ms) with the reverse scan assembled by ptxas 12.9
-(``launch.newer_ptxas``: CUDA 12.8's built its wgmma descriptors from a wrong register); KDA's
-bf16 case at K = V = 64 still fails there (docs/notes/chunk-backward.md).
+all pass (fp32 at K = V = 32; bf16 at K = V = 128 dense and varlen, 16 and 64 dense) with the
+reverse scan assembled by ptxas 12.9 (``launch.newer_ptxas``: CUDA 12.8's built its wgmma
+descriptors from a wrong register). fwd + bwd at B1 T8192 H16 HV32: 6.0 ms against the torch
+tier's 103 ms (the 12.8 build of the tf32 scan; FLA not compared). KDA's bf16 case at K = V = 64
+still fails there (docs/notes/chunk-backward.md).
 """
 from __future__ import annotations
 
@@ -30,8 +31,8 @@ from fastla.core.gates import beta_activation, gdn_gate, kda_gate, l2norm
 from fastla.core.problem import Problem
 
 # Which ops train here: True every one, False none, or a tuple of op names. By default the op whose
-# GPU cases all pass (GDN on an H100: bf16 and fp32, K = V = 16, 64 and 128, dense and varlen, with
-# the reverse scan assembled by ptxas 12.9); FASTLA_TRITON_BACKWARD=1 every chunked op, 0 none
+# GPU cases all pass (GDN on an H100, the module's docstring); FASTLA_TRITON_BACKWARD=1 every chunked
+# op, 0 none
 _SWITCH = os.environ.get("FASTLA_TRITON_BACKWARD")
 ENABLED = True if _SWITCH == "1" else False if _SWITCH == "0" else ("chunk_gated_delta_rule",)
 # The forward keeps its chunk-start states for the backward (False: the backward recomputes them)

@@ -39,6 +39,7 @@ them to the first real launch (the override is process-wide while it compiles).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -68,7 +69,6 @@ def launcher(fn, T: int | None = None, NT: int | None = None) -> "Launcher":
     if found is None or found.base is not fn:
         found = _LAUNCHERS[(id(fn), twin)] = Launcher(length_specialized(fn) if twin else fn)
         found.base = fn
-        found.newer_ptxas = getattr(fn, "fastla_newer_ptxas", False)
     return found
 
 
@@ -96,6 +96,18 @@ def sm90_ptxas():
         if _version(tool) >= FIXED_PTXAS:
             return tool
     return None
+
+
+@contextlib.contextmanager
+def newer_ptxas_build():
+    """Within it, Triton assembles with ``sm90_ptxas()``; yields the options a build then takes
+    (``PTXAS_MARK``). Raises where there is no such ptxas."""
+    tool = sm90_ptxas()
+    if tool is None:
+        raise RuntimeError(f"needs ptxas {FIXED_PTXAS[0]}.{FIXED_PTXAS[1]} or newer on sm_90 (TRITON_PTXAS_PATH)")
+    with knobs.nvidia.scope():
+        knobs.nvidia.ptxas = tool.path
+        yield {"ptx_options": PTXAS_MARK}
 
 
 def _compiles_for_sm90(fn) -> bool:
@@ -143,7 +155,6 @@ class Launcher:
     def __init__(self, fn):
         self.fn = fn
         self.base = fn          # the kernel ``launcher`` was asked for (fn may be its twin)
-        self.newer_ptxas = getattr(fn, "fastla_newer_ptxas", False)
         params = fn.params if isinstance(fn, JITFunction) else ()      # not the interpreter's kernels
         self._names = [p.name for p in params]
         # per positional parameter: 0 a constexpr (keyed by value), 1 a runtime value specialized
@@ -152,6 +163,11 @@ class Launcher:
         self._runtime = {p.name for p in params if not p.is_constexpr}   # must come positionally
         self._defaults = {p.name: p.default for p in params if p.has_default}
         self._cache: dict = {}
+
+    @property
+    def newer_ptxas(self) -> bool:
+        """Whether the kernel is marked by ``newer_ptxas`` (its twin carries no mark)."""
+        return getattr(self.base, "fastla_newer_ptxas", False)
 
     def __getattr__(self, name):        # arg_names, params, ...: the kernel's
         if name == "fn":
@@ -217,13 +233,8 @@ class Launcher:
         rebuilt with one stage fewer, down to one; a marked kernel on sm_90 assembled by
         ``sm90_ptxas()`` (the module's docstring)."""
         if self.newer_ptxas and _compiles_for_sm90(self.fn):
-            tool = sm90_ptxas()
-            if tool is None:
-                raise RuntimeError(f"{getattr(self.fn, '__name__', self.fn)} needs ptxas {FIXED_PTXAS[0]}."
-                                   f"{FIXED_PTXAS[1]} or newer on sm_90 (TRITON_PTXAS_PATH)")
-            with knobs.nvidia.scope():
-                knobs.nvidia.ptxas = tool.path
-                return self._through_triton(grid, args, dict(kwargs, ptx_options=PTXAS_MARK))
+            with newer_ptxas_build() as options:
+                return self._through_triton(grid, args, {**kwargs, **options})
         return self._through_triton(grid, args, kwargs)
 
     def _through_triton(self, grid, args, kwargs):
