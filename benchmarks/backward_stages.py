@@ -9,7 +9,7 @@ launch, then compared launch by launch.
 ``SAVE_STATES=0``: the backward recomputes the chunk-start states (chunk_training.SAVE_STATES).
 
 OP gdn / kda (tests.helpers.gated_case: gate, l2norm and beta sigmoid in the op, KDA's bounded
-gate, K = V = 128, H = 2, HV = 4); inputs made on the CPU from fixed seeds, so both runs see the same numbers. The interpreter's
+gate, K = V = 128 (``HEAD_DIM=64``: 64), H = 2, HV = 4); inputs made on the CPU from fixed seeds, so both runs see the same numbers. The interpreter's
 backward rounds as the GPU's (bf16 operands, tf32 for float32 ones: tests/interpreter_emulation.py); the
 forward differs (Gluon on Hopper, Triton in the interpreter), so the backward's inputs agree to
 bf16 rounding; a kernel whose outputs drift further than its inputs is the suspect. Lines whose
@@ -62,10 +62,11 @@ def run(device, op, B, T, dtype, out):
     for module in (chunk_delta_backward, chunk_channel_backward):
         module.launcher = recording(module.launcher)
     spec = OPS[op]
-    t, extra, opts = gated_case(op, B=B, T=T, dtype=dtype, device=device, seed=1)
+    D = int(os.environ.get("HEAD_DIM", 128))
+    t, extra, opts = gated_case(op, B=B, T=T, K=D, dtype=dtype, device=device, seed=1)
     gen = torch.Generator().manual_seed(3)
-    do = torch.randn(B, T, 4, 128, generator=gen).to(device)
-    dh = torch.randn(B, 4, 128, 128, generator=gen).to(device)
+    do = torch.randn(B, T, 4, D, generator=gen).to(device)
+    dh = torch.randn(B, 4, D, D, generator=gen).to(device)
 
     def fast(x, **kw):
         with use_tier("triton", strict=True):

@@ -14,6 +14,13 @@
 #                                              # against the interpreter's (benchmarks/backward_stages.py)
 #   bash benchmarks/gpu_checks.sh backward-scan  # GDN's dh0 with the reverse scan on tf32 / bf16 operands,
 #                                              # KDA's, then the GPU backward tests (~4 min)
+#   bash benchmarks/gpu_checks.sh backward-diag  # KDA at K = V = 64: each backward launch against the
+#                                              # interpreter's, its gradients under switches; then
+#                                              # where GDN's fwd + bwd time goes, fastla's and FLA's
+#                                              # (benchmarks/backward_profile.py; ~4 min)
+#   bash benchmarks/gpu_checks.sh backward-round # the backward's GPU tests, GDN's fwd + bwd against FLA
+#                                              # (backward-bench), its kernels under launch switches
+#                                              # (ROW), KDA's kernels (~7 min)
 #   bash benchmarks/gpu_checks.sh backward-bench # its fwdbwd against FLA on registry shapes (FILTER: which;
 #                                              # two GDN ones by default; FLA's backward compiles for
 #                                              # minutes without a cache: KDA's tunes ~280 s)
@@ -166,6 +173,32 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
     # K = V = 16 and 64 on their own (an illegal access would end the process's CUDA context)
     timeout 120 python3 -m pytest -q -p no:cacheprovider -rf --tb=line tests/ops/test_triton_chunk_backward.py \
       -k narrow 2>&1 | grep -E "^FAILED|passed|failed|rror" | cut -c1-200
+    echo "-- $(( $(date +%s) - start )) s" ;;
+  backward-diag)
+    start=$(date +%s)
+    HEAD_DIM=64 python3 benchmarks/backward_stages.py run cpu kda 2 400 bfloat16 /tmp/k64_cpu.pt > /tmp/k64_cpu.log 2>&1 &
+    HEAD_DIM=64 timeout 120 python3 benchmarks/backward_stages.py run cuda kda 2 400 bfloat16 /tmp/k64_gpu.pt 2>&1 | tail -1
+    for v in "1 1" "1 0" "0 1"; do
+      HEAD_DIM=64 timeout 60 python3 benchmarks/backward_variants.py kda 2 400 bfloat16 $v 2>&1 | tail -1 | cut -c1-200
+    done
+    HEAD_DIM=64 FP32_STATES=1 timeout 60 python3 benchmarks/backward_variants.py kda 2 400 bfloat16 1 1 2>&1 | tail -1 | cut -c1-200
+    timeout 150 python3 benchmarks/backward_profile.py ${ROW:-gdn/h16-hv32/1x8192} 2>&1 | tail -32
+    timeout $(( 560 - ($(date +%s) - start) )) tail --pid=$(jobs -p | head -1) -f /dev/null
+    tail -1 /tmp/k64_cpu.log
+    python3 benchmarks/backward_stages.py compare /tmp/k64_gpu.pt /tmp/k64_cpu.pt 2>&1 | cut -c1-400
+    echo "-- $(( $(date +%s) - start )) s" ;;
+  backward-round)
+    start=$(date +%s)
+    bg 300 tests/ops/test_triton_chunk_backward.py -m "" -k "(cuda or gpu) and not narrow"; show
+    timeout 120 python3 -m pytest -q -p no:cacheprovider -rf --tb=short tests/ops/test_triton_chunk_backward.py \
+      -k narrow 2>&1 | grep -E "^FAILED|passed|failed|Error:" | cut -c1-200
+    FILTER=gdn/h16-hv32/1x8192,gdn/h2-hv8/1x8192 bash "$0" backward-bench
+    for k in "" chunk_delta_backward.VALUE_STAGES=3 chunk_delta_backward.VALUE_BLOCK_V=32; do
+      echo "== fastla, $k"
+      KNOBS=$k FLA=0 TOP=6 timeout 60 python3 benchmarks/backward_profile.py ${ROW:-gdn/h16-hv32/1x8192} 2>&1 | grep -v -E "Warn|_warn_once" | tail -7
+    done
+    echo "== KDA"
+    FLA=0 TOP=12 timeout 90 python3 benchmarks/backward_profile.py kda/h64/1x8192 2>&1 | grep -v -E "Warn|_warn_once" | tail -13
     echo "-- $(( $(date +%s) - start )) s" ;;
   backward-bench)
     FASTLA_TRITON_BACKWARD=1 timeout 560 python3 -m fastla bench --filter "${FILTER:-gdn/h16-hv32/1x8192,gdn/h2-hv8/1x8192}" \

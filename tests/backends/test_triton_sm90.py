@@ -195,18 +195,23 @@ GDN_KERNELS = {
                        dict(BV=64, SK=128, SV=1, HAS_H0=True, STORE_FINAL=True, SEG=0, BETA=1, STORE_STATES=False,
                             L2NORM=False, GK=True, DELTA=False, H=32), 8, 2),
     # the backward (chunk_delta_backward.py): the reverse state-gradient scan and the per-chunk gradients
-    # (the delta rule's scalar-gate scan on tf32 operands for bf16 inputs: DELTA_SCAN_FP32_PRODUCTS)
     "bwd-reverse-scan": ("chunk_delta_backward._reverse_scan_kernel", BWD_POINTERS["reverse"],
-                         dict(BV=32, HAS_DHT=True, STORE_DH0=True, GK=False, DOT="float32"), 8, 1),
-    "bwd-value-grads": ("chunk_delta_backward._value_grads_kernel", BWD_POINTERS["value"], dict(BV=16), 8, 1),
-    "bwd-key-grads": ("chunk_delta_backward._key_grads_kernel", BWD_POINTERS["key"], dict(BK=64, BV=32), 4, 1),
+                         dict(BV=32, HAS_DHT=True, STORE_DH0=True, GK=False), 8, 1),
+    "bwd-value-grads": ("chunk_delta_backward._value_grads_kernel", BWD_POINTERS["value"], dict(BV=16), 8, 2),
+    "bwd-key-grads": ("chunk_delta_backward._key_grads_kernel", BWD_POINTERS["key"], dict(BK=64, BV=32), 4, 2),
     # (the plain rule's backward: Simple GLA, Lightning)
     "bwd-plain-reverse-scan": ("chunk_delta_backward._reverse_scan_kernel", BWD_POINTERS["reverse"],
                                dict(BV=32, HAS_DHT=True, STORE_DH0=True, DELTA=False, GK=False), 8, 1),
     "bwd-plain-value-grads": ("chunk_delta_backward._value_grads_kernel", BWD_POINTERS["value"],
-                              dict(BV=16, DELTA=False), 8, 1),
+                              dict(BV=16, DELTA=False), 8, 2),
     "bwd-plain-key-grads": ("chunk_delta_backward._key_grads_kernel", BWD_POINTERS["key"],
-                            dict(BK=64, BV=32, DELTA=False), 4, 1),
+                            dict(BK=64, BV=32, DELTA=False), 4, 2),
+    # (the q/k ends, qk_grads.py: l2norm rows, GVA's sum and the l2norm's backward; no products)
+    "bwd-qk-normalize": ("qk_grads._normalize_kernel", {"q": "*bf16", "k": "*bf16", "qn": "*bf16", "kn": "*bf16"},
+                         dict(BLOCK_T=16), 4, 1),
+    "bwd-qk-input-grads": ("qk_grads._input_grads_kernel",
+                           {"q": "*bf16", "k": "*bf16", "dq_v": "*fp32", "dk_v": "*fp32", "dq": "*bf16", "dk": "*bf16"},
+                           dict(G=2, BLOCK_T=16, NORM=True), 4, 1),
     # (the per-channel backward, chunk_channel_backward.py: KDA, and GLA's plain rule)
     "bwd-kda-reverse-scan": ("chunk_delta_backward._reverse_scan_kernel", BWD_POINTERS["reverse"],
                              dict(BV=32, HAS_DHT=True, STORE_DH0=True, GK=True), 8, 1),
@@ -248,8 +253,8 @@ def _child_gdn(name: str, folder: str) -> None:
     consts.update({q.name: q.default for q in kern.params
                    if q.is_constexpr and q.name not in consts and q.default is not inspect.Parameter.empty})
     ptrs = {n: t for n, t in ptrs.items() if n in names}            # (a shared table: this kernel's)
-    sig = {n: ptrs.get(n) or ("constexpr" if n in consts else ("i32" if n in ("T", "NT", "total", "n_flags") else "fp32"))
-           for n in names}
+    ints = ("T", "NT", "total", "n_flags", "rows")
+    sig = {n: ptrs.get(n) or ("constexpr" if n in consts else ("i32" if n in ints else "fp32")) for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ptrs}
     src = ASTSource(kern, sig, {(names.index(n),): v for n, v in consts.items()}, attrs)
     options = {"num_warps": warps, "num_stages": stages}
@@ -288,7 +293,8 @@ def test_gdn_chunk_kernels_compile_for_sm90(name, tmp_path):
     shared memory, spills bounded."""
     res = _run_child(f"_child_gdn({name!r}, {str(tmp_path)!r})", tmp_path)
     # no tensor-core products: fp32 FMA products (ieee), a list, a cumsum, GLA's kd and decay
-    if not name.startswith(("kda-wide", "plain-gate", "plain-gla-prepare", "plain-gla-wide", "bwd-channel-cumsum")):
+    if not name.startswith(("kda-wide", "plain-gate", "plain-gla-prepare", "plain-gla-wide", "bwd-channel-cumsum",
+                            "bwd-qk")):
         # (the backward's score kernels: [16, BT] x [BT, 16] products per 16-token block)
         small = name in ("inverse", "kda-inverse", "kda-inverse-beta-cols") or name.startswith(("kda-prepare", "bwd-kda-score", "bwd-gla-score"))
         assert (res["hmma"] if small else res["hgmma"]) > 0, res
@@ -301,11 +307,9 @@ def test_gdn_chunk_kernels_compile_for_sm90(name, tmp_path):
 # warp and spills 8 bytes in both launches (docs/notes/kda-prefill.md); so does the GDN inverse
 # with its diagonal rows read back from memory (measured faster: 1x32k HV64 478 -> 366 us,
 # docs/notes/gdn-prefill.md); the other builds none
-# the per-channel backward's score kernel (the diagonal blocks' [16, 16, 16] products at 8 warps) 64;
-# the delta rule's scalar-gate reverse scan on tf32 operands (its bf16 build computes a wrong product
-# on the GPU: docs/notes/chunk-backward.md) 536 at 255 registers
+# the per-channel backward's score kernel (the diagonal blocks' [16, 16, 16] products at 8 warps) 64
 KNOWN_STACK = {"kda-prepare-given-gate": 8, "kda-prepare-scores-given-gate": 8, "inverse": 8,
-               "bwd-kda-score-grads": 64, "bwd-reverse-scan": 536}
+               "bwd-kda-score-grads": 64}
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))

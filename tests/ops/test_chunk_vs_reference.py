@@ -3,9 +3,20 @@ and every gradient through the public autograd API, loss (o*do).sum() + (ht*dht)
 import pytest
 import torch
 
+from fastla.backends.triton import chunk_training, interpreting
 from tests.helpers import (
     DEVICES, OPS, TOLERANCE, as_leaves, assert_close, call_chunk, call_reference, forward_backward, make_inputs,
 )
+
+
+@pytest.fixture(autouse=True)
+def _kda_training_on_the_torch_tier_in_the_interpreter(monkeypatch):
+    """In the Triton interpreter (no GPU) KDA's gradients here come from the torch tier's autograd:
+    its Triton backward (on by default) takes ~4 min of this file's CPU time interpreted, and its
+    interpreter checks live in test_triton_chunk_backward.py. On a GPU the default serves."""
+    if interpreting():
+        on = chunk_training.OPS if chunk_training.ENABLED is True else chunk_training.ENABLED or ()
+        monkeypatch.setattr(chunk_training, "ENABLED", tuple(op for op in on if op != "chunk_kda"))
 
 
 def check_against_reference(spec, t, device="cpu", fast_only=None, **opts):

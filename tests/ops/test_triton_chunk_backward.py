@@ -25,10 +25,11 @@ def backward_on(monkeypatch):
     monkeypatch.setattr(chunk_training, "ENABLED", True)
 
 
-def check(t, extra=None, dht=True, tol=TOL, grad_tol=None, spec=SPEC, **opts):
+def check(t, extra=None, dht=True, tol=TOL, grad_tol=None, spec=SPEC, param_tol=None, **opts):
     """``t``: the tensors (leaves), ``extra``: leaves the reference takes as keywords too (A_log,
     dt_bias), ``opts``: the op's options (cu_seqlens_cpu to the op under test only). Outputs within
-    ``tol``, gradients within ``grad_tol`` (10 x tol) of the fp64 reference."""
+    ``tol``, gradients within ``grad_tol`` (10 x tol) of the fp64 reference, those of ``extra``
+    within ``param_tol`` (grad_tol)."""
     extra = extra or {}
     leaves = as_leaves({**t, **extra})
     device = t["q"].device
@@ -51,7 +52,8 @@ def check(t, extra=None, dht=True, tol=TOL, grad_tol=None, spec=SPEC, **opts):
         assert_close("final_state", ht, rht, tol)
     for name, g in grads.items():
         assert g is not None, f"no gradient for {name}"
-        assert_close(f"d{name}", g, rgrads[name], grad_tol or tol * 10)
+        limit = grad_tol or tol * 10
+        assert_close(f"d{name}", g, rgrads[name], param_tol if name in extra and param_tol else limit)
 
 
 @pytest.mark.parametrize("T", [1, 65])            # (longer: test_strong_decay, test_varlen)
@@ -110,16 +112,21 @@ def test_served_where_it_can(device, monkeypatch):
     pk = build_problem("chunk_kda", gk=tk.pop("g"), **tk, delta=True, gva=True, chunk_size=32)
     monkeypatch.setattr(chunk_training, "ENABLED", True)
     assert "chunk_size" in dict(dispatch.explain("chunk_kda", pk))["triton"]
-    monkeypatch.setattr(chunk_training, "ENABLED", ("chunk_gated_delta_rule",))      # (the default)
+    monkeypatch.setattr(chunk_training, "ENABLED", ("chunk_gated_delta_rule",))      # (one op on)
     assert dict(dispatch.explain("chunk_gated_delta_rule", p))["triton"] is None
     assert "FASTLA_TRITON_BACKWARD" in dict(dispatch.explain("chunk_kda", pk))["triton"]
 
 
 def check_bf16(op, device, lengths=None, T=400, K=128):
     """bf16 inputs, every activation in the op (tests.helpers.gated_case): every gradient against
-    the fp64 reference within FLA-level error (its bf16 forward is ~4e-3 off)."""
+    the fp64 reference within FLA-level error (its bf16 forward is ~4e-3 off). A_log's and
+    dt_bias's gradients are sums of dg over every token (of each head; KDA's dt_bias of each head
+    and channel), where bf16 operands' rounding cancels less than the values do: on an H100 KDA's
+    dA_log at K = V = 64 drew 3.5e-3 to 2.4e-2 on five seeds, ddt_bias 7e-3 to 1e-2, while dg,
+    from which autograd forms both, stayed within 3.6e-3 (docs/notes/chunk-backward.md); they get
+    5e-2."""
     t, extra, opts = gated_case(op, T=T, K=K, device=device, lengths=lengths)
-    check(t, extra, tol=1e-2, grad_tol=2e-2, spec=OPS[op], **opts)
+    check(t, extra, tol=1e-2, grad_tol=2e-2, param_tol=5e-2, spec=OPS[op], **opts)
 
 
 @pytest.mark.gpu

@@ -32,11 +32,11 @@ The backward:
    factor e^(<= 0) for any decay; the diagonal blocks element-wise ``[16, 16, BK]``, exact; added to
    what step 4 stored (each entry read and written by one program);
 6. dgk = the reverse in-chunk cumsum of dG (``_channel_cumsum_kernel``, REVERSE).
-dq and dk are per value head (float32); GVA sums them per q/k head in PyTorch.
+dq and dk are per value head (float32), summed per q/k head by qk_grads.input_grads.
 Rows past a sequence's end take G_last as their G, and the reference rows are clamped to the last
 valid one, so that no exponent of a masked entry is positive (inf times zero).
-Off by default (``chunk_training.ENABLED``; FASTLA_TRITON_BACKWARD=1): on an H100 KDA's bf16 cases
-pass at K = V = 16 and 128 but not at 64 (docs/notes/chunk-backward.md, twenty-sixth session).
+On by default for KDA, behind FASTLA_TRITON_BACKWARD=1 for GLA (``chunk_training.ENABLED``): on an
+H100 KDA's bf16 cases pass at K = V = 16, 64 and 128 (docs/notes/chunk-backward.md).
 """
 from __future__ import annotations
 
@@ -331,8 +331,8 @@ def _channel_score_grads_kernel(
 
 
 def backward(p: Problem, do: torch.Tensor, dht: torch.Tensor | None, states: torch.Tensor | None = None):
-    """Gradients ``(dq, dk [B, T, H, K], dv [B, T, HV, V], dgk [B, T, HV, K], dbeta [B, T, HV] or
-    None, dh0 [N, HV, K, V] or None)`` (float32; dv in v's dtype) of the chunked forward of ``p``
+    """Gradients ``(dq, dk [B, T, HV, K] per value head, dv [B, T, HV, V], dgk [B, T, HV, K], dbeta
+    [B, T, HV] or None, dh0 [N, HV, K, V] or None)`` (float32; dv in v's dtype) of the chunked forward of ``p``
     (KDA, or GLA with ``p.delta`` False), whose q, k, v, gk (float32 log decay), beta (float32) and
     initial state (K-first, float32) are the activated ones; ``do``, ``dht`` and ``states`` as
     chunk_delta_backward.backward takes them."""
@@ -386,7 +386,6 @@ def backward(p: Problem, do: torch.Tensor, dht: torch.Tensor | None, states: tor
             T, c.NT, p.scale, H=H, HV=HV, K=K, BT=BT, BK=min(SCORE_BLOCK_K, c.BK), DOT=c.dot, VARLEN=varlen,
             DELTA=p.delta, num_warps=SCORE_WARPS, num_stages=1)
         _cumsum(c, dG, dgk, reverse=True)
-    dq, dk = chunk_delta_backward.per_qk_head(p, dq, dk)
     return dq, dk, dv, dgk, dbeta, dh0
 
 

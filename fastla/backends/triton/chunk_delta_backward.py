@@ -33,9 +33,9 @@ The backward, with dS' the gradient of S' (four launches after the recompute):
        dq = scale diag(e^G) dO S^T + d(q k^T) k,
        dk = diag(e^(G_last - G)) V_new dS'^T - diag(e^G beta) R S^T + d(q k^T)^T q
             + (d(k k^T) + d(k k^T)^T) k,
-   per value head (float32); GVA sums them per q/k head in PyTorch.
+   per value head (float32), summed per q/k head by qk_grads.input_grads (with the l2norm's backward).
 Precision as the forward: products with bf16 operands for bf16 inputs (fp32 in the interpreter;
-the delta rule's reverse scan on tf32 operands, DELTA_SCAN_FP32_PRODUCTS below), fp32 accumulation,
+DELTA_SCAN_FP32_PRODUCTS below puts the delta rule's reverse scan on tf32), fp32 accumulation,
 the state gradient fp32 in the scan. The stored chunk states S and dS' are in the products' operand
 dtype (bf16 for bf16 inputs, as FLA stores its chunk states; ``FP32_STATES``:
 float32, twice their bytes): they are the largest traffic, each written once and read by both
@@ -61,22 +61,27 @@ from fastla.backends.triton.recurrent import BETA_GIVEN
 from fastla.core import call_plan
 from fastla.core.problem import Problem
 
-# Launch shapes at K = V = 128 (sm_90 compiles, tests/backends/test_triton_sm90.py; not timed on a
-# GPU yet): the reverse scan 189 registers at 32 columns on 8 warps (4 warps: 255 and 24 bytes of
-# stack); the value kernel 255 with no spill at 16-column tiles on 8 warps (32 columns: 232 bytes of
-# stack at 8 warps, 504-640 at 4); the key kernel 194 at 64 key columns on 4 warps
+# Launch shapes at K = V = 128 (sm_90 compiles, tests/backends/test_triton_sm90.py): the reverse scan
+# 190 registers at 32 columns on 8 warps on bf16 operands (tf32: 255 and 536 bytes of stack); the
+# value kernel 237 with no spill at 16-column tiles on 8 warps and 2 stages (32 columns: 8 bytes of
+# stack; 4 warps: 112); the key kernel 162 at 64 key columns on 4 warps and 2 stages. Timed on an
+# H100 at B1 T8192 H16 HV32 (benchmarks/backward_profile.py, docs/notes/chunk-backward.md): the
+# value kernel 1110 us at 1 stage, 921 at 2; the key kernel 560 / 546; the scan 1025 on tf32, 640 on
+# bf16 operands
 BLOCK_V = 32        # value columns per reverse-scan program and per tile of _key_grads_kernel
 VALUE_BLOCK_V = 16  # value columns per tile of _value_grads_kernel
 KEY_BLOCK_K = 64    # key columns per program of _key_grads_kernel
 SCAN_WARPS = 8
 VALUE_WARPS = 8
 KEY_WARPS = 4
+VALUE_STAGES = 2    # software-pipelining stages of the value and key kernels' loops over V
+KEY_STAGES = 2
 FP32_STATES = False     # the stored chunk states and their gradients in float32 (A/B; see the docstring)
-# The delta rule's scalar-gate reverse scan on float32 (tf32) operands for bf16 inputs too: the
-# build the GPU suite passed with (H100). Its bf16 build, wrong under ptxas 12.8 (dh0 9.1e-2 from
-# fp64 at B 2 T 400), measured right under 12.9 (2.9e-3; tf32 2.3e-3) but has not run the suite
-# nor been timed against it (docs/notes/chunk-backward.md)
-DELTA_SCAN_FP32_PRODUCTS = True
+# The delta rule's scalar-gate reverse scan on float32 (tf32) operands for bf16 inputs too (an A/B
+# switch; off: bf16 operands as every other product here). Its bf16 build was wrong under ptxas 12.8
+# (dh0 9.1e-2 from fp64 at B 2 T 400); under 12.9 it is right (2.9e-3; tf32 2.3e-3), passes the
+# GPU suite and takes 640 us against tf32's 1025 (H100, docs/notes/chunk-backward.md)
+DELTA_SCAN_FP32_PRODUCTS = False
 
 
 @newer_ptxas                                    # CUDA 12.8's ptxas builds it wrong on sm_90 (launch.py)
@@ -419,16 +424,9 @@ def reverse_scan(c: Call, q, k, kd, decay, beta, inverse, scores, gcum, do, dht,
     return dh_chunks, r_buf, dh0
 
 
-def per_qk_head(p: Problem, dq: torch.Tensor, dk: torch.Tensor):
-    """GVA: dq and dk per value head ``[B, T, HV, K]`` summed per q/k head."""
-    if p.HV == p.H:
-        return dq, dk
-    return (x.view(p.B, p.T, p.H, p.HV // p.H, p.K).sum(3) for x in (dq, dk))
-
-
 def backward(p: Problem, do: torch.Tensor, dht: torch.Tensor | None, states: torch.Tensor | None = None):
-    """Gradients ``(dq, dk [B, T, H, K], dv [B, T, HV, V], dg [B, T, HV], dbeta [B, T, HV] or None,
-    dh0 [N, HV, K, V] or None)`` (float32; dv in v's dtype) of the chunked forward of ``p`` (the
+    """Gradients ``(dq, dk [B, T, HV, K] per value head, dv [B, T, HV, V], dg [B, T, HV], dbeta
+    [B, T, HV] or None, dh0 [N, HV, K, V] or None)`` (float32; dv in v's dtype) of the chunked forward of ``p`` (the
     delta rule, or the plain rule with ``p.delta`` False: no beta), whose q, k, v, g (float32 log
     decay, or None: no decay), beta (float32) and initial state (K-first, float32) are the
     activated ones: no gate, l2norm nor beta sigmoid in the op, no g_gamma, K-first states. ``do``
@@ -475,11 +473,10 @@ def backward(p: Problem, do: torch.Tensor, dht: torch.Tensor | None, states: tor
             q, k, p.v, beta, inverse, gcum, states, dh_chunks, do, r_buf, v_new, dqk, dkk, dv, dg,
             dbeta if dbeta is not None else gcum, *c.index(gcum), T, c.NT, p.scale, H=H, HV=HV, K=K, V=V, BT=BT,
             BK=c.BK, BV=min(VALUE_BLOCK_V, c.BVF), DOT=c.dot, VARLEN=c.cu is not None, DELTA=p.delta,
-            num_warps=VALUE_WARPS, num_stages=1)
+            num_warps=VALUE_WARPS, num_stages=VALUE_STAGES)
         BKS = min(KEY_BLOCK_K, c.BK)
         launcher(_key_grads_kernel, T, c.NT)[(total, HV, cdiv(K, BKS))](
             q, k, beta, gcum, states, dh_chunks, do, r_buf, v_new, dqk, dkk, dq, dk, *c.index(gcum), T, c.NT,
             p.scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=BKS, BV=c.BV, DOT=c.dot, VARLEN=c.cu is not None,
-            DELTA=p.delta, num_warps=KEY_WARPS, num_stages=1)
-    dq, dk = per_qk_head(p, dq, dk)
+            DELTA=p.delta, num_warps=KEY_WARPS, num_stages=KEY_STAGES)
     return dq, dk, dv, dg, dbeta, dh0

@@ -3,20 +3,24 @@ forward on the fastest tier, the backward in Triton (chunk_delta_backward.py for
 chunk_channel_backward.py for per-channel ones).
 
 A chunked call that needs gradients is served here (the Triton tier's entry for the chunked ops,
-``tier.py``): the l2norm, the gate computed in the op (GDN's, KDA's with or without lower_bound,
-Simple GLA's and Lightning's constant ``g_gamma`` added to ``g``), the beta sigmoid and the state
-layout are applied in PyTorch (autograd takes their gradients), then ``ChunkTraining`` runs the forward
-through the dispatcher without gradients (the sm_90 kernels on Hopper, the Triton ones elsewhere)
-and its backward in ``chunk_delta_backward.py``. Calls it cannot serve (say why in ``reason``) go
-to the torch tier, which differentiates through PyTorch.
+``tier.py``): the gate computed in the op (GDN's, KDA's with or without lower_bound, Simple GLA's
+and Lightning's constant ``g_gamma`` added to ``g``), the beta sigmoid and the state layout are
+applied in PyTorch (autograd takes their gradients; ``[B, T, HV]``-sized but for KDA's gate and the
+state), then ``ChunkTraining`` runs the forward through the dispatcher without gradients (the sm_90
+kernels on Hopper, the Triton ones elsewhere; the q/k l2norm in them) and its backward in
+``chunk_delta_backward.py`` or ``chunk_channel_backward.py``, the q/k ends (the l2norm, GVA's sum
+over value heads, the inputs' dtype) in ``qk_grads.py``. Calls it cannot serve (say why in
+``reason``) go to the torch tier, which differentiates through PyTorch.
 
-On by default for GDN only (``ENABLED``; ``FASTLA_TRITON_BACKWARD=1`` every chunked op, ``0`` none):
-the kernels match the float64 reference in the CPU interpreter, and on an H100 GDN's GPU cases
-all pass (fp32 at K = V = 32; bf16 at K = V = 128 dense and varlen, 16 and 64 dense) with the
+On by default for GDN and KDA (``ENABLED``; ``FASTLA_TRITON_BACKWARD=1`` every chunked op, ``0``
+none): the kernels match the float64 reference in the CPU interpreter, and on an H100 their GPU
+cases pass (fp32 at K = V = 32; bf16 at K = V = 128 dense and varlen, 16 and 64 dense) with the
 reverse scan assembled by ptxas 12.9 (``launch.newer_ptxas``: CUDA 12.8's built its wgmma
-descriptors from a wrong register). fwd + bwd at B1 T8192 H16 HV32: 6.0 ms against the torch
-tier's 103 ms (the 12.8 build of the tf32 scan; FLA not compared). KDA's bf16 case at K = V = 64
-still fails there (docs/notes/chunk-backward.md).
+descriptors from a wrong register). GDN fwd + bwd at B1 T8192 H16 HV32 (H100, kernel time,
+benchmarks/backward_profile.py): 3.2 ms against FLA's 2.5 ms (5.1 ms before the q/k ends moved
+into qk_grads and the scan onto bf16 operands); KDA's at B1 T8192 H16 HV16: 10.6 ms against the
+torch tier's 150 ms (FLA not compared). The plain rule's and GLA's bf16 cases have not run on a
+GPU: they stay behind the switch (docs/notes/chunk-backward.md).
 """
 from __future__ import annotations
 
@@ -25,16 +29,16 @@ import os
 
 import torch
 
-from fastla.backends.triton import chunk_channel_backward, chunk_delta, chunk_delta_backward, launch
+from fastla.backends.triton import chunk_channel_backward, chunk_delta, chunk_delta_backward, launch, qk_grads
 from fastla.core import dispatch
-from fastla.core.gates import beta_activation, gdn_gate, kda_gate, l2norm
+from fastla.core.gates import beta_activation, gdn_gate, kda_gate
 from fastla.core.problem import Problem
 
-# Which ops train here: True every one, False none, or a tuple of op names. By default the op whose
-# GPU cases all pass (GDN on an H100, the module's docstring); FASTLA_TRITON_BACKWARD=1 every chunked
-# op, 0 none
+# Which ops train here: True every one, False none, or a tuple of op names. By default the ops whose
+# GPU cases pass (GDN and KDA on an H100, the module's docstring); FASTLA_TRITON_BACKWARD=1 every
+# chunked op, 0 none
 _SWITCH = os.environ.get("FASTLA_TRITON_BACKWARD")
-ENABLED = True if _SWITCH == "1" else False if _SWITCH == "0" else ("chunk_gated_delta_rule",)
+ENABLED = True if _SWITCH == "1" else False if _SWITCH == "0" else ("chunk_gated_delta_rule", "chunk_kda")
 # The forward keeps its chunk-start states for the backward (False: the backward recomputes them)
 SAVE_STATES = True
 
@@ -70,9 +74,11 @@ def run(p: Problem):
 
 class ChunkTraining(torch.autograd.Function):
     """``(o, final state K-first)`` of the activated inputs (a scalar gate ``g`` or a per-channel
-    one ``gk``, or neither); the backward in Triton. The forward also returns the chunk-start states
-    (``return_intermediate_states``, in q's dtype), kept for the backward unless ``SAVE_STATES`` is
-    off (the backward then recomputes them: less memory held between the passes, one more scan)."""
+    one ``gk``, or neither) and the raw q, k (their l2norm, when the problem asks it, in the
+    forward's kernels and in qk_grads for the backward); the backward in Triton. The forward also
+    returns the chunk-start states (``return_intermediate_states``, in q's dtype), kept for the
+    backward unless ``SAVE_STATES`` is off (the backward then recomputes them: less memory held
+    between the passes, one more scan)."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, gk, beta, h0, problem: Problem):
@@ -89,18 +95,20 @@ class ChunkTraining(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dht):
         q, k, v, g, gk, beta, h0, states = ctx.saved_tensors
-        pa = dataclasses.replace(ctx.problem, q=q, k=k, v=v, g=g, gk=gk, beta=beta, initial_state=h0)
+        norm = ctx.problem.use_qk_l2norm
+        qn, kn = qk_grads.normalize(q, k) if norm else (q, k)
+        pa = dataclasses.replace(ctx.problem, q=qn, k=kn, v=v, g=g, gk=gk, beta=beta, initial_state=h0,
+                                 use_qk_l2norm=False)
         rule = chunk_channel_backward if gk is not None else chunk_delta_backward
-        dq, dk, dv, dgate, dbeta, dh0 = rule.backward(pa, do, dht, states)
-        return (dq.to(q.dtype), dk.to(k.dtype), dv, dgate if g is not None else None,
-                dgate if gk is not None else None, dbeta, dh0 if h0 is not None else None, None)
+        dq_v, dk_v, dv, dgate, dbeta, dh0 = rule.backward(pa, do, dht, states)
+        dq, dk = qk_grads.input_grads(q, k, dq_v, dk_v, norm)
+        return (dq, dk, dv, dgate if g is not None else None, dgate if gk is not None else None, dbeta,
+                dh0 if h0 is not None else None, None)
 
 
 def run_training(p: Problem):
     """``(o, final state or None)`` of ``p`` with gradients to every input that requires them."""
-    q, k = p.q, p.k
-    if p.use_qk_l2norm:                         # normalised in float32, read by the kernels in q's dtype
-        q, k = l2norm(q).to(p.q.dtype), l2norm(k).to(p.k.dtype)
+    q, k = (p.q.contiguous(), p.k.contiguous()) if p.use_qk_l2norm else (p.q, p.k)
     g = p.g
     if g is not None:
         g = gdn_gate(g, p.A_log, p.dt_bias) if p.gate_in_op == "gdn" else g.float()
@@ -124,7 +132,7 @@ def run_training(p: Problem):
     if h0 is not None:
         h0 = (h0.transpose(-1, -2) if p.state_v_first else h0).float().contiguous()
     activated = dataclasses.replace(
-        p, g_gamma=None, use_qk_l2norm=False, gate_in_op=None, A_log=None, dt_bias=None, lower_bound=None,
+        p, g_gamma=None, gate_in_op=None, A_log=None, dt_bias=None, lower_bound=None,
         beta_sigmoid=False, allow_neg_eigval=False, state_v_first=False, output_final_state=True)
     o, ht = ChunkTraining.apply(q, k, p.v, g.contiguous() if g is not None else None, gk, beta, h0, activated)
     if not p.output_final_state:
