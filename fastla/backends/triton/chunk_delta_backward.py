@@ -63,13 +63,14 @@ from fastla.core.problem import Problem
 
 # Launch shapes at K = V = 128 (sm_90 compiles, tests/backends/test_triton_sm90.py): the reverse scan
 # 190 registers at 32 columns on 8 warps on bf16 operands (tf32: 255 and 536 bytes of stack); the
-# value kernel 237 with no spill at 16-column tiles on 8 warps and 2 stages (32 columns: 8 bytes of
-# stack; 4 warps: 112); the key kernel 162 at 64 key columns on 4 warps and 2 stages. Timed on an
-# H100 at B1 T8192 H16 HV32 (benchmarks/backward_profile.py, docs/notes/chunk-backward.md): the
-# value kernel 1110 us at 1 stage, 921 at 2; the key kernel 560 / 546; the scan 1025 on tf32, 640 on
-# bf16 operands
+# value kernel 237 with no stack at 16-column tiles on 8 warps and 2 stages (32 columns: 255 and 8
+# bytes of stack; 4 warps: 112 bytes); the key kernel 162 at 64 key columns on 4 warps and 2 stages.
+# Timed on an H100 at B1 T8192 H16 HV32 (benchmarks/backward_profile.py, docs/notes/chunk-backward.md):
+# the value kernel 1110 us at 16 columns and 1 stage, 921 at 2 stages, 771 at 3, 675 at 32 columns
+# and 2 stages (its grads 3.7e-3 from fp64 on that shape; the GPU suite not yet run with it, so not
+# the default); the key kernel 560 / 546 at 1 / 2 stages; the scan 1025 on tf32, 640 on bf16
 BLOCK_V = 32        # value columns per reverse-scan program and per tile of _key_grads_kernel
-VALUE_BLOCK_V = 16  # value columns per tile of _value_grads_kernel
+VALUE_BLOCK_V = 16  # value columns per tile of _value_grads_kernel (32: faster, not yet GPU-tested)
 KEY_BLOCK_K = 64    # key columns per program of _key_grads_kernel
 SCAN_WARPS = 8
 VALUE_WARPS = 8
