@@ -21,9 +21,11 @@
 #   bash benchmarks/gpu_checks.sh backward-round # the backward's GPU tests, GDN's fwd + bwd against FLA
 #                                              # (backward-bench), its kernels under launch switches
 #                                              # (ROW), KDA's kernels (~7 min)
-#   bash benchmarks/gpu_checks.sh backward-bv32  # the value kernel at 32-column tiles (faster, not yet the
-#                                              # default) through the backward's GPU tests, then timed
-#                                              # against FLA (~6 min; the tests compile for ~3.5 min)
+#   bash benchmarks/gpu_checks.sh backward-next  # the candidates behind switches: the backward's GPU tests
+#                                              # with the value kernel's 32-column tiles (the KDA score
+#                                              # kernel's candidate has its own GPU tests there), then
+#                                              # GDN's kernels with them and KDA's both ways (~7 min; the
+#                                              # tests compile for ~4 min)
 #   bash benchmarks/gpu_checks.sh backward-bench # its fwdbwd against FLA on registry shapes (FILTER: which;
 #                                              # two GDN ones by default; FLA's backward compiles for
 #                                              # minutes without a cache: KDA's tunes ~280 s)
@@ -203,14 +205,18 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
     echo "== KDA"
     FLA=0 TOP=12 timeout 90 python3 benchmarks/backward_profile.py kda/h64/1x8192 2>&1 | grep -v -E "Warn|_warn_once" | tail -13
     echo "-- $(( $(date +%s) - start )) s" ;;
-  backward-bv32)
+  backward-next)
     start=$(date +%s)
     timeout 400 python3 -c "import sys, pytest; from fastla.backends.triton import chunk_delta_backward as c
 c.VALUE_BLOCK_V = 32
 sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-rf', '--tb=short', '-k', 'cuda or gpu',
                       'tests/ops/test_triton_chunk_backward.py']))" 2>&1 | grep -E "^FAILED|passed|failed|Error:" | cut -c1-200
-    KNOBS=chunk_delta_backward.VALUE_BLOCK_V=32 TOP=6 timeout 100 python3 benchmarks/backward_profile.py \
-      gdn/h16-hv32/1x8192 2>&1 | grep -v -E "Warn|_warn_once" | tail -14
+    KNOBS=chunk_delta_backward.VALUE_BLOCK_V=32 FLA=0 TOP=6 timeout 60 python3 benchmarks/backward_profile.py \
+      gdn/h16-hv32/1x8192 2>&1 | grep -v -E "Warn|_warn_once" | tail -7
+    for k in "" chunk_channel_backward.SCORE_DIAGONAL_LOOPS=1,chunk_channel_backward.SCORE_PROGRAM_PER_BLOCK=1; do
+      echo "== KDA, $k"
+      KNOBS=$k FLA=0 TOP=6 timeout 60 python3 benchmarks/backward_profile.py kda/h64/1x8192 2>&1 | grep -v -E "Warn|_warn_once" | tail -7
+    done
     echo "-- $(( $(date +%s) - start )) s" ;;
   backward-bench)
     FASTLA_TRITON_BACKWARD=1 timeout 560 python3 -m fastla bench --filter "${FILTER:-gdn/h16-hv32/1x8192,gdn/h2-hv8/1x8192}" \

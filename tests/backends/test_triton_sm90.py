@@ -220,9 +220,13 @@ GDN_KERNELS = {
     "bwd-kda-key-grads": ("chunk_channel_backward._channel_key_grads_kernel", CHANNEL_BWD_POINTERS,
                           dict(BK=32, BV=32), 4, 1),
     "bwd-kda-score-grads": ("chunk_channel_backward._channel_score_grads_kernel", CHANNEL_BWD_POINTERS,
-                            dict(BK=16), 8, 1),
+                            dict(BK=16, DIAG_LOOPS=False, ONE_BLOCK=False), 8, 1),
     "bwd-gla-score-grads": ("chunk_channel_backward._channel_score_grads_kernel", CHANNEL_BWD_POINTERS,
-                            dict(BK=16, DELTA=False), 8, 1),
+                            dict(BK=16, DELTA=False, DIAG_LOOPS=False, ONE_BLOCK=False), 8, 1),
+    # (its diagonal blocks a row and a column at a time, a program per 16-row block:
+    # SCORE_DIAGONAL_LOOPS, SCORE_PROGRAM_PER_BLOCK, off until they run on a GPU)
+    "bwd-kda-score-grads-block-loops": ("chunk_channel_backward._channel_score_grads_kernel",
+                                        CHANNEL_BWD_POINTERS, dict(BK=16, DIAG_LOOPS=True, ONE_BLOCK=True), 8, 1),
     "bwd-channel-cumsum": ("chunk_channel_backward._channel_cumsum_kernel", CHANNEL_BWD_POINTERS,
                            dict(BK=32, REVERSE=True), 4, 1),
     "plain-gate-cumsum": ("chunk_prepare._gate_cumsum_kernel",

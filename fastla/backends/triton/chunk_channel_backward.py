@@ -61,6 +61,14 @@ SCORE_BLOCK_K = 16      # key columns per step of _channel_score_grads_kernel ([
 VALUE_WARPS = 8
 KEY_WARPS = 4
 SCORE_WARPS = 8
+# The diagonal blocks of the score kernel a column and a row at a time ([16, BK] tiles) instead of
+# [16, 16, BK] products reduced across threads (the kernel took 20.1 of KDA's 30.8 ms fwd + bwd at
+# kda/h64/1x8192 on an H100 with them). Exact either way; the loops pass the interpreter's tests
+# but have not run on a GPU: off until they do (docs/notes/chunk-backward.md)
+SCORE_DIAGONAL_LOOPS = False
+# A score program per 16-row block (grid (chunks, HV, 4)) instead of one per chunk looping over
+# its four blocks: 4x the programs, a quarter of the code; off until it runs on a GPU likewise
+SCORE_PROGRAM_PER_BLOCK = False
 
 
 @triton.jit(do_not_specialize=["T", "NT"])     # as chunk_delta._scan_kernel
@@ -236,14 +244,151 @@ def _g_row(gcum, base, row, last, o_k, m_k, HV: tl.constexpr, K: tl.constexpr):
     return tl.load(gcum + base * K + tl.minimum(row, last) * (HV * K) + o_k, mask=m_k, other=0.0)
 
 
+@triton.jit
+def _diagonal_terms(q, k, beta, gcum, dqk, dkk, base, qk_row0, b, rb, last, n_valid, o_k, m_k, b_Gb,
+                    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                    DELTA: tl.constexpr):
+    """Block b's diagonal [16, 16] terms over BK channels, a column or a row of the block at a time
+    (``[16, BK]`` tiles; no [16, 16, BK] products nor reductions across threads): ``(D1, D2, D3,
+    D4)`` [16, BK] with, for i, j in the block and E_ij = e^(G_i - G_j) (i >= j),
+        D1_i = sum_j dA_qk_ij k_j E_ij,   D2_i = sum_j dA_ij k_j E_ij   (dA strict),
+        D3_j = sum_i dA_qk_ij q_i E_ij,   D4_j = sum_i beta_i dA_ij k_i E_ij.
+    Rows past the sequence's end read zeros and G_last (as _g_rows)."""
+    rows = b * 16 + rb
+    m_b = rows < n_valid
+    b_d1 = tl.zeros([16, BK], dtype=tl.float32)
+    b_d2 = tl.zeros([16, BK], dtype=tl.float32)
+    b_d3 = tl.zeros([16, BK], dtype=tl.float32)
+    b_d4 = tl.zeros([16, BK], dtype=tl.float32)
+    for j in range(16):                     # (a loop: unrolled, its loads are hoisted and spill)
+        row = b * 16 + j
+        ok = row < n_valid
+        b_kj = tl.load(k + qk_row0 + row * (H * K) + o_k, mask=m_k & ok, other=0.0).to(tl.float32)      # [BK]
+        b_Gj = _g_row(gcum, base, row, last, o_k, m_k, HV, K)
+        col_ij = base * BT + rows * (HV * BT) + row                         # column j of the block [16]
+        below = rb >= j
+        b_e = tl.where(below[:, None], tl.exp(tl.where(below[:, None], b_Gb - b_Gj[None, :], 0.0)), 0.0)  # [16, BK]
+        b_ek = b_e * b_kj[None, :]
+        b_d1 += tl.load(dqk + col_ij, mask=m_b, other=0.0)[:, None] * b_ek
+        if DELTA:
+            b_d2 += tl.load(dkk + col_ij, mask=m_b, other=0.0)[:, None] * b_ek
+        # row j of the block against its columns: E_jc for c <= j
+        b_qj = tl.load(q + qk_row0 + row * (H * K) + o_k, mask=m_k & ok, other=0.0).to(tl.float32)
+        row_jc = base * BT + row * (HV * BT) + rows                         # row j of the block [16]
+        above = rb <= j
+        b_f = tl.where(above[:, None], tl.exp(tl.where(above[:, None], b_Gj[None, :] - b_Gb, 0.0)), 0.0)  # [16, BK]
+        b_d3 += tl.load(dqk + row_jc, mask=ok, other=0.0)[:, None] * b_f * b_qj[None, :]
+        if DELTA:
+            b_bj = tl.load(beta + base + row * HV, mask=ok, other=0.0)
+            b_d4 += (b_bj * tl.load(dkk + row_jc, mask=ok, other=0.0))[:, None] * b_f * b_kj[None, :]
+    return b_d1, b_d2, b_d3, b_d4
+
+
+@triton.jit
+def _score_block(q, k, beta, gcum, dqk, dkk, dq, dk, dG, dbeta, b, base, qk_row0, n_valid, last, b_beta, scale,
+                 H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                 DOT: tl.constexpr, DELTA: tl.constexpr, DIAG_LOOPS: tl.constexpr):
+    """Row block b (16 tokens) of _channel_score_grads_kernel's program: its score terms of dq,
+    dk, dG and dbeta, K in steps of BK."""
+    r = tl.arange(0, BT)
+    rb = tl.arange(0, 16)
+    m_t = r < n_valid
+    rows = b * 16 + rb                                                  # block b's rows / columns
+    m_b = rows < n_valid
+    # dA_qk and dA: block b's rows against every column [16, BT], its columns against every row
+    # (transposed, [16, BT]), its diagonal block [16, 16]
+    off_rows = base * BT + rows[:, None] * (HV * BT) + r[None, :]
+    off_cols = base * BT + r[None, :] * (HV * BT) + rows[:, None]
+    b_aq_row = tl.load(dqk + off_rows, mask=m_b[:, None] & (r < b * 16)[None, :], other=0.0).to(tl.float32)
+    b_aq_col = tl.load(dqk + off_cols, mask=(r >= b * 16 + 16)[None, :] & m_t[None, :], other=0.0).to(tl.float32)
+    b_aq_diag = tl.load(dqk + base * BT + rows[:, None] * (HV * BT) + (b * 16 + rb)[None, :],
+                        mask=m_b[:, None], other=0.0).to(tl.float32)                           # [16, 16]
+    if DELTA:
+        b_beta_b = tl.load(beta + base + rows * HV, mask=m_b, other=0.0)                        # [16]
+        b_a_row = tl.load(dkk + off_rows, mask=m_b[:, None] & (r < b * 16)[None, :], other=0.0).to(tl.float32)
+        b_a_col = tl.load(dkk + off_cols, mask=(r >= b * 16 + 16)[None, :] & m_t[None, :],
+                          other=0.0).to(tl.float32) * b_beta[None, :]   # beta_i dA_ij, [16 (j), BT (i)]
+        b_a_diag = tl.load(dkk + base * BT + rows[:, None] * (HV * BT) + (b * 16 + rb)[None, :],
+                           mask=m_b[:, None], other=0.0).to(tl.float32)
+        b_db = tl.zeros([16], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        o_k = k0 + tl.arange(0, BK)
+        m_k = o_k < K
+        off_kr = r[:, None] * (H * K) + o_k[None, :]
+        b_q = tl.load(q + qk_row0 + off_kr, mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)   # [BT, BK]
+        b_k = tl.load(k + qk_row0 + off_kr, mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+        b_G = _g_rows(gcum, base, r, last, o_k, m_k, HV, K)                                    # [BT, BK]
+        off_bk = rows[:, None] * (H * K) + o_k[None, :]
+        m_bk = m_b[:, None] & m_k[None, :]
+        b_qb = tl.load(q + qk_row0 + off_bk, mask=m_bk, other=0.0).to(tl.float32)             # [16, BK]
+        b_kb = tl.load(k + qk_row0 + off_bk, mask=m_bk, other=0.0).to(tl.float32)
+        b_Gb = _g_rows(gcum, base, rows, last, o_k, m_k, HV, K)                                # [16, BK]
+        # rows of block b against the columns before it, around r_b (G of the block's first row)
+        b_ref = _g_row(gcum, base, b * 16, last, o_k, m_k, HV, K)                              # [BK]
+        b_left = tl.where((r < b * 16)[:, None], tl.exp(tl.where((r < b * 16)[:, None], b_ref[None, :] - b_G, 0.0)),
+                          0.0)                                                                 # [BT, BK]
+        b_up = tl.exp(b_Gb - b_ref[None, :])                                                   # [16, BK]
+        b_kl = (b_k * b_left).to(DOT)
+        b_dq = scale * b_up * tl.dot(b_aq_row.to(DOT), b_kl)
+        if DIAG_LOOPS:
+            b_d1, b_d2, b_d3, b_d4 = _diagonal_terms(q, k, beta, gcum, dqk, dkk, base, qk_row0, b, rb, last,
+                                                     n_valid, o_k, m_k, b_Gb, H, HV, K, BT, BK, DELTA)
+            b_dq += scale * b_d1
+        else:
+            # diagonal block, element-wise: E_ij = e^(G_i - G_j), i >= j
+            tri = (rb[:, None] >= rb[None, :])[:, :, None]
+            b_E = tl.where(tri, tl.exp(tl.where(tri, b_Gb[:, None, :] - b_Gb[None, :, :], 0.0)), 0.0)  # [16, 16, BK]
+            b_aqE = scale * b_aq_diag[:, :, None] * b_E                                        # [16, 16, BK]
+            b_dq += tl.sum(b_aqE * b_kb[None, :, :], 1)
+        # columns of block b against the rows after it, around e_b (G of the block's last row)
+        b_end = _g_row(gcum, base, b * 16 + 15, last, o_k, m_k, HV, K)                         # [BK]
+        after = (r >= b * 16 + 16)[:, None]
+        b_right = tl.where(after, tl.exp(tl.where(after, b_G - b_end[None, :], 0.0)), 0.0)     # [BT, BK]
+        b_down = tl.exp(b_end[None, :] - b_Gb)                                                 # [16, BK]
+        b_dkc = scale * tl.dot(b_aq_col.to(DOT), (b_q * b_right).to(DOT))                    # [16, BK]
+        if DELTA:
+            b_dkc += tl.dot(b_a_col.to(DOT), (b_k * b_right).to(DOT))
+        if DIAG_LOOPS:
+            b_dkc = b_down * b_dkc + scale * b_d3
+        else:
+            b_dkc = b_down * b_dkc + tl.sum(b_aqE * b_qb[:, None, :], 0)
+        b_dG = b_qb * b_dq
+        if DELTA:
+            b_drow = b_up * tl.dot(b_a_row.to(DOT), b_kl)                                      # sum_j dA_ij k_j e^(..)
+            if DIAG_LOOPS:
+                b_drow += b_d2
+            else:
+                b_aE = b_a_diag[:, :, None] * b_E               # (dA's diagonal block is strict)
+                b_drow += tl.sum(b_aE * b_kb[None, :, :], 1)
+            b_db += tl.sum(b_kb * b_drow, 1)
+            b_drow = b_beta_b[:, None] * b_drow
+            if DIAG_LOOPS:
+                b_dkc += b_d4
+            else:
+                b_dkc += tl.sum(b_aE * (b_beta_b[:, None] * b_kb)[:, None, :], 0)
+            b_dG += b_kb * b_drow
+        else:
+            b_drow = tl.zeros([16, BK], dtype=tl.float32)
+        b_dG -= b_kb * b_dkc
+        off_out = base * K + rows[:, None] * (HV * K) + o_k[None, :]
+        tl.store(dq + off_out, tl.load(dq + off_out, mask=m_bk, other=0.0) + b_dq, mask=m_bk)
+        tl.store(dk + off_out, tl.load(dk + off_out, mask=m_bk, other=0.0) + b_drow + b_dkc, mask=m_bk)
+        tl.store(dG + off_out, tl.load(dG + off_out, mask=m_bk, other=0.0) + b_dG, mask=m_bk)
+    if DELTA:
+        tl.store(dbeta + base + rows * HV, tl.load(dbeta + base + rows * HV, mask=m_b, other=0.0) + b_db, mask=m_b)
+
+
 @triton.jit(do_not_specialize=["T", "NT"])     # as chunk_delta._scan_kernel
 def _channel_score_grads_kernel(
     q, k, beta, gcum, dqk, dkk, dq, dk, dG, dbeta, cu_seqlens, chunk_index, T, NT, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, VARLEN: tl.constexpr, DELTA: tl.constexpr,
+    DIAG_LOOPS: tl.constexpr, ONE_BLOCK: tl.constexpr,
 ):
-    """Program (chunk, value head): the score terms of dq, dk, dG (added to the key kernel's) and
-    dbeta (added to the value kernel's), block by block of 16 rows, K in steps of BK."""
+    """Program (chunk, value head; ONE_BLOCK: and 16-row block): the score terms of dq, dk, dG
+    (added to the key kernel's) and dbeta (added to the value kernel's), block by block of 16 rows
+    (_score_block), K in steps of BK (DIAG_LOOPS: the diagonal blocks by _diagonal_terms, else as
+    [16, 16, BK] products)."""
     i_c = tl.program_id(0).to(tl.int64)
     i_hv = tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -253,81 +398,19 @@ def _channel_score_grads_kernel(
     n_valid = eos - t0
     last = tl.minimum(n_valid, BT) - 1
     r = tl.arange(0, BT)
-    rb = tl.arange(0, 16)
     m_t = r < n_valid
     qk_row0 = (t0 * H + i_h) * K
     if DELTA:
         b_beta = tl.load(beta + base + r * HV, mask=m_t, other=0.0)                                # [BT]
-    for b in tl.static_range(0, BT // 16):
-        rows = b * 16 + rb                                                  # block b's rows / columns
-        m_b = rows < n_valid
-        # dA_qk and dA: block b's rows against every column [16, BT], its columns against every row
-        # (transposed, [16, BT]), its diagonal block [16, 16]
-        off_rows = base * BT + rows[:, None] * (HV * BT) + r[None, :]
-        off_cols = base * BT + r[None, :] * (HV * BT) + rows[:, None]
-        b_aq_row = tl.load(dqk + off_rows, mask=m_b[:, None] & (r < b * 16)[None, :], other=0.0).to(tl.float32)
-        b_aq_col = tl.load(dqk + off_cols, mask=(r >= b * 16 + 16)[None, :] & m_t[None, :], other=0.0).to(tl.float32)
-        b_aq_diag = tl.load(dqk + base * BT + rows[:, None] * (HV * BT) + (b * 16 + rb)[None, :],
-                            mask=m_b[:, None], other=0.0).to(tl.float32)                           # [16, 16]
-        if DELTA:
-            b_beta_b = tl.load(beta + base + rows * HV, mask=m_b, other=0.0)                        # [16]
-            b_a_row = tl.load(dkk + off_rows, mask=m_b[:, None] & (r < b * 16)[None, :], other=0.0).to(tl.float32)
-            b_a_col = tl.load(dkk + off_cols, mask=(r >= b * 16 + 16)[None, :] & m_t[None, :],
-                              other=0.0).to(tl.float32) * b_beta[None, :]   # beta_i dA_ij, [16 (j), BT (i)]
-            b_a_diag = tl.load(dkk + base * BT + rows[:, None] * (HV * BT) + (b * 16 + rb)[None, :],
-                               mask=m_b[:, None], other=0.0).to(tl.float32)
-            b_db = tl.zeros([16], dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            o_k = k0 + tl.arange(0, BK)
-            m_k = o_k < K
-            off_kr = r[:, None] * (H * K) + o_k[None, :]
-            b_q = tl.load(q + qk_row0 + off_kr, mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)   # [BT, BK]
-            b_k = tl.load(k + qk_row0 + off_kr, mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-            b_G = _g_rows(gcum, base, r, last, o_k, m_k, HV, K)                                    # [BT, BK]
-            off_bk = rows[:, None] * (H * K) + o_k[None, :]
-            m_bk = m_b[:, None] & m_k[None, :]
-            b_qb = tl.load(q + qk_row0 + off_bk, mask=m_bk, other=0.0).to(tl.float32)             # [16, BK]
-            b_kb = tl.load(k + qk_row0 + off_bk, mask=m_bk, other=0.0).to(tl.float32)
-            b_Gb = _g_rows(gcum, base, rows, last, o_k, m_k, HV, K)                                # [16, BK]
-            # rows of block b against the columns before it, around r_b (G of the block's first row)
-            b_ref = _g_row(gcum, base, b * 16, last, o_k, m_k, HV, K)                              # [BK]
-            b_left = tl.where((r < b * 16)[:, None], tl.exp(tl.where((r < b * 16)[:, None], b_ref[None, :] - b_G, 0.0)),
-                              0.0)                                                                 # [BT, BK]
-            b_up = tl.exp(b_Gb - b_ref[None, :])                                                   # [16, BK]
-            b_kl = (b_k * b_left).to(DOT)
-            b_dq = scale * b_up * tl.dot(b_aq_row.to(DOT), b_kl)
-            # diagonal block, element-wise: E_ij = e^(G_i - G_j), i >= j
-            tri = (rb[:, None] >= rb[None, :])[:, :, None]
-            b_E = tl.where(tri, tl.exp(tl.where(tri, b_Gb[:, None, :] - b_Gb[None, :, :], 0.0)), 0.0)    # [16, 16, BK]
-            b_aqE = scale * b_aq_diag[:, :, None] * b_E                                            # [16, 16, BK]
-            b_dq += tl.sum(b_aqE * b_kb[None, :, :], 1)
-            # columns of block b against the rows after it, around e_b (G of the block's last row)
-            b_end = _g_row(gcum, base, b * 16 + 15, last, o_k, m_k, HV, K)                         # [BK]
-            after = (r >= b * 16 + 16)[:, None]
-            b_right = tl.where(after, tl.exp(tl.where(after, b_G - b_end[None, :], 0.0)), 0.0)     # [BT, BK]
-            b_down = tl.exp(b_end[None, :] - b_Gb)                                                 # [16, BK]
-            b_dkc = scale * tl.dot(b_aq_col.to(DOT), (b_q * b_right).to(DOT))                    # [16, BK]
-            if DELTA:
-                b_dkc += tl.dot(b_a_col.to(DOT), (b_k * b_right).to(DOT))
-            b_dkc = b_down * b_dkc + tl.sum(b_aqE * b_qb[:, None, :], 0)
-            b_dG = b_qb * b_dq
-            if DELTA:
-                b_drow = b_up * tl.dot(b_a_row.to(DOT), b_kl)                                      # sum_j dA_ij k_j e^(..)
-                b_aE = b_a_diag[:, :, None] * b_E                   # (dA's diagonal block is strict)
-                b_drow += tl.sum(b_aE * b_kb[None, :, :], 1)
-                b_db += tl.sum(b_kb * b_drow, 1)
-                b_drow = b_beta_b[:, None] * b_drow
-                b_dkc += tl.sum(b_aE * (b_beta_b[:, None] * b_kb)[:, None, :], 0)
-                b_dG += b_kb * b_drow
-            else:
-                b_drow = tl.zeros([16, BK], dtype=tl.float32)
-            b_dG -= b_kb * b_dkc
-            off_out = base * K + rows[:, None] * (HV * K) + o_k[None, :]
-            tl.store(dq + off_out, tl.load(dq + off_out, mask=m_bk, other=0.0) + b_dq, mask=m_bk)
-            tl.store(dk + off_out, tl.load(dk + off_out, mask=m_bk, other=0.0) + b_drow + b_dkc, mask=m_bk)
-            tl.store(dG + off_out, tl.load(dG + off_out, mask=m_bk, other=0.0) + b_dG, mask=m_bk)
-        if DELTA:
-            tl.store(dbeta + base + rows * HV, tl.load(dbeta + base + rows * HV, mask=m_b, other=0.0) + b_db, mask=m_b)
+    else:
+        b_beta = tl.zeros([BT], dtype=tl.float32)
+    if ONE_BLOCK:                                                           # the grid's third axis
+        _score_block(q, k, beta, gcum, dqk, dkk, dq, dk, dG, dbeta, tl.program_id(2), base, qk_row0, n_valid, last,
+                     b_beta, scale, H, HV, K, BT, BK, DOT, DELTA, DIAG_LOOPS)
+    else:
+        for b in tl.static_range(0, BT // 16):
+            _score_block(q, k, beta, gcum, dqk, dkk, dq, dk, dG, dbeta, b, base, qk_row0, n_valid, last, b_beta,
+                         scale, H, HV, K, BT, BK, DOT, DELTA, DIAG_LOOPS)
 
 
 def backward(p: Problem, do: torch.Tensor, dht: torch.Tensor | None, states: torch.Tensor | None = None):
@@ -381,10 +464,11 @@ def backward(p: Problem, do: torch.Tensor, dht: torch.Tensor | None, states: tor
             p.q, p.k, beta, gcum, states, dh_chunks, do, r_buf, v_new, dq, dk, dG, *c.index(decay), T, c.NT, p.scale,
             H=H, HV=HV, K=K, V=V, BT=BT, BK=BKS, BV=c.BV, DOT=c.dot, VARLEN=varlen, DELTA=p.delta,
             num_warps=KEY_WARPS, num_stages=1)
-        launcher(_channel_score_grads_kernel, T, c.NT)[(total, HV)](
+        launcher(_channel_score_grads_kernel, T, c.NT)[(total, HV, BT // 16 if SCORE_PROGRAM_PER_BLOCK else 1)](
             p.q, p.k, beta, gcum, dqk, dkk, dq, dk, dG, dbeta if dbeta is not None else decay, *c.index(decay),
             T, c.NT, p.scale, H=H, HV=HV, K=K, BT=BT, BK=min(SCORE_BLOCK_K, c.BK), DOT=c.dot, VARLEN=varlen,
-            DELTA=p.delta, num_warps=SCORE_WARPS, num_stages=1)
+            DELTA=p.delta, DIAG_LOOPS=SCORE_DIAGONAL_LOOPS,
+            ONE_BLOCK=SCORE_PROGRAM_PER_BLOCK, num_warps=SCORE_WARPS, num_stages=1)
         _cumsum(c, dG, dgk, reverse=True)
     return dq, dk, dv, dgk, dbeta, dh0
 
