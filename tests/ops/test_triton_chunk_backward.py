@@ -123,10 +123,10 @@ def check_bf16(op, device, lengths=None, T=400, K=128):
     dt_bias's gradients are sums of dg over every token (of each head; KDA's dt_bias of each head
     and channel), where bf16 operands' rounding cancels less than the values do: on an H100 KDA's
     dA_log at K = V = 64 drew 3.5e-3 to 2.4e-2 on five seeds, ddt_bias 7e-3 to 1e-2, while dg,
-    from which autograd forms both, stayed within 3.6e-3 (docs/notes/chunk-backward.md); they get
-    5e-2."""
+    from which autograd forms both, stayed within 3.6e-3 (docs/notes/chunk-backward.md); KDA's get
+    5e-2 (GDN's drew 3.7-5.0e-3: the common 2e-2)."""
     t, extra, opts = gated_case(op, T=T, K=K, device=device, lengths=lengths)
-    check(t, extra, tol=1e-2, grad_tol=2e-2, param_tol=5e-2, spec=OPS[op], **opts)
+    check(t, extra, tol=1e-2, grad_tol=2e-2, param_tol=5e-2 if op == "kda" else None, spec=OPS[op], **opts)
 
 
 @pytest.mark.gpu
