@@ -22,7 +22,8 @@
 #                                              # (backward-bench), its kernels under launch switches
 #                                              # (ROW), KDA's kernels (~7 min)
 #   bash benchmarks/gpu_checks.sh backward-next  # the candidates behind switches: the backward's GPU tests
-#                                              # with the value kernel's 32-column tiles (the KDA score
+#                                              # with the value kernel's 32-column tiles and the reverse
+#                                              # scan's 2 stages (the KDA score
 #                                              # kernel's candidate has its own GPU tests there), then
 #                                              # GDN's kernels with them and KDA's both ways (~7 min; the
 #                                              # tests compile for ~4 min)
@@ -208,11 +209,13 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
   backward-next)
     start=$(date +%s)
     timeout 400 python3 -c "import sys, pytest; from fastla.backends.triton import chunk_delta_backward as c
-c.VALUE_BLOCK_V = 32
+c.VALUE_BLOCK_V, c.SCAN_STAGES = 32, 2
 sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-rf', '--tb=short', '-k', 'cuda or gpu',
                       'tests/ops/test_triton_chunk_backward.py']))" 2>&1 | grep -E "^FAILED|passed|failed|Error:" | cut -c1-200
-    KNOBS=chunk_delta_backward.VALUE_BLOCK_V=32 FLA=0 TOP=6 timeout 60 python3 benchmarks/backward_profile.py \
-      gdn/h16-hv32/1x8192 2>&1 | grep -v -E "Warn|_warn_once" | tail -7
+    for k in chunk_delta_backward.VALUE_BLOCK_V=32 chunk_delta_backward.VALUE_BLOCK_V=32,chunk_delta_backward.SCAN_STAGES=2; do
+      echo "== GDN, $k"
+      KNOBS=$k FLA=0 TOP=6 timeout 60 python3 benchmarks/backward_profile.py gdn/h16-hv32/1x8192 2>&1 | grep -v -E "Warn|_warn_once" | tail -7
+    done
     for k in "" chunk_channel_backward.SCORE_DIAGONAL_LOOPS=1,chunk_channel_backward.SCORE_PROGRAM_PER_BLOCK=1; do
       echo "== KDA, $k"
       KNOBS=$k FLA=0 TOP=6 timeout 60 python3 benchmarks/backward_profile.py kda/h64/1x8192 2>&1 | grep -v -E "Warn|_warn_once" | tail -7

@@ -77,6 +77,9 @@ VALUE_WARPS = 8
 KEY_WARPS = 4
 VALUE_STAGES = 2    # software-pipelining stages of the value and key kernels' loops over V
 KEY_STAGES = 2
+# the reverse scan's over chunks (2: 255 registers, no stack, 87 KB of shared memory at 8 warps;
+# not yet run on a GPU, `bash benchmarks/gpu_checks.sh backward-next`)
+SCAN_STAGES = 1
 FP32_STATES = False     # the stored chunk states and their gradients in float32 (A/B; see the docstring)
 # The delta rule's scalar-gate reverse scan on float32 (tf32) operands for bf16 inputs too (an A/B
 # switch; off: bf16 operands as every other product here). Its bf16 build was wrong under ptxas 12.8
@@ -421,7 +424,7 @@ def reverse_scan(c: Call, q, k, kd, decay, beta, inverse, scores, gcum, do, dht,
         dh0 if dh0 is not None else gcum, *c.starts(gcum), p.T, c.NT, p.scale, H=p.H, HV=p.HV, K=p.K, V=p.V, BT=BT,
         BK=c.BK, BV=c.BV, DOT=scan_dot, HAS_DHT=dht is not None,
         STORE_DH0=dh0 is not None, VARLEN=c.cu is not None, DELTA=p.delta, GK=gk,
-        num_warps=SCAN_WARPS, num_stages=1)
+        num_warps=SCAN_WARPS, num_stages=SCAN_STAGES)
     return dh_chunks, r_buf, dh0
 
 
