@@ -8,12 +8,13 @@ launch, then compared launch by launch.
 
 ``SAVE_STATES=0``: the backward recomputes the chunk-start states (chunk_training.SAVE_STATES).
 
-OP gdn / kda (tests.helpers.gated_case: gate, l2norm and beta sigmoid in the op, KDA's bounded
-gate, K = V = 128 (``HEAD_DIM=64``: 64), H = 2, HV = 4); inputs made on the CPU from fixed seeds, so both runs see the same numbers. The interpreter's
-backward rounds as the GPU's (bf16 operands, tf32 for float32 ones: tests/interpreter_emulation.py); the
-forward differs (Gluon on Hopper, Triton in the interpreter), so the backward's inputs agree to
-bf16 rounding; a kernel whose outputs drift further than its inputs is the suspect. Lines whose
-relative RMS (over entries finite on both sides) passes 3e-2 are marked."""
+OP gdn / kda (tests.helpers.gated_case: gate, l2norm and beta sigmoid in the op, KDA's bounded gate,
+K = V = 128 (``HEAD_DIM=64``: 64), H = 2, HV = 4); inputs made on the CPU from fixed seeds, so both
+runs see the same numbers. The interpreter's backward rounds as the GPU's (bf16 operands, tf32 for
+float32 ones: tests/interpreter_emulation.py); the forward differs (Gluon on Hopper, Triton in the
+interpreter), so the backward's inputs agree to bf16 rounding; a kernel whose outputs drift further
+than its inputs is the suspect. Lines whose relative RMS (over entries finite on both sides) passes
+3e-2 are marked."""
 import os
 import sys
 

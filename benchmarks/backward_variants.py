@@ -3,11 +3,12 @@ fp64 reference and the torch tier's (fp32) against the same, under launch switch
 precision loss from a compile's: ``python benchmarks/backward_variants.py OP B T DTYPE TWIN SAVE [IN_OP]``
 (OP gdn / kda / gla / simple_gla / lightning, DTYPE bfloat16 / float32, TWIN 0: no length-specialized
 twin kernels, SAVE 0: the backward recomputes the chunk states, IN_OP 0: no gate / l2norm / beta
-sigmoid in the op, which only GDN and KDA have: tests.helpers.gated_case). K = V = 128 (``HEAD_DIM=64``: 64), H = 2, HV = 4 (where the op has GVA). ``FP32_STATES=1`` in the
-environment: the stored chunk states and their gradients in float32; ``DEVICE=cpu``: the Triton
-interpreter on the CPU (~2 min at T = 400), with ``TF32=1`` its float32 products' operands rounded
-to tf32 as the GPU's are, with ``BF16=1`` the backward's products on bf16 operands and its states in
-bf16 as on a GPU (the interpreter's own float32 choice lifted, its bf16 product mended).
+sigmoid in the op, which only GDN and KDA have: tests.helpers.gated_case). K = V = 128
+(``HEAD_DIM=64``: 64), H = 2, HV = 4 (where the op has GVA). ``FP32_STATES=1`` in the environment:
+the stored chunk states and their gradients in float32; ``DEVICE=cpu``: the Triton interpreter on
+the CPU (~2 min at T = 400), with ``TF32=1`` its float32 products' operands rounded to tf32 as the
+GPU's are, with ``BF16=1`` the backward's products on bf16 operands and its states in bf16 as on a
+GPU (the interpreter's own float32 choice lifted, its bf16 product mended).
 ``KNOBS=chunk_delta_backward.SCAN_WARPS=4,...``: launch constants of the backward modules;
 ``SEED``: the inputs' (1)."""
 import os, sys, torch
