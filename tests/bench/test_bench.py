@@ -7,6 +7,7 @@ import math
 import re
 import sys
 import types
+from dataclasses import replace
 
 import pytest
 import torch
@@ -224,7 +225,7 @@ def test_one_tiny_config_end_to_end_on_cpu(monkeypatch):
     monkeypatch.setattr(runner, "time_eager", lambda fn, timing: (fn(), 1.0)[1])
     monkeypatch.setattr(runner, "time_graph", lambda fn, timing: (fn(), (0.5, None))[1])
     ctx = runner.RunContext(runner.QUICK_TIMING, {"gpu": "cpu", "commit": "abc"}, True, None, True, 2e-2, "cpu")
-    cfg = scale_down(get_config("gdn/h2-hv8/1x8192"), tokens=32)
+    cfg = replace(scale_down(get_config("gdn/h2-hv8/1x8192"), tokens=32), K=32, V=32)   # (interpreter time)
     monkeypatch.setattr(runner, "make_inputs", lambda c, device, seed: make_inputs(cfg, device, seed))
     fwd, bwd = runner.bench_config(ctx, cfg, ("fwd", "fwdbwd"), seed=0)
     from fastla.backends.triton import interpreting

@@ -19,8 +19,9 @@ def _kda_training_on_the_torch_tier_in_the_interpreter(monkeypatch):
         monkeypatch.setattr(chunk_training, "ENABLED", tuple(op for op in on if op != "chunk_kda"))
 
 
-def check_against_reference(spec, t, device="cpu", fast_only=None, **opts):
-    """``opts`` go to both sides, ``fast_only`` to the op under test only."""
+def check_against_reference(spec, t, device="cpu", fast_only=None, with_dht=True, **opts):
+    """``opts`` go to both sides, ``fast_only`` to the op under test only; ``with_dht`` False: the
+    final state is returned but left out of the loss (its gradient None)."""
     dtype = t["q"].dtype
     tol_o, tol_g = TOLERANCE[dtype]
     leaves = as_leaves(t)
@@ -28,9 +29,8 @@ def check_against_reference(spec, t, device="cpu", fast_only=None, **opts):
     do = torch.randn(o_shape, device=device)
     N = t["initial_state"].shape[0] if "initial_state" in t else None
     fast = lambda x, **kw: call_chunk(spec, x, output_final_state=True, **kw, **(fast_only or {}))  # noqa: E731
-    o, ht, grads = forward_backward(fast, leaves, do, None, **opts)
-    dht = torch.randn_like(ht)
-    leaves = as_leaves(t)
+    with torch.no_grad():
+        dht = torch.randn_like(fast(as_leaves(t), **opts)[1]) if with_dht else None
     o, ht, grads = forward_backward(fast, leaves, do, dht, **opts)
     ref_leaves = as_leaves(t, torch.float64)
     ref = lambda x, **kw: call_reference(spec, x, output_final_state=True, **kw)  # noqa: E731
@@ -87,6 +87,13 @@ def test_state_v_first(op):
     spec = OPS[op]
     t = make_inputs(spec, B=2, T=70, H=2, K=32, V=16, v_first=True)
     check_against_reference(spec, t, state_v_first=True)
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_final_state_out_of_the_loss(op):
+    """The final state returned but unused: its gradient None into the backward."""
+    spec = OPS[op]
+    check_against_reference(spec, make_inputs(spec, B=2, T=70, H=2, K=32, V=32), with_dht=False)
 
 
 @pytest.mark.parametrize("op", list(OPS))
