@@ -21,12 +21,11 @@
 #   bash benchmarks/gpu_checks.sh backward-round # the backward's GPU tests, GDN's fwd + bwd against FLA
 #                                              # (backward-bench), its kernels under launch switches
 #                                              # (ROW), KDA's kernels (~7 min)
-#   bash benchmarks/gpu_checks.sh backward-next  # the candidates behind switches: the backward's GPU tests
-#                                              # with the value kernel's 32-column tiles and the reverse
-#                                              # scan's 2 stages (the KDA score
-#                                              # kernel's candidate has its own GPU tests there), then
-#                                              # GDN's kernels with them and KDA's both ways (~7 min; the
-#                                              # tests compile for ~4 min)
+#   bash benchmarks/gpu_checks.sh backward-next  # the backward's GPU tests, then the candidates behind
+#                                              # switches (the value kernel's 32-column tiles, the reverse
+#                                              # scan's 2 stages, 4 warps and 16 columns, the KDA score
+#                                              # kernel's candidate): their gradients, GDN's and KDA's
+#                                              # kernels timed (~9 min)
 #   bash benchmarks/gpu_checks.sh backward-bench # its fwdbwd against FLA on registry shapes (FILTER: which;
 #                                              # two GDN ones by default; FLA's backward compiles for
 #                                              # minutes without a cache: KDA's tunes ~280 s)
@@ -207,12 +206,25 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
     FLA=0 TOP=12 timeout 90 python3 benchmarks/backward_profile.py kda/h64/1x8192 2>&1 | grep -v -E "Warn|_warn_once" | tail -13
     echo "-- $(( $(date +%s) - start )) s" ;;
   backward-next)
+    # the GPU backward tests of the shipped build (the score candidate's included) in three groups
+    # side by side; the candidates' gradients at B2 T400 (fp64 error); GDN's kernels timed (default;
+    # 32-column value tiles with the scan at 2 stages; and with the scan at 4 warps and 16 columns);
+    # KDA's, default and the score candidate
     start=$(date +%s)
-    timeout 400 python3 -c "import sys, pytest; from fastla.backends.triton import chunk_delta_backward as c
-c.VALUE_BLOCK_V, c.SCAN_STAGES = 32, 2
-sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-rf', '--tb=short', '-k', 'cuda or gpu',
-                      'tests/ops/test_triton_chunk_backward.py']))" 2>&1 | grep -E "^FAILED|passed|failed|Error:" | cut -c1-200
-    for k in chunk_delta_backward.VALUE_BLOCK_V=32 chunk_delta_backward.VALUE_BLOCK_V=32,chunk_delta_backward.SCAN_STAGES=2; do
+    f=tests/ops/test_triton_chunk_backward.py
+    bg 240 $f -m "" -k "(cuda or gpu) and not kda and not gla and not narrow"
+    bg 240 $f -m "" -k "(cuda or gpu) and (kda or gla) and not narrow"
+    bg 240 $f -m "" -k "narrow"
+    show
+    echo "-- $(( $(date +%s) - start )) s"
+    d=chunk_delta_backward
+    A=$d.VALUE_BLOCK_V=32,$d.SCAN_STAGES=2
+    B=$d.VALUE_BLOCK_V=32,$d.SCAN_STAGES=2,$d.SCAN_WARPS=4,$d.SCAN_BLOCK_V=16
+    for k in $d.VALUE_BLOCK_V=32 $d.SCAN_STAGES=2 $d.SCAN_STAGES=2,$d.SCAN_WARPS=4,$d.SCAN_BLOCK_V=16; do
+      echo "== grads, $k"
+      KNOBS=$k timeout 60 python3 benchmarks/backward_variants.py gdn 2 400 bfloat16 1 1 2>&1 | tail -1 | cut -c1-230
+    done
+    for k in "" $A $B; do
       echo "== GDN, $k"
       KNOBS=$k FLA=0 TOP=6 timeout 60 python3 benchmarks/backward_profile.py gdn/h16-hv32/1x8192 2>&1 | grep -v -E "Warn|_warn_once" | tail -7
     done

@@ -69,7 +69,8 @@ from fastla.core.problem import Problem
 # the value kernel 1110 us at 16 columns and 1 stage, 921 at 2 stages, 771 at 3, 675 at 32 columns
 # and 2 stages (its grads 3.7e-3 from fp64 on that shape; the GPU suite not yet run with it, so not
 # the default); the key kernel 560 / 546 at 1 / 2 stages; the scan 1025 on tf32, 640 on bf16
-BLOCK_V = 32        # value columns per reverse-scan program and per tile of _key_grads_kernel
+BLOCK_V = 32        # value columns per tile of _key_grads_kernel (and of the states' recompute)
+SCAN_BLOCK_V = 32   # value columns per reverse-scan program
 VALUE_BLOCK_V = 16  # value columns per tile of _value_grads_kernel (32: faster, not yet GPU-tested)
 KEY_BLOCK_K = 64    # key columns per program of _key_grads_kernel
 SCAN_WARPS = 8
@@ -124,7 +125,9 @@ def _reverse_scan_kernel(
     if HAS_DHT:
         b_dS = tl.load(dht + i_n * HV * K * V + head_state + p_state, mask=m_h, other=0.0)
     r = tl.arange(0, BT)
-    lower = r[:, None] >= r[None, :]
+    # (P and A_qk are stored as whole rows, zero above the diagonal: row masks and P's block mask
+    # keep their loads vectorized, as the forward's; an element-wise triangle makes them 2-byte loads)
+    lower_blocks = r[None, :] // 16 <= r[:, None] // 16
     off_kr = r[:, None] * (QK_HEADS * K) + o_k[None, :]                     # [BT, BK] in q, k, kd
     off_p = r[:, None] * (HV * BT) + r[None, :]                             # [BT, BT] in P, A_qk
     off_v = r[:, None] * (HV * V) + o_v[None, :]                            # [BT, BV] in dO, R
@@ -140,7 +143,7 @@ def _reverse_scan_kernel(
         qk_row0 = (t0 * QK_HEADS + i_h) * K
         b_q = tl.load(q + qk_row0 + off_kr, mask=m_tk, other=0.0).to(DOT)                         # [BT, BK]
         b_do = tl.load(do + base * V + off_v, mask=m_tv, other=0.0).to(tl.float32)               # [BT, BV]
-        b_A = tl.load(a_in + base * BT + off_p, mask=m_t[:, None] & lower, other=0.0).to(DOT)     # [BT, BT]
+        b_A = tl.load(a_in + base * BT + off_p, mask=m_t[:, None], other=0.0).to(DOT)             # [BT, BT]
         if GK:
             b_kd = tl.load(kd + qk_row0 + off_kr, mask=m_tk, other=0.0).to(DOT)
             b_decay = tl.load(decay + ((first_chunk + c) * HV + i_hv) * K + o_k, mask=m_k, other=0.0)  # [BK]
@@ -160,7 +163,7 @@ def _reverse_scan_kernel(
         if DELTA:
             if GK:
                 b_k = tl.load(k + qk_row0 + off_kr, mask=m_tk, other=0.0).to(DOT)                 # kg
-            b_P = tl.load(p_in + base * BT + off_p, mask=m_t[:, None] & lower, other=0.0).to(DOT)
+            b_P = tl.load(p_in + base * BT + off_p, mask=m_t[:, None] & lower_blocks, other=0.0).to(DOT)
             b_beta = tl.load(beta + base + r * HV, mask=m_t, other=0.0)
             b_r = tl.dot(tl.trans(b_P), b_dvn.to(DOT))                                           # R
             b_dS -= tl.dot(tl.trans(b_k), ((b_eG * b_beta)[:, None] * b_r).to(DOT))
@@ -194,7 +197,7 @@ def _value_grads_kernel(
     m_t = r < eos - t0
     m_k = o_k < K
     last = tl.minimum(eos - t0, BT) - 1
-    lower = r[:, None] >= r[None, :]
+    lower_blocks = r[None, :] // 16 <= r[:, None] // 16                     # (P: zero above its diagonal)
     off_p = r[:, None] * (HV * BT) + r[None, :]                             # [BT, BT] in P
     off_pT = r[None, :] * (HV * BT) + r[:, None]                            # the scratch, transposed tiles
     b_Gl = tl.load(gcum + base + last * HV)
@@ -210,7 +213,7 @@ def _value_grads_kernel(
     b_k = tl.load(k + qk_row0 + off_kr, mask=m_tk, other=0.0).to(DOT)
     if DELTA:
         b_beta = tl.load(beta + base + r * HV, mask=m_t, other=0.0)
-        b_P = tl.load(p_in + base * BT + off_p, mask=m_t[:, None] & lower, other=0.0).to(DOT)     # [BT, BT]
+        b_P = tl.load(p_in + base * BT + off_p, mask=m_t[:, None] & lower_blocks, other=0.0).to(DOT)      # [BT, BT]
     chunk_state = (i_c * HV + i_hv) * K * V
 
     # the [BT, BT] score tiles are held transposed (row j, column i): V_new comes out of a product,
@@ -419,10 +422,11 @@ def reverse_scan(c: Call, q, k, kd, decay, beta, inverse, scores, gcum, do, dht,
     if dht is not None:
         dht = dht.to(f32).contiguous()
     scan_dot = tl.float32 if DELTA_SCAN_FP32_PRODUCTS and p.delta and not gk else c.dot
-    launcher(_reverse_scan_kernel, p.T, c.NT)[(p.N * p.HV, cdiv(p.V, c.BV))](
+    BV = min(SCAN_BLOCK_V, c.BVF)
+    launcher(_reverse_scan_kernel, p.T, c.NT)[(p.N * p.HV, cdiv(p.V, BV))](
         q, k, kd, decay, beta, inverse, scores, gcum, do, dht if dht is not None else gcum, dh_chunks, r_buf,
         dh0 if dh0 is not None else gcum, *c.starts(gcum), p.T, c.NT, p.scale, H=p.H, HV=p.HV, K=p.K, V=p.V, BT=BT,
-        BK=c.BK, BV=c.BV, DOT=scan_dot, HAS_DHT=dht is not None,
+        BK=c.BK, BV=BV, DOT=scan_dot, HAS_DHT=dht is not None,
         STORE_DH0=dh0 is not None, VARLEN=c.cu is not None, DELTA=p.delta, GK=gk,
         num_warps=SCAN_WARPS, num_stages=SCAN_STAGES)
     return dh_chunks, r_buf, dh0
