@@ -266,9 +266,7 @@ def _value_grads_kernel(
         b_eT = b_dkkT * b_kk                                                # (dA * A)^T
         b_dG += tl.sum(b_eT, 0) - tl.sum(b_eT, 1)
         tl.store(dbeta + base + r * HV, b_db, mask=m_t)
-        # X's e^G_i k_i S: -tkg_i; _key_grads_kernel's rowsum(k * dk) over the state terms counts
-        # e^(G_last - G_i) k_i's -tkd_i as -(tkd_i - tkg_i), and its sum for G_last short of sum(tkg)
-        b_dG += tl.where(r == last, tl.sum(b_tkg, 0), 0.0) - 2.0 * b_tkg
+        b_dG -= b_tkg                                                       # X's e^G_i k_i S
     # dG_i through the scores' e^(G_i - G_j) (rows minus columns)
     tl.store(dG_out + base + r * HV, b_dG, mask=m_t)
 
@@ -306,7 +304,8 @@ def _key_grads_kernel(
     chunk_state = (i_c * HV + i_hv) * K * V
 
     b_dqs = tl.zeros([BT, BK], dtype=tl.float32)        # dO S^T
-    b_dk = tl.zeros([BT, BK], dtype=tl.float32)         # diag(e^(G_last - G)) V_new dS'^T - diag(e^G beta) R S^T
+    b_dkd = tl.zeros([BT, BK], dtype=tl.float32)        # V_new dS'^T
+    b_dkx = tl.zeros([BT, BK], dtype=tl.float32)        # diag(e^G beta) R S^T
     b_sdS = tl.zeros([BK], dtype=tl.float32)            # rowsum(S * dS')
     if DELTA:
         b_beta = tl.load(beta + base + r * HV, mask=m_t, other=0.0)
@@ -320,27 +319,28 @@ def _key_grads_kernel(
         b_St = tl.load(h + chunk_state + p_state_t, mask=m_ht, other=0.0)                          # [BV, BK]
         b_dSt = tl.load(dh_chunks + chunk_state + p_state_t, mask=m_ht, other=0.0)
         b_do = tl.load(do + base * V + off_v, mask=m_tv, other=0.0).to(DOT)                       # [BT, BV]
-        b_vn = tl.load(vn_in + base * V + off_v, mask=m_tv, other=0.0).to(tl.float32)
+        b_vn = tl.load(vn_in + base * V + off_v, mask=m_tv, other=0.0).to(DOT)
         b_dqs += tl.dot(b_do, b_St.to(DOT))
-        b_dk += tl.dot((b_eD[:, None] * b_vn).to(DOT), b_dSt.to(DOT))
+        b_dkd += tl.dot(b_vn, b_dSt.to(DOT))
         if DELTA:
             b_r = tl.load(r_in + base * V + off_v, mask=m_tv, other=0.0)
-            b_dk -= tl.dot(((b_eG * b_beta)[:, None] * b_r).to(DOT), b_St.to(DOT))
+            b_dkx += tl.dot(((b_eG * b_beta)[:, None] * b_r).to(DOT), b_St.to(DOT))
         b_sdS += tl.sum(b_St.to(tl.float32) * b_dSt.to(tl.float32), 0)
     qk_row0 = (t0 * H + i_h) * K
     off_kr = r[:, None] * (H * K) + o_k[None, :]
     b_q = tl.load(q + qk_row0 + off_kr, mask=m_tk, other=0.0).to(DOT)                             # [BT, BK]
     b_k = tl.load(k + qk_row0 + off_kr, mask=m_tk, other=0.0).to(DOT)
-    # dG_i of the state terms: e^G_i in q S (+ q . dq), e^(G_last - G_i) in the state update and
-    # e^G_i in X (- k . dk: the value kernel's dG_in mends X's sign), G_last through the update and
-    # e^G_last S
+    # dG_i of the state terms: e^G_i in q S, e^(G_last - G_i) in the state update (G_last also
+    # through e^G_last S); X's e^G_i k_i S is in dG_in (the value kernel's, on fp32 R)
     b_dq = scale * b_eG[:, None] * b_dqs
-    b_tk = tl.sum(b_k.to(tl.float32) * b_dk, 1)
-    b_dG = tl.sum(b_q.to(tl.float32) * b_dq, 1) - b_tk
-    b_dGl = tl.sum(b_tk, 0) + tl.exp(b_Gl) * tl.sum(b_sdS, 0)
+    b_dkd = b_eD[:, None] * b_dkd
+    b_tkd = tl.sum(b_k.to(tl.float32) * b_dkd, 1)
+    b_dG = tl.sum(b_q.to(tl.float32) * b_dq, 1) - b_tkd
+    b_dGl = tl.sum(b_tkd, 0) + tl.exp(b_Gl) * tl.sum(b_sdS, 0)
     b_dG += tl.load(dG_in + base + r * HV, mask=m_t, other=0.0) + tl.where(r == last, b_dGl, 0.0)
     b_dG = tl.where(m_t, b_dG, 0.0)
     tl.store(dg + base + r * HV, tl.cumsum(b_dG, 0, reverse=True), mask=m_t)   # dg_t = sum over i >= t of dG_i
+    b_dk = b_dkd - b_dkx
     # the scores' terms
     b_dqk = tl.load(dqk_in + base * BT + off_p, mask=m_t[:, None], other=0.0).to(DOT)             # [BT, BT]
     b_dq += tl.dot(b_dqk, b_k)
