@@ -207,31 +207,39 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
     echo "-- $(( $(date +%s) - start )) s" ;;
   backward-next)
     # the GPU backward tests of the shipped build (the score candidate's included) in three groups
-    # side by side; the candidates' gradients at B2 T400 (fp64 error); GDN's kernels timed (default;
-    # 32-column value tiles with the scan at 2 stages; and with the scan at 4 warps and 16 columns);
-    # KDA's, default and the score candidate
+    # side by side; GDN's kernels timed (default; 32-column value tiles with the scan at 2 stages),
+    # KDA's (default; the score candidate), the candidates' gradients at B2 T400 (fp64 error), then
+    # while time is left (BUDGET s, 540) the scan at 4 warps and 16 columns
     start=$(date +%s)
+    left() { [ $(( ${BUDGET:-540} - ($(date +%s) - start) )) -gt "$1" ]; }
     f=tests/ops/test_triton_chunk_backward.py
-    bg 240 $f -m "" -k "(cuda or gpu) and not kda and not gla and not narrow"
-    bg 240 $f -m "" -k "(cuda or gpu) and (kda or gla) and not narrow"
-    bg 240 $f -m "" -k "narrow"
+    bg 220 $f -m "" -k "(cuda or gpu) and not kda and not gla and not narrow"
+    bg 220 $f -m "" -k "(cuda or gpu) and (kda or gla) and not narrow"
+    bg 220 $f -m "" -k "narrow"
     show
     echo "-- $(( $(date +%s) - start )) s"
     d=chunk_delta_backward
     A=$d.VALUE_BLOCK_V=32,$d.SCAN_STAGES=2
     B=$d.VALUE_BLOCK_V=32,$d.SCAN_STAGES=2,$d.SCAN_WARPS=4,$d.SCAN_BLOCK_V=16
-    for k in $d.VALUE_BLOCK_V=32 $d.SCAN_STAGES=2 $d.SCAN_STAGES=2,$d.SCAN_WARPS=4,$d.SCAN_BLOCK_V=16; do
-      echo "== grads, $k"
-      KNOBS=$k timeout 60 python3 benchmarks/backward_variants.py gdn 2 400 bfloat16 1 1 2>&1 | tail -1 | cut -c1-230
-    done
-    for k in "" $A $B; do
+    for k in "" $A; do
+      left 50 || break
       echo "== GDN, $k"
-      KNOBS=$k FLA=0 TOP=6 timeout 60 python3 benchmarks/backward_profile.py gdn/h16-hv32/1x8192 2>&1 | grep -v -E "Warn|_warn_once" | tail -7
+      KNOBS=$k FLA=0 TOP=6 timeout 50 python3 benchmarks/backward_profile.py gdn/h16-hv32/1x8192 2>&1 | grep -v -E "Warn|_warn_once" | tail -7
     done
     for k in "" chunk_channel_backward.SCORE_DIAGONAL_LOOPS=1,chunk_channel_backward.SCORE_PROGRAM_PER_BLOCK=1; do
+      left 60 || break
       echo "== KDA, $k"
       KNOBS=$k FLA=0 TOP=6 timeout 60 python3 benchmarks/backward_profile.py kda/h64/1x8192 2>&1 | grep -v -E "Warn|_warn_once" | tail -7
     done
+    for k in $d.VALUE_BLOCK_V=32 $d.SCAN_STAGES=2 $d.SCAN_STAGES=2,$d.SCAN_WARPS=4,$d.SCAN_BLOCK_V=16; do
+      left 30 || break
+      echo "== grads, $k"
+      KNOBS=$k timeout 30 python3 benchmarks/backward_variants.py gdn 2 400 bfloat16 1 1 2>&1 | tail -1 | cut -c1-230
+    done
+    if left 50; then
+      echo "== GDN, $B"
+      KNOBS=$B FLA=0 TOP=6 timeout 50 python3 benchmarks/backward_profile.py gdn/h16-hv32/1x8192 2>&1 | grep -v -E "Warn|_warn_once" | tail -7
+    fi
     echo "-- $(( $(date +%s) - start )) s" ;;
   backward-bench)
     FASTLA_TRITON_BACKWARD=1 timeout 560 python3 -m fastla bench --filter "${FILTER:-gdn/h16-hv32/1x8192,gdn/h2-hv8/1x8192}" \
