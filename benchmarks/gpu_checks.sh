@@ -21,11 +21,12 @@
 #   bash benchmarks/gpu_checks.sh backward-round # the backward's GPU tests, GDN's fwd + bwd against FLA
 #                                              # (backward-bench), its kernels under launch switches
 #                                              # (ROW), KDA's kernels (~7 min)
-#   bash benchmarks/gpu_checks.sh backward-next  # the backward's GPU tests, then the candidates behind
-#                                              # switches (the value kernel's 32-column tiles, the reverse
-#                                              # scan's 2 stages, 4 warps and 16 columns, the KDA score
-#                                              # kernel's candidate): their gradients, GDN's and KDA's
-#                                              # kernels timed (~9 min)
+#   bash benchmarks/gpu_checks.sh backward-next  # (written for branch backward-v2 merged: the backward's
+#                                              # GPU tests, then the candidates behind switches: the value
+#                                              # kernel's 32-column tiles, the reverse scan's 2 stages, 4
+#                                              # warps and 16 columns (SCAN_BLOCK_V), the KDA score kernel's
+#                                              # candidate: their gradients, GDN's and KDA's kernels timed;
+#                                              # ~9 min, BUDGET s)
 #   bash benchmarks/gpu_checks.sh backward-bench # its fwdbwd against FLA on registry shapes (FILTER: which;
 #                                              # two GDN ones by default; FLA's backward compiles for
 #                                              # minutes without a cache: KDA's tunes ~280 s)

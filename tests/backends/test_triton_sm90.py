@@ -96,12 +96,12 @@ BWD_POINTERS = {
                 "do": "*bf16", "dht": "*fp32", "dh_chunks": "*bf16", "r_out": "*fp32", "dh0": "*fp32",
                 "cu_seqlens": "*i64", "chunk_start": "*i64"},
     "value": {"q": "*bf16", "k": "*bf16", "v": "*bf16", "beta": "*fp32", "p_in": "*bf16", "gcum": "*fp32",
-              "h": "*bf16", "do": "*bf16", "r_in": "*fp32", "vn_out": "*bf16",
-              "dqk_out": "*bf16", "dkk_out": "*bf16", "dv": "*bf16", "dG_out": "*fp32", "dbeta": "*fp32",
+              "h": "*bf16", "dh_chunks": "*bf16", "do": "*bf16", "r_in": "*fp32", "vn_out": "*bf16",
+              "dqk_out": "*bf16", "dkk_out": "*bf16", "dv": "*bf16", "dg": "*fp32", "dbeta": "*fp32",
               "cu_seqlens": "*i64", "chunk_index": "*i32"},
     "key": {"q": "*bf16", "k": "*bf16", "beta": "*fp32", "gcum": "*fp32", "h": "*bf16", "dh_chunks": "*bf16",
-            "do": "*bf16", "r_in": "*fp32", "vn_in": "*bf16", "dqk_in": "*bf16", "dkk_in": "*bf16", "dG_in": "*fp32",
-            "dq": "*fp32", "dk": "*fp32", "dg": "*fp32", "cu_seqlens": "*i64", "chunk_index": "*i32"},
+            "do": "*bf16", "r_in": "*fp32", "vn_in": "*bf16", "dqk_in": "*bf16", "dkk_in": "*bf16", "dq": "*fp32",
+            "dk": "*fp32", "cu_seqlens": "*i64", "chunk_index": "*i32"},
 }
 CHANNEL_BWD_POINTERS = {
     "q": "*bf16", "k": "*bf16", "kg": "*bf16", "v": "*bf16", "beta": "*fp32", "p_in": "*bf16", "gcum": "*fp32",
@@ -198,14 +198,14 @@ GDN_KERNELS = {
     "bwd-reverse-scan": ("chunk_delta_backward._reverse_scan_kernel", BWD_POINTERS["reverse"],
                          dict(BV=32, HAS_DHT=True, STORE_DH0=True, GK=False), 8, 1),
     "bwd-value-grads": ("chunk_delta_backward._value_grads_kernel", BWD_POINTERS["value"], dict(BV=16), 8, 2),
-    "bwd-key-grads": ("chunk_delta_backward._key_grads_kernel", BWD_POINTERS["key"], dict(BK=128, BV=32), 8, 2),
+    "bwd-key-grads": ("chunk_delta_backward._key_grads_kernel", BWD_POINTERS["key"], dict(BK=64, BV=32), 4, 2),
     # (the plain rule's backward: Simple GLA, Lightning)
     "bwd-plain-reverse-scan": ("chunk_delta_backward._reverse_scan_kernel", BWD_POINTERS["reverse"],
                                dict(BV=32, HAS_DHT=True, STORE_DH0=True, DELTA=False, GK=False), 8, 1),
     "bwd-plain-value-grads": ("chunk_delta_backward._value_grads_kernel", BWD_POINTERS["value"],
                               dict(BV=16, DELTA=False), 8, 2),
     "bwd-plain-key-grads": ("chunk_delta_backward._key_grads_kernel", BWD_POINTERS["key"],
-                            dict(BK=128, BV=32, DELTA=False), 8, 2),
+                            dict(BK=64, BV=32, DELTA=False), 4, 2),
     # (the q/k ends, qk_grads.py: l2norm rows, GVA's sum and the l2norm's backward; no products)
     "bwd-qk-normalize": ("qk_grads._normalize_kernel", {"q": "*bf16", "k": "*bf16", "qn": "*bf16", "kn": "*bf16"},
                          dict(BLOCK_T=16), 4, 1),
