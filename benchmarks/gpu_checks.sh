@@ -21,7 +21,7 @@
 #   bash benchmarks/gpu_checks.sh backward-round # the backward's GPU tests, GDN's fwd + bwd against FLA
 #                                              # (backward-bench), its kernels under launch switches
 #                                              # (ROW), KDA's kernels (~7 min)
-#   bash benchmarks/gpu_checks.sh backward-next  # (written for branch backward-v2 merged: the backward's
+#   bash benchmarks/gpu_checks.sh backward-next  # (for branch backward-v2's kernels checked out: the backward's
 #                                              # GPU tests, then the candidates behind switches: the value
 #                                              # kernel's 32-column tiles, the reverse scan's 2 stages, 4
 #                                              # warps and 16 columns (SCAN_BLOCK_V), the KDA score kernel's
