@@ -26,7 +26,10 @@ def apply_knobs():
     for knob in filter(None, os.environ.get("KNOBS", "").split(",")):
         path, value = knob.split("=")
         module, name = path.rsplit(".", 1)
-        setattr(__import__("fastla.backends.triton." + module, fromlist=[name]), name, int(value))
+        mod = __import__("fastla.backends.triton." + module, fromlist=[name])
+        if not hasattr(mod, name):                  # (a misspelt or absent knob would time the default)
+            raise ValueError(f"KNOBS: fastla.backends.triton.{module} has no {name}")
+        setattr(mod, name, int(value))
 
 
 def kernel_times(fn, steps):
