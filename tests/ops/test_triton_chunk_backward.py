@@ -144,11 +144,12 @@ def test_bf16_wide_heads_on_gpu(op, varlen):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("varlen", [False, True])
-def test_bf16_kda_score_candidate_on_gpu(varlen, monkeypatch):
-    """KDA's score kernel in its candidate build (off by default until this passes on a GPU)."""
+def test_bf16_kda_score_previous_build_on_gpu(varlen, monkeypatch):
+    """KDA's score kernel in its previous build (a program per chunk, [16, 16, BK] diagonal products;
+    the switches off), still served."""
     from tests.helpers import poison
 
-    score_candidate(monkeypatch, True)
+    score_build(monkeypatch, False)
     poison()
     check_bf16("kda", "cuda", [300, 1, 64, 65, 500] if varlen else None)
 
@@ -215,23 +216,23 @@ def test_channel_gates(op, T, device):
     check(make_inputs(spec, B=2, T=T, H=2, HV=4 if spec.gva else None, K=32, V=32, device=device), spec=spec)
 
 
-def score_candidate(monkeypatch, on: bool) -> None:
-    """The per-channel score kernel's candidate build (a program per 16-row block, the diagonal
-    blocks a row and a column at a time; chunk_channel_backward, off by default) on or off."""
+def score_build(monkeypatch, loops: bool) -> None:
+    """The per-channel score kernel's build: a program per 16-row block, the diagonal blocks a row
+    and a column at a time (``loops``, chunk_channel_backward's default), or its previous one."""
     from fastla.backends.triton import chunk_channel_backward
 
-    monkeypatch.setattr(chunk_channel_backward, "SCORE_DIAGONAL_LOOPS", on)
-    monkeypatch.setattr(chunk_channel_backward, "SCORE_PROGRAM_PER_BLOCK", on)
+    monkeypatch.setattr(chunk_channel_backward, "SCORE_DIAGONAL_LOOPS", loops)
+    monkeypatch.setattr(chunk_channel_backward, "SCORE_PROGRAM_PER_BLOCK", loops)
 
 
-@pytest.mark.parametrize("candidate", [False, True])
+@pytest.mark.parametrize("loops", [False, True])
 @pytest.mark.parametrize("op", ["kda", "gla"])
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
-def test_channel_gates_varlen_strong_decay(op, device, candidate, monkeypatch):
+def test_channel_gates_varlen_strong_decay(op, device, loops, monkeypatch):
     """Mixed lengths (partial blocks and chunks) under strong decay (spans of hundreds of nats in a
     16-token block: the blocks' references and the exact diagonal keep every exponent <= 0), the
-    score kernel as shipped and its candidate build."""
-    score_candidate(monkeypatch, candidate)
+    score kernel in both builds."""
+    score_build(monkeypatch, loops)
     spec = OPS[op]
     lengths = [1, 17, 64, 79, 5]
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())

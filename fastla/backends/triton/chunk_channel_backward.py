@@ -51,24 +51,26 @@ from fastla.backends.triton.recurrent import BETA_GIVEN
 from fastla.core import call_plan
 from fastla.core.problem import Problem
 
-# Launch shapes at K = V = 128 (sm_90 compiles, tests/backends/test_triton_sm90.py; not timed on a
-# GPU yet): the value kernel 163 registers (8 warps), the key kernel 136 (4 warps), the score
-# kernel 255 with 64 bytes of stack at 8 warps (KDA; GLA 236, none; 4 warps: 400-1160 bytes, the
-# steps of K unrolled: 1160)
+# Launch shapes at K = V = 128 (sm_90 compiles, tests/backends/test_triton_sm90.py): the value
+# kernel 163 registers (8 warps), the key kernel 136 (4 warps), the score kernel 175 at 8 warps (KDA;
+# GLA 126; the previous build below 255 with 64 bytes of stack, GLA 236). KDA's kernels timed on an
+# H100 at kda/h64/1x8192 (benchmarks/backward_profile.py): score 12.3 ms, key 2.0, reverse scan 1.3,
+# value 1.1
 VALUE_BLOCK_V = 32      # value columns per tile of _channel_value_grads_kernel
 KEY_BLOCK_K = 32        # key columns per program of _channel_key_grads_kernel
 SCORE_BLOCK_K = 16      # key columns per step of _channel_score_grads_kernel ([16, 16, BK] diagonal tiles)
 VALUE_WARPS = 8
 KEY_WARPS = 4
 SCORE_WARPS = 8
-# The diagonal blocks of the score kernel a column and a row at a time ([16, BK] tiles) instead of
-# [16, 16, BK] products reduced across threads (the kernel took 20.1 of KDA's 30.8 ms fwd + bwd at
-# kda/h64/1x8192 on an H100 with them). Exact either way; the loops pass the interpreter's tests
-# but have not run on a GPU: off until they do (docs/notes/chunk-backward.md)
-SCORE_DIAGONAL_LOOPS = False
-# A score program per 16-row block (grid (chunks, HV, 4)) instead of one per chunk looping over
-# its four blocks: 4x the programs, a quarter of the code; off until it runs on a GPU likewise
-SCORE_PROGRAM_PER_BLOCK = False
+# The score kernel's build: its diagonal blocks a column and a row at a time ([16, BK] tiles, a
+# dynamic loop of 16) instead of [16, 16, BK] products reduced across threads, and a program per
+# 16-row block (grid (chunks, HV, 4)) instead of one per chunk looping over its four blocks: 175
+# registers, no stack, 1088 SASS instructions against 255, 64 bytes and 6888. Exact either way; on
+# an H100 at kda/h64/1x8192 the kernel took 12.3 ms of KDA's 22.9 ms of fwd + bwd kernels, 20.0 of
+# 30.7 with both off (its GPU tests pass both ways; docs/notes/chunk-backward.md). False: the
+# previous build (tests keep it served)
+SCORE_DIAGONAL_LOOPS = True
+SCORE_PROGRAM_PER_BLOCK = True
 
 
 @triton.jit(do_not_specialize=["T", "NT"])     # as chunk_delta._scan_kernel
