@@ -6,7 +6,8 @@ launch, then compared launch by launch.
     python benchmarks/backward_stages.py run cpu OP B T DTYPE OUT.pt      # the interpreter (minutes)
     python benchmarks/backward_stages.py compare GPU.pt CPU.pt            # argument by argument
 
-``SAVE_STATES=0``: the backward recomputes the chunk-start states (chunk_training.SAVE_STATES).
+``SAVE_STATES=0``: the backward recomputes the chunk-start states (chunk_training.SAVE_STATES);
+``LENGTHS=300,1,64``: a varlen batch of those sequences (B and T ignored).
 
 OP gdn / kda (tests.helpers.gated_case: gate, l2norm and beta sigmoid in the op, KDA's bounded gate,
 K = V = 128 (``HEAD_DIM=64``: 64), H = 2, HV = 4); inputs made on the CPU from fixed seeds, so both
@@ -64,10 +65,13 @@ def run(device, op, B, T, dtype, out):
         module.launcher = recording(module.launcher)
     spec = OPS[op]
     D = int(os.environ.get("HEAD_DIM", 128))
-    t, extra, opts = gated_case(op, B=B, T=T, K=D, dtype=dtype, device=device, seed=1)
+    lengths = [int(n) for n in os.environ["LENGTHS"].split(",")] if os.environ.get("LENGTHS") else None
+    t, extra, opts = gated_case(op, B=B, T=T, K=D, dtype=dtype, device=device, lengths=lengths, seed=1)
+    if lengths:
+        B, T = 1, sum(lengths)
     gen = torch.Generator().manual_seed(3)
     do = torch.randn(B, T, 4, D, generator=gen).to(device)
-    dh = torch.randn(B, 4, D, D, generator=gen).to(device)
+    dh = torch.randn(len(lengths) if lengths else B, 4, D, D, generator=gen).to(device)
 
     def fast(x, **kw):
         with use_tier("triton", strict=True):
