@@ -20,8 +20,7 @@ descriptors from a wrong register). GDN fwd + bwd at B1 T8192 H16 HV32 on an H10
 kernels against FLA's 2.5 (benchmarks/backward_profile.py; 5.1 ms before the q/k ends moved into
 qk_grads, the scan onto bf16 operands and the value / key loops onto 2 stages), eager 3.05 ms
 against FLA's 3.94 in one process (``python -m fastla bench --modes fwdbwd``); KDA's at B1 T8192
-H16 HV16 10.6 ms against the torch tier's 150 ms, measured before those changes (FLA not
-compared). None of it has run on an H200. The plain rule's and GLA's bf16 cases have not run on a
+H64 22.9 ms of kernels, 12.3 of them the score-gradient kernel's (FLA not compared). None of it has run on an H200. The plain rule's and GLA's bf16 cases have not run on a
 GPU: they stay behind the switch (docs/notes/chunk-backward.md).
 """
 from __future__ import annotations
