@@ -21,12 +21,8 @@
 #   bash benchmarks/gpu_checks.sh backward-round # the backward's GPU tests, GDN's fwd + bwd against FLA
 #                                              # (backward-bench), its kernels under launch switches
 #                                              # (ROW), KDA's kernels (~7 min)
-#   bash benchmarks/gpu_checks.sh backward-next  # (for branch backward-v2's kernels checked out: the backward's
-#                                              # GPU tests, then the candidates behind switches: the value
-#                                              # kernel's 32-column tiles, the reverse scan's 2 stages, 4
-#                                              # warps and 16 columns (SCAN_BLOCK_V), the KDA score kernel's
-#                                              # candidate: their gradients, GDN's and KDA's kernels timed;
-#                                              # ~9 min, BUDGET s)
+#   bash benchmarks/gpu_checks.sh backward-next  # the backward's GPU tests, then GDN's fwd + bwd kernels
+#                                              # against FLA's and KDA's (~6 min, BUDGET s)
 #   bash benchmarks/gpu_checks.sh backward-bench # its fwdbwd against FLA on registry shapes (FILTER: which;
 #                                              # two GDN ones by default; FLA's backward compiles for
 #                                              # minutes without a cache: KDA's tunes ~280 s)
@@ -164,11 +160,11 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
       python3 benchmarks/backward_stages.py compare /tmp/${op}_gpu.pt /tmp/${op}_cpu.pt
     done ;;
   backward-scan)
-    # GDN's dh0 with the delta rule's reverse scan on tf32 operands (the default), on bf16 operands
-    # (the build that misplaces R's rows), and on tf32 at 16 value columns; KDA's with kept and
-    # recomputed states; then the GPU backward tests
+    # GDN's dh0 with the delta rule's reverse scan as shipped, with DELTA_SCAN_FP32_PRODUCTS=0 and
+    # at 32 value columns (its previous shape); KDA's with kept and recomputed states; then the GPU
+    # backward tests
     start=$(date +%s)
-    for k in "" chunk_delta_backward.DELTA_SCAN_FP32_PRODUCTS=0 chunk_delta_backward.BLOCK_V=16; do
+    for k in "" chunk_delta_backward.DELTA_SCAN_FP32_PRODUCTS=0 chunk_delta_backward.SCAN_BLOCK_V=32; do
       KNOBS=$k timeout 60 python3 benchmarks/backward_variants.py gdn 2 400 bfloat16 1 1 2>&1 | tail -1 | cut -c1-230
     done
     for save in 1 0; do
@@ -207,10 +203,8 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
     FLA=0 TOP=12 timeout 90 python3 benchmarks/backward_profile.py kda/h64/1x8192 2>&1 | grep -v -E "Warn|_warn_once" | tail -13
     echo "-- $(( $(date +%s) - start )) s" ;;
   backward-next)
-    # the GPU backward tests of the shipped build (the score candidate's included) in three groups
-    # side by side; GDN's kernels timed (default; 32-column value tiles with the scan at 2 stages),
-    # KDA's (default; the score candidate), the candidates' gradients at B2 T400 (fp64 error), then
-    # while time is left (BUDGET s, 540) the scan at 4 warps and 16 columns
+    # the backward's GPU tests in three groups side by side, then GDN's fwd + bwd kernels against
+    # FLA's and KDA's (benchmarks/backward_profile.py) while time is left (BUDGET s, 540)
     start=$(date +%s)
     left() { [ $(( ${BUDGET:-540} - ($(date +%s) - start) )) -gt "$1" ]; }
     f=tests/ops/test_triton_chunk_backward.py
@@ -219,27 +213,13 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
     bg 220 $f -m "" -k "narrow"
     show
     echo "-- $(( $(date +%s) - start )) s"
-    d=chunk_delta_backward
-    A=$d.VALUE_BLOCK_V=32,$d.SCAN_STAGES=2
-    B=$d.VALUE_BLOCK_V=32,$d.SCAN_STAGES=2,$d.SCAN_WARPS=4,$d.SCAN_BLOCK_V=16
-    for k in "" $A; do
-      left 50 || break
-      echo "== GDN, $k"
-      KNOBS=$k FLA=0 TOP=6 timeout 50 python3 benchmarks/backward_profile.py gdn/h16-hv32/1x8192 2>&1 | grep -v -E "Warn|_warn_once" | tail -7
-    done
-    for k in "" chunk_channel_backward.SCORE_DIAGONAL_LOOPS=1,chunk_channel_backward.SCORE_PROGRAM_PER_BLOCK=1; do
-      left 60 || break
-      echo "== KDA, $k"
-      KNOBS=$k FLA=0 TOP=6 timeout 60 python3 benchmarks/backward_profile.py kda/h64/1x8192 2>&1 | grep -v -E "Warn|_warn_once" | tail -7
-    done
-    for k in $d.VALUE_BLOCK_V=32 $d.SCAN_STAGES=2 $d.SCAN_STAGES=2,$d.SCAN_WARPS=4,$d.SCAN_BLOCK_V=16; do
-      left 30 || break
-      echo "== grads, $k"
-      KNOBS=$k timeout 30 python3 benchmarks/backward_variants.py gdn 2 400 bfloat16 1 1 2>&1 | tail -1 | cut -c1-230
-    done
-    if left 50; then
-      echo "== GDN, $B"
-      KNOBS=$B FLA=0 TOP=6 timeout 50 python3 benchmarks/backward_profile.py gdn/h16-hv32/1x8192 2>&1 | grep -v -E "Warn|_warn_once" | tail -7
+    if left 100; then
+      echo "== GDN against FLA"
+      TOP=6 timeout 100 python3 benchmarks/backward_profile.py gdn/h16-hv32/1x8192 2>&1 | grep -v -E "Warn|_warn_once" | tail -16
+    fi
+    if left 60; then
+      echo "== KDA"
+      FLA=0 TOP=6 timeout 60 python3 benchmarks/backward_profile.py kda/h64/1x8192 2>&1 | grep -v -E "Warn|_warn_once" | tail -7
     fi
     echo "-- $(( $(date +%s) - start )) s" ;;
   backward-bench)

@@ -143,6 +143,18 @@ def test_bf16_wide_heads_on_gpu(op, varlen):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_bf16_one_row_chunk_on_gpu():
+    """GDN dense at T = 65 (each sequence's last chunk one row): the key kernel pipelined over two
+    stages got dk 2.7e-2 off on an H100 there (1.4e-1 varlen with 1-row chunks), the interpreter
+    right; one stage passes (chunk_delta_backward.KEY_STAGES)."""
+    from tests.helpers import poison
+
+    poison()
+    check_bf16("gdn", "cuda", T=65)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("varlen", [False, True])
 def test_bf16_kda_score_previous_build_on_gpu(varlen, monkeypatch):
     """KDA's score kernel in its previous build (a program per chunk, [16, 16, BK] diagonal products;

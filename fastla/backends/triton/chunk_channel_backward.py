@@ -114,14 +114,14 @@ def _channel_value_grads_kernel(
     o_k = tl.arange(0, BK)
     m_t = r < eos - t0
     m_k = o_k < K
-    lower = r[:, None] >= r[None, :]
+    lower_blocks = r[None, :] // 16 <= r[:, None] // 16                     # (P: zero above its diagonal)
     off_p = r[:, None] * (HV * BT) + r[None, :]                             # [BT, BT] in P
     off_pT = r[None, :] * (HV * BT) + r[:, None]                            # the scratch, transposed tiles
     if DELTA:
         b_kg = tl.load(kg + base * K + r[:, None] * (HV * K) + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
                        other=0.0).to(DOT)                                                         # [BT, BK]
         b_beta = tl.load(beta + base + r * HV, mask=m_t, other=0.0)
-        b_P = tl.load(p_in + base * BT + off_p, mask=m_t[:, None] & lower, other=0.0).to(DOT)     # [BT, BT]
+        b_P = tl.load(p_in + base * BT + off_p, mask=m_t[:, None] & lower_blocks, other=0.0).to(DOT)      # [BT, BT]
     chunk_state = (i_c * HV + i_hv) * K * V
     # held transposed (row j, column i): tl.trans of a product's result (V_new) fed to another
     # product miscompiles on Hopper (GLUON.md)

@@ -26,14 +26,16 @@ The backward, with dS' the gradient of S' (four launches after the recompute):
        X and V_new again (from S),  dv = diag(beta) R,
        dbeta = rowsum(R * X) - rowsum(strict(R V_new^T) * Gamma * k k^T),
        d(q k^T) = scale Gamma * causal(dO V_new^T),  d(k k^T) = -diag(beta) Gamma * strict(R V_new^T),
-   and dG (each term's derivative in G_i; G_last's, on the chunk's last token, from e^G_last S and
-   the decayed keys), then dg as the reverse in-chunk cumsum of dG; V_new and the two score
-   gradients ``[BT, BT]`` per token row go to scratch;
-4. ``_key_grads_kernel``, grid ``(chunks, HV, K / BK)``:
+   and the scores' share of dG (their e^(G_i - G_j)) with X's e^G k S term; V_new, the two score
+   gradients ``[BT, BT]`` per token row and that dG go to scratch;
+4. ``_key_grads_kernel``, grid ``(chunks, HV)``, all K columns:
        dq = scale diag(e^G) dO S^T + d(q k^T) k,
        dk = diag(e^(G_last - G)) V_new dS'^T - diag(e^G beta) R S^T + d(q k^T)^T q
             + (d(k k^T) + d(k k^T)^T) k,
-   per value head (float32), summed per q/k head by qk_grads.input_grads (with the l2norm's backward).
+   the state terms' share of dG as rowsums of q and k against their state terms (G_last's, on the
+   chunk's last token, from e^G_last S and the decayed keys), then dg as the reverse in-chunk cumsum
+   of dG; dq and dk per value head (float32), summed per q/k head by qk_grads.input_grads (with the
+   l2norm's backward).
 Precision as the forward: products with bf16 operands for bf16 inputs (fp32 in the interpreter;
 DELTA_SCAN_FP32_PRODUCTS below puts the delta rule's reverse scan on tf32), fp32 accumulation,
 the state gradient fp32 in the scan. The stored chunk states S and dS' are in the products' operand
@@ -41,7 +43,8 @@ dtype (bf16 for bf16 inputs, as FLA stores its chunk states; ``FP32_STATES``:
 float32, twice their bytes): they are the largest traffic, each written once and read by both
 gradient kernels. The reverse scan is assembled for sm_90 by ptxas 12.9 or newer
 (``launch.newer_ptxas``; CUDA 12.8's formed its wgmma descriptors from a wrong register: GDN's dh0
-9e-2 off, illegal addresses at 16 columns; docs/notes/chunk-backward.md).
+9e-2 off, illegal addresses at 16 columns; docs/notes/chunk-backward.md), and so are the value and
+key kernels (the builds that passed the GPU suite; their descriptors read right under 12.8 too).
 """
 from __future__ import annotations
 
@@ -61,25 +64,28 @@ from fastla.backends.triton.recurrent import BETA_GIVEN
 from fastla.core import call_plan
 from fastla.core.problem import Problem
 
-# Launch shapes at K = V = 128 (sm_90 compiles, tests/backends/test_triton_sm90.py): the reverse scan
-# 190 registers at 32 columns on 8 warps on bf16 operands (tf32: 255 and 536 bytes of stack); the
-# value kernel 237 with no stack at 16-column tiles on 8 warps and 2 stages (32 columns: 255 and 8
-# bytes of stack; 4 warps: 112 bytes); the key kernel 162 at 64 key columns on 4 warps and 2 stages.
-# Timed on an H100 at B1 T8192 H16 HV32 (benchmarks/backward_profile.py, docs/notes/chunk-backward.md):
-# the value kernel 1110 us at 16 columns and 1 stage, 921 at 2 stages, 771 at 3, 675 at 32 columns
-# and 2 stages (its grads 3.7e-3 from fp64 on that shape; the GPU suite not yet run with it, so not
-# the default); the key kernel 560 / 546 at 1 / 2 stages; the scan 1025 on tf32, 640 on bf16
-BLOCK_V = 32        # value columns per reverse-scan program and per tile of _key_grads_kernel
-VALUE_BLOCK_V = 16  # value columns per tile of _value_grads_kernel (32: faster, not yet GPU-tested)
-KEY_BLOCK_K = 64    # key columns per program of _key_grads_kernel
-SCAN_WARPS = 8
+# Launch shapes at K = V = 128 (sm_90 compiles, tests/backends/test_triton_sm90.py), each the build
+# that passed the GPU suite on an H100 (docs/notes/chunk-backward.md, twenty-ninth session): the
+# scalar-gate reverse scan 16 columns on 4 warps and 2 stages (GDN: 552 -> 369 us against 32
+# columns on 8 warps and 1 stage), the per-channel one (KDA) 32 columns on 8 warps and 1 stage
+# (1.27 ms; the scalar gate's shape took 1.62); the value kernel 32-column tiles on 8 warps and 2
+# stages (689 -> 521 us against 16 columns); the key kernel all 128 key columns on 8 warps and 1
+# stage (633 us: at 2 stages, 580, its dk was wrong on the GPU for chunks of a few rows, the
+# interpreter right). Registers on bf16 operands, none spilled: scans 179 and 198, value 226, key
+# 238. GDN's kernels at B1 T8192 H16 HV32 (benchmarks/backward_profile.py): fwd + bwd 2413 us
+# (2999 before these shapes and the state terms' move), FLA's 2534
+BLOCK_V = 32        # value columns per tile of _key_grads_kernel (and of the states' recompute)
+SCAN_BLOCK_V = 16   # value columns per reverse-scan program (scalar gates)
+SCAN_WARPS = 4
+SCAN_STAGES = 2     # software-pipelining stages of the reverse scan's loop over chunks
+CHANNEL_SCAN_BLOCK_V = 32   # the same for per-channel gates
+CHANNEL_SCAN_WARPS = 8
+CHANNEL_SCAN_STAGES = 1
+VALUE_BLOCK_V = 32  # value columns per tile of _value_grads_kernel
 VALUE_WARPS = 8
-KEY_WARPS = 4
 VALUE_STAGES = 2    # software-pipelining stages of the value and key kernels' loops over V
-KEY_STAGES = 2
-# the reverse scan's over chunks (2: 255 registers, no stack, 87 KB of shared memory at 8 warps;
-# not yet run on a GPU, `bash benchmarks/gpu_checks.sh backward-next`)
-SCAN_STAGES = 1
+KEY_WARPS = 8
+KEY_STAGES = 1
 FP32_STATES = False     # the stored chunk states and their gradients in float32 (A/B; see the docstring)
 # The delta rule's scalar-gate reverse scan on float32 (tf32) operands for bf16 inputs too (an A/B
 # switch; off: bf16 operands as every other product here). Its bf16 build was wrong under ptxas 12.8
@@ -124,7 +130,9 @@ def _reverse_scan_kernel(
     if HAS_DHT:
         b_dS = tl.load(dht + i_n * HV * K * V + head_state + p_state, mask=m_h, other=0.0)
     r = tl.arange(0, BT)
-    lower = r[:, None] >= r[None, :]
+    # (P and A_qk are stored as whole rows, zero above the diagonal: row masks and P's block mask
+    # keep their loads vectorized, as the forward's; an element-wise triangle makes them 2-byte loads)
+    lower_blocks = r[None, :] // 16 <= r[:, None] // 16
     off_kr = r[:, None] * (QK_HEADS * K) + o_k[None, :]                     # [BT, BK] in q, k, kd
     off_p = r[:, None] * (HV * BT) + r[None, :]                             # [BT, BT] in P, A_qk
     off_v = r[:, None] * (HV * V) + o_v[None, :]                            # [BT, BV] in dO, R
@@ -140,7 +148,7 @@ def _reverse_scan_kernel(
         qk_row0 = (t0 * QK_HEADS + i_h) * K
         b_q = tl.load(q + qk_row0 + off_kr, mask=m_tk, other=0.0).to(DOT)                         # [BT, BK]
         b_do = tl.load(do + base * V + off_v, mask=m_tv, other=0.0).to(tl.float32)               # [BT, BV]
-        b_A = tl.load(a_in + base * BT + off_p, mask=m_t[:, None] & lower, other=0.0).to(DOT)     # [BT, BT]
+        b_A = tl.load(a_in + base * BT + off_p, mask=m_t[:, None], other=0.0).to(DOT)             # [BT, BT]
         if GK:
             b_kd = tl.load(kd + qk_row0 + off_kr, mask=m_tk, other=0.0).to(DOT)
             b_decay = tl.load(decay + ((first_chunk + c) * HV + i_hv) * K + o_k, mask=m_k, other=0.0)  # [BK]
@@ -160,7 +168,7 @@ def _reverse_scan_kernel(
         if DELTA:
             if GK:
                 b_k = tl.load(k + qk_row0 + off_kr, mask=m_tk, other=0.0).to(DOT)                 # kg
-            b_P = tl.load(p_in + base * BT + off_p, mask=m_t[:, None] & lower, other=0.0).to(DOT)
+            b_P = tl.load(p_in + base * BT + off_p, mask=m_t[:, None] & lower_blocks, other=0.0).to(DOT)
             b_beta = tl.load(beta + base + r * HV, mask=m_t, other=0.0)
             b_r = tl.dot(tl.trans(b_P), b_dvn.to(DOT))                                           # R
             b_dS -= tl.dot(tl.trans(b_k), ((b_eG * b_beta)[:, None] * b_r).to(DOT))
@@ -171,18 +179,20 @@ def _reverse_scan_kernel(
         tl.store(dh0 + i_n * HV * K * V + head_state + p_state, b_dS, mask=m_h)
 
 
+@newer_ptxas                                    # (as the GPU suite ran it)
 @triton.jit(do_not_specialize=["T", "NT"])     # as chunk_delta._scan_kernel
 def _value_grads_kernel(
-    q, k, v, beta, p_in, gcum, h, dh_chunks, do, r_in, vn_out, dqk_out, dkk_out, dv, dg, dbeta,
+    q, k, v, beta, p_in, gcum, h, do, r_in, vn_out, dqk_out, dkk_out, dv, dG_out, dbeta,
     cu_seqlens, chunk_index, T, NT, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr, VARLEN: tl.constexpr,
     DELTA: tl.constexpr,
 ):
-    """Program (chunk, value head), the value columns in tiles of BV: from S, dS', dO and R, stores
-    dv = diag(beta) R, V_new, dg, dbeta and the gradients of q k^T and k k^T through A_qk and A
-    (``[BT, BT]`` per token row, for ``_key_grads_kernel``). DELTA False (the plain rule): V_new = v
-    and dv = R, neither beta nor A."""
+    """Program (chunk, value head), the value columns in tiles of BV: from S, dO and R, stores
+    dv = diag(beta) R, V_new, dbeta, the gradients of q k^T and k k^T through A_qk and A (``[BT,
+    BT]`` per token row) and the scores' share of dG (``[B, T, HV]``; _key_grads_kernel adds the
+    state terms' and takes the cumsum). DELTA False (the plain rule): V_new = v and dv = R, neither
+    beta nor A."""
     i_c = tl.program_id(0).to(tl.int64)
     i_hv = tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -194,7 +204,7 @@ def _value_grads_kernel(
     m_t = r < eos - t0
     m_k = o_k < K
     last = tl.minimum(eos - t0, BT) - 1
-    lower = r[:, None] >= r[None, :]
+    lower_blocks = r[None, :] // 16 <= r[:, None] // 16                     # (P: zero above its diagonal)
     off_p = r[:, None] * (HV * BT) + r[None, :]                             # [BT, BT] in P
     off_pT = r[None, :] * (HV * BT) + r[:, None]                            # the scratch, transposed tiles
     b_Gl = tl.load(gcum + base + last * HV)
@@ -202,15 +212,13 @@ def _value_grads_kernel(
     b_G = tl.load(gcum + base + r * HV, mask=m_t, other=0.0)                                      # [BT]
     b_G = tl.where(m_t, b_G, b_Gl)
     b_eG = tl.where(m_t, tl.exp(b_G), 0.0)
-    b_eD = tl.where(m_t, tl.exp(b_Gl - b_G), 0.0)
     qk_row0 = (t0 * H + i_h) * K
     off_kr = r[:, None] * (H * K) + o_k[None, :]
     m_tk = m_t[:, None] & m_k[None, :]
-    b_q = tl.load(q + qk_row0 + off_kr, mask=m_tk, other=0.0).to(DOT)                             # [BT, BK]
-    b_k = tl.load(k + qk_row0 + off_kr, mask=m_tk, other=0.0).to(DOT)
+    b_k = tl.load(k + qk_row0 + off_kr, mask=m_tk, other=0.0).to(DOT)                             # [BT, BK]
     if DELTA:
         b_beta = tl.load(beta + base + r * HV, mask=m_t, other=0.0)
-        b_P = tl.load(p_in + base * BT + off_p, mask=m_t[:, None] & lower, other=0.0).to(DOT)     # [BT, BT]
+        b_P = tl.load(p_in + base * BT + off_p, mask=m_t[:, None] & lower_blocks, other=0.0).to(DOT)      # [BT, BT]
     chunk_state = (i_c * HV + i_hv) * K * V
 
     # the [BT, BT] score tiles are held transposed (row j, column i): V_new comes out of a product,
@@ -218,44 +226,36 @@ def _value_grads_kernel(
     b_dAqkT = tl.zeros([BT, BT], dtype=tl.float32)      # (dO V_new^T)^T = V_new dO^T
     b_RVT = tl.zeros([BT, BT], dtype=tl.float32)        # (R V_new^T)^T (dA = -strict of it)
     b_db = tl.zeros([BT], dtype=tl.float32)             # rowsum(R * X)
-    b_tqs = tl.zeros([BT], dtype=tl.float32)            # e^G rowsum(dO * q S)
     b_tkg = tl.zeros([BT], dtype=tl.float32)            # e^G rowsum(diag(beta) R * k S)
-    b_tkd = tl.zeros([BT], dtype=tl.float32)            # e^(G_last - G) rowsum(V_new * k dS')
-    b_sdS = tl.zeros([BK], dtype=tl.float32)            # rowsum(S * dS')
     for v0 in range(0, V, BV):
         o_v = v0 + tl.arange(0, BV)
         m_v = o_v < V
-        m_h = m_k[:, None] & m_v[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
-        p_state = o_k[:, None] * V + o_v[None, :]
         off_v = r[:, None] * (HV * V) + o_v[None, :]
-        b_S = tl.load(h + chunk_state + p_state, mask=m_h, other=0.0).to(tl.float32)              # [BK, BV]
-        b_dS = tl.load(dh_chunks + chunk_state + p_state, mask=m_h, other=0.0).to(tl.float32)
-        b_v = tl.load(v + base * V + off_v, mask=m_tv, other=0.0).to(tl.float32)                 # [BT, BV]
-        b_do = tl.load(do + base * V + off_v, mask=m_tv, other=0.0).to(DOT)
+        b_do = tl.load(do + base * V + off_v, mask=m_tv, other=0.0).to(DOT)                       # [BT, BV]
         b_r = tl.load(r_in + base * V + off_v, mask=m_tv, other=0.0)
         if DELTA:
-            b_ks = tl.dot(b_k, b_S.to(DOT))                                                       # k S
+            b_S = tl.load(h + chunk_state + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :],
+                          other=0.0).to(DOT)                                                      # [BK, BV]
+            b_v = tl.load(v + base * V + off_v, mask=m_tv, other=0.0).to(tl.float32)             # [BT, BV]
+            b_ks = tl.dot(b_k, b_S)                                                               # k S
             b_x = b_v - b_eG[:, None] * b_ks
             b_vn = tl.dot(b_P, (b_beta[:, None] * b_x).to(DOT))                                   # V_new
             b_dx = b_beta[:, None] * b_r
-            tl.store(vn_out + base * V + off_v, b_vn.to(vn_out.dtype.element_ty), mask=m_tv)
-        else:
-            b_vn = b_v
-            b_dx = b_r
-        tl.store(dv + base * V + off_v, b_dx.to(dv.dtype.element_ty), mask=m_tv)
-        b_vnd = b_vn.to(DOT)
-        b_tkd += b_eD * tl.sum(b_vn * tl.dot(b_k, b_dS.to(DOT)), 1)
-        b_tqs += b_eG * tl.sum(b_do.to(tl.float32) * tl.dot(b_q, b_S.to(DOT)), 1)
-        b_dAqkT += tl.dot(b_vnd, tl.trans(b_do))
-        if DELTA:
             b_tkg += b_eG * tl.sum(b_dx * b_ks, 1)
+            tl.store(vn_out + base * V + off_v, b_vn.to(vn_out.dtype.element_ty), mask=m_tv)
+            b_vnd = b_vn.to(DOT)
             b_RVT += tl.dot(b_vnd, tl.trans(b_r.to(DOT)))
             b_db += tl.sum(b_r * b_x, 1)
-        b_sdS += tl.sum(b_S * b_dS, 1)
+        else:
+            b_vnd = tl.load(v + base * V + off_v, mask=m_tv, other=0.0).to(DOT)
+            b_dx = b_r
+        tl.store(dv + base * V + off_v, b_dx.to(dv.dtype.element_ty), mask=m_tv)
+        b_dAqkT += tl.dot(b_vnd, tl.trans(b_do))
 
     # the scores' gradients, transposed (row j, column i: sums over i are over axis 1, over j axis
     # 0), each [BT, BT] tile dead as soon as it is used (registers)
+    b_q = tl.load(q + qk_row0 + off_kr, mask=m_tk, other=0.0).to(DOT)                             # [BT, BK]
     upper = r[:, None] <= r[None, :]                                        # j <= i
     b_gamT = tl.where(upper, tl.exp(tl.where(upper, b_G[None, :] - b_G[:, None], 0.0)), 0.0)    # Gamma^T
     b_dqkT = tl.where(upper, scale * b_gamT * b_dAqkT, 0.0)                 # d(q k^T)^T through A_qk
@@ -271,35 +271,33 @@ def _value_grads_kernel(
         b_eT = b_dkkT * b_kk                                                # (dA * A)^T
         b_dG += tl.sum(b_eT, 0) - tl.sum(b_eT, 1)
         tl.store(dbeta + base + r * HV, b_db, mask=m_t)
-    # dG_i: the scores' e^(G_i - G_j) (rows minus columns), diag(e^G) q S, diag(e^G) k S, and
-    # diag(e^(G_last - G)) k; the last token's G (G_last) takes e^G_last S and the same k term
-    b_dG += scale * b_tqs - b_tkg - b_tkd
-    b_dGl = tl.sum(b_tkd, 0) + tl.exp(b_Gl) * tl.sum(b_sdS, 0)
-    b_dG = tl.where(m_t, b_dG + tl.where(r == last, b_dGl, 0.0), 0.0)
-    b_dg = tl.cumsum(b_dG, 0, reverse=True)                                 # dg_t = sum over i >= t of dG_i
-    tl.store(dg + base + r * HV, b_dg, mask=m_t)
+        b_dG -= b_tkg                                                       # X's e^G_i k_i S
+    # dG_i through the scores' e^(G_i - G_j) (rows minus columns)
+    tl.store(dG_out + base + r * HV, b_dG, mask=m_t)
 
 
+@newer_ptxas                                    # (as the GPU suite ran it)
 @triton.jit(do_not_specialize=["T", "NT"])     # as chunk_delta._scan_kernel
 def _key_grads_kernel(
-    q, k, beta, gcum, h, dh_chunks, do, r_in, vn_in, dqk_in, dkk_in, dq, dk, cu_seqlens, chunk_index,
+    q, k, beta, gcum, h, dh_chunks, do, r_in, vn_in, dqk_in, dkk_in, dG_in, dq, dk, dg, cu_seqlens, chunk_index,
     T, NT, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr, VARLEN: tl.constexpr,
     DELTA: tl.constexpr,
 ):
-    """Program (chunk, value head, BK key columns): this value head's share of dq and dk there,
-    the state terms over the value columns in tiles of BV, then the scores' terms (DELTA False: no
-    R S^T nor k k^T terms; ``vn_in`` is v)."""
+    """Program (chunk, value head), all K key columns: this value head's share of dq and dk, the
+    state terms over the value columns in tiles of BV, then the scores' terms (DELTA False: no
+    R S^T nor k k^T terms; ``vn_in`` is v); then dg, the reverse in-chunk cumsum of dG: the scores'
+    share (``dG_in``, from _value_grads_kernel) plus the state terms' (q and k against their state
+    gradients, and G_last's on the chunk's last token)."""
     i_c = tl.program_id(0).to(tl.int64)
     i_hv = tl.program_id(1)
-    i_k = tl.program_id(2)
     i_h = i_hv // (HV // H)
     i_n, c, bos, eos = _chunk(chunk_index, cu_seqlens, i_c, T, NT, VARLEN)
     t0 = bos + c * BT
     base = t0 * HV + i_hv
     r = tl.arange(0, BT)
-    o_k = i_k * BK + tl.arange(0, BK)
+    o_k = tl.arange(0, BK)
     m_t = r < eos - t0
     m_k = o_k < K
     m_tk = m_t[:, None] & m_k[None, :]
@@ -309,12 +307,14 @@ def _key_grads_kernel(
     b_Gl = tl.load(gcum + base + last * HV)
     b_eG = tl.where(m_t, tl.exp(b_G), 0.0)
     b_eD = tl.where(m_t, tl.exp(b_Gl - b_G), 0.0)
-    if DELTA:
-        b_beta = tl.load(beta + base + r * HV, mask=m_t, other=0.0)
     chunk_state = (i_c * HV + i_hv) * K * V
 
     b_dqs = tl.zeros([BT, BK], dtype=tl.float32)        # dO S^T
-    b_dk = tl.zeros([BT, BK], dtype=tl.float32)         # diag(e^(G_last - G)) V_new dS'^T - diag(e^G beta) R S^T
+    b_dkd = tl.zeros([BT, BK], dtype=tl.float32)        # V_new dS'^T
+    b_dkx = tl.zeros([BT, BK], dtype=tl.float32)        # diag(e^G beta) R S^T
+    b_sdS = tl.zeros([BK], dtype=tl.float32)            # rowsum(S * dS')
+    if DELTA:
+        b_beta = tl.load(beta + base + r * HV, mask=m_t, other=0.0)
     for v0 in range(0, V, BV):
         o_v = v0 + tl.arange(0, BV)
         m_v = o_v < V
@@ -322,21 +322,34 @@ def _key_grads_kernel(
         off_v = r[:, None] * (HV * V) + o_v[None, :]
         p_state_t = o_k[None, :] * V + o_v[:, None]                         # [BV, BK]: S^T
         m_ht = m_k[None, :] & m_v[:, None]
-        b_St = tl.load(h + chunk_state + p_state_t, mask=m_ht, other=0.0).to(DOT)                  # [BV, BK]
-        b_dSt = tl.load(dh_chunks + chunk_state + p_state_t, mask=m_ht, other=0.0).to(DOT)
+        b_St = tl.load(h + chunk_state + p_state_t, mask=m_ht, other=0.0)                          # [BV, BK]
+        b_dSt = tl.load(dh_chunks + chunk_state + p_state_t, mask=m_ht, other=0.0)
         b_do = tl.load(do + base * V + off_v, mask=m_tv, other=0.0).to(DOT)                       # [BT, BV]
-        b_vn = tl.load(vn_in + base * V + off_v, mask=m_tv, other=0.0).to(tl.float32)
-        b_dqs += tl.dot(b_do, b_St)
-        b_dk += tl.dot((b_eD[:, None] * b_vn).to(DOT), b_dSt)
+        b_vn = tl.load(vn_in + base * V + off_v, mask=m_tv, other=0.0).to(DOT)
+        b_dqs += tl.dot(b_do, b_St.to(DOT))
+        b_dkd += tl.dot(b_vn, b_dSt.to(DOT))
         if DELTA:
             b_r = tl.load(r_in + base * V + off_v, mask=m_tv, other=0.0)
-            b_dk -= tl.dot(((b_eG * b_beta)[:, None] * b_r).to(DOT), b_St)
+            b_dkx += tl.dot(((b_eG * b_beta)[:, None] * b_r).to(DOT), b_St.to(DOT))
+        b_sdS += tl.sum(b_St.to(tl.float32) * b_dSt.to(tl.float32), 0)
     qk_row0 = (t0 * H + i_h) * K
     off_kr = r[:, None] * (H * K) + o_k[None, :]
     b_q = tl.load(q + qk_row0 + off_kr, mask=m_tk, other=0.0).to(DOT)                             # [BT, BK]
     b_k = tl.load(k + qk_row0 + off_kr, mask=m_tk, other=0.0).to(DOT)
+    # dG_i of the state terms: e^G_i in q S, e^(G_last - G_i) in the state update (G_last also
+    # through e^G_last S); X's e^G_i k_i S is in dG_in (the value kernel's, on fp32 R)
+    b_dq = scale * b_eG[:, None] * b_dqs
+    b_dkd = b_eD[:, None] * b_dkd
+    b_tkd = tl.sum(b_k.to(tl.float32) * b_dkd, 1)
+    b_dG = tl.sum(b_q.to(tl.float32) * b_dq, 1) - b_tkd
+    b_dGl = tl.sum(b_tkd, 0) + tl.exp(b_Gl) * tl.sum(b_sdS, 0)
+    b_dG += tl.load(dG_in + base + r * HV, mask=m_t, other=0.0) + tl.where(r == last, b_dGl, 0.0)
+    b_dG = tl.where(m_t, b_dG, 0.0)
+    tl.store(dg + base + r * HV, tl.cumsum(b_dG, 0, reverse=True), mask=m_t)   # dg_t = sum over i >= t of dG_i
+    b_dk = b_dkd - b_dkx
+    # the scores' terms
     b_dqk = tl.load(dqk_in + base * BT + off_p, mask=m_t[:, None], other=0.0).to(DOT)             # [BT, BT]
-    b_dq = scale * b_eG[:, None] * b_dqs + tl.dot(b_dqk, b_k)
+    b_dq += tl.dot(b_dqk, b_k)
     b_dk += tl.dot(tl.trans(b_dqk), b_q)
     if DELTA:
         b_dkk = tl.load(dkk_in + base * BT + off_p, mask=m_t[:, None], other=0.0).to(DOT)
@@ -419,12 +432,15 @@ def reverse_scan(c: Call, q, k, kd, decay, beta, inverse, scores, gcum, do, dht,
     if dht is not None:
         dht = dht.to(f32).contiguous()
     scan_dot = tl.float32 if DELTA_SCAN_FP32_PRODUCTS and p.delta and not gk else c.dot
-    launcher(_reverse_scan_kernel, p.T, c.NT)[(p.N * p.HV, cdiv(p.V, c.BV))](
+    columns, warps, stages = ((CHANNEL_SCAN_BLOCK_V, CHANNEL_SCAN_WARPS, CHANNEL_SCAN_STAGES) if gk
+                              else (SCAN_BLOCK_V, SCAN_WARPS, SCAN_STAGES))
+    BV = min(columns, c.BVF)
+    launcher(_reverse_scan_kernel, p.T, c.NT)[(p.N * p.HV, cdiv(p.V, BV))](
         q, k, kd, decay, beta, inverse, scores, gcum, do, dht if dht is not None else gcum, dh_chunks, r_buf,
         dh0 if dh0 is not None else gcum, *c.starts(gcum), p.T, c.NT, p.scale, H=p.H, HV=p.HV, K=p.K, V=p.V, BT=BT,
-        BK=c.BK, BV=c.BV, DOT=scan_dot, HAS_DHT=dht is not None,
+        BK=c.BK, BV=BV, DOT=scan_dot, HAS_DHT=dht is not None,
         STORE_DH0=dh0 is not None, VARLEN=c.cu is not None, DELTA=p.delta, GK=gk,
-        num_warps=SCAN_WARPS, num_stages=SCAN_STAGES)
+        num_warps=warps, num_stages=stages)
     return dh_chunks, r_buf, dh0
 
 
@@ -474,13 +490,12 @@ def backward(p: Problem, do: torch.Tensor, dht: torch.Tensor | None, states: tor
         dqk = call_plan.empty((B, T, HV, BT), c.op_dtype, dev)
         dkk = call_plan.empty((B, T, HV, BT), c.op_dtype, dev) if p.delta else dqk
         launcher(_value_grads_kernel, T, c.NT)[(total, HV)](
-            q, k, p.v, beta, inverse, gcum, states, dh_chunks, do, r_buf, v_new, dqk, dkk, dv, dg,
+            q, k, p.v, beta, inverse, gcum, states, do, r_buf, v_new, dqk, dkk, dv, dg,            # (dg: the scores' dG)
             dbeta if dbeta is not None else gcum, *c.index(gcum), T, c.NT, p.scale, H=H, HV=HV, K=K, V=V, BT=BT,
             BK=c.BK, BV=min(VALUE_BLOCK_V, c.BVF), DOT=c.dot, VARLEN=c.cu is not None, DELTA=p.delta,
             num_warps=VALUE_WARPS, num_stages=VALUE_STAGES)
-        BKS = min(KEY_BLOCK_K, c.BK)
-        launcher(_key_grads_kernel, T, c.NT)[(total, HV, cdiv(K, BKS))](
-            q, k, beta, gcum, states, dh_chunks, do, r_buf, v_new, dqk, dkk, dq, dk, *c.index(gcum), T, c.NT,
-            p.scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=BKS, BV=c.BV, DOT=c.dot, VARLEN=c.cu is not None,
+        launcher(_key_grads_kernel, T, c.NT)[(total, HV)](
+            q, k, beta, gcum, states, dh_chunks, do, r_buf, v_new, dqk, dkk, dg, dq, dk, dg, *c.index(gcum), T, c.NT,
+            p.scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=c.BK, BV=c.BV, DOT=c.dot, VARLEN=c.cu is not None,
             DELTA=p.delta, num_warps=KEY_WARPS, num_stages=KEY_STAGES)
     return dq, dk, dv, dg, dbeta, dh0
