@@ -17,11 +17,12 @@ none): the kernels match the float64 reference in the CPU interpreter, and on an
 cases pass (fp32 at K = V = 32; bf16 at K = V = 128 dense and varlen, 16 and 64 dense) with the
 reverse scan assembled by ptxas 12.9 (``launch.newer_ptxas``: CUDA 12.8's built its wgmma
 descriptors from a wrong register). GDN fwd + bwd at B1 T8192 H16 HV32 on an H100: 2.41 ms of
-kernels against FLA's 2.53 (benchmarks/backward_profile.py; 5.1 ms before the q/k ends moved into
-qk_grads and the scan onto bf16 operands, 3.0 before the launch shapes of chunk_delta_backward and
-the state terms of dG moved to the key kernel), eager (at 3.0 ms of kernels) 3.05 ms
-against FLA's 3.94 in one process (``python -m fastla bench --modes fwdbwd``); KDA's at B1 T8192
-H64 22.9 ms of kernels, 12.3 of them the score-gradient kernel's (FLA not compared). None of it has run on an H200. The plain rule's and GLA's bf16 cases have not run on a
+kernels (benchmarks/backward_profile.py, fastla alone; FLA's 2.53 in an earlier run that day; 5.1
+ms before the q/k ends moved into qk_grads and the scan onto bf16 operands, 3.0 before the launch
+shapes of chunk_delta_backward and the state terms of dG moved to the key kernel), eager (at 3.0
+ms of kernels) 3.05 ms against FLA's 3.94 in one process (``python -m fastla bench --modes
+fwdbwd``); KDA's at B1 T8192 H64 22.9 ms of kernels, 12.3 of them the score-gradient kernel's (FLA
+not compared). None of it has run on an H200. The plain rule's and GLA's bf16 cases have not run on a
 GPU: they stay behind the switch (docs/notes/chunk-backward.md).
 """
 from __future__ import annotations
