@@ -219,11 +219,14 @@ GDN_KERNELS = {
                             dict(BV=32), 8, 1),
     "bwd-kda-key-grads": ("chunk_channel_backward._channel_key_grads_kernel", CHANNEL_BWD_POINTERS,
                           dict(BK=32, BV=32), 4, 1),
-    # (a program per 16-row block, its diagonal blocks a row and a column at a time)
+    # (a program per 16-row block, its diagonal blocks on fp32 products where their span allows,
+    # else a row and a column at a time; the loops alone, SCORE_DIAGONAL_PRODUCTS off)
     "bwd-kda-score-grads": ("chunk_channel_backward._channel_score_grads_kernel", CHANNEL_BWD_POINTERS,
-                            dict(BK=16, DIAG_LOOPS=True, ONE_BLOCK=True), 8, 1),
+                            dict(BK=16, DIAG_LOOPS=True, ONE_BLOCK=True, DIAG_PRODUCTS=True), 8, 1),
     "bwd-gla-score-grads": ("chunk_channel_backward._channel_score_grads_kernel", CHANNEL_BWD_POINTERS,
-                            dict(BK=16, DELTA=False, DIAG_LOOPS=True, ONE_BLOCK=True), 8, 1),
+                            dict(BK=16, DELTA=False, DIAG_LOOPS=True, ONE_BLOCK=True, DIAG_PRODUCTS=True), 8, 1),
+    "bwd-kda-score-grads-loops": ("chunk_channel_backward._channel_score_grads_kernel", CHANNEL_BWD_POINTERS,
+                                  dict(BK=16, DIAG_LOOPS=True, ONE_BLOCK=True), 8, 1),
     # (its previous build, SCORE_DIAGONAL_LOOPS and SCORE_PROGRAM_PER_BLOCK off: a program per chunk)
     "bwd-kda-score-grads-per-chunk": ("chunk_channel_backward._channel_score_grads_kernel",
                                       CHANNEL_BWD_POINTERS, dict(BK=16, DIAG_LOOPS=False, ONE_BLOCK=False), 8, 1),

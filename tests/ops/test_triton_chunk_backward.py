@@ -155,13 +155,13 @@ def test_bf16_one_row_chunk_on_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("build", ["previous", "loops"])
 @pytest.mark.parametrize("varlen", [False, True])
-def test_bf16_kda_score_previous_build_on_gpu(varlen, monkeypatch):
-    """KDA's score kernel in its previous build (a program per chunk, [16, 16, BK] diagonal products;
-    the switches off), still served."""
+def test_bf16_kda_score_other_builds_on_gpu(varlen, build, monkeypatch):
+    """KDA's score kernel in its other builds (score_build), still served."""
     from tests.helpers import poison
 
-    score_build(monkeypatch, False)
+    score_build(monkeypatch, build)
     poison()
     check_bf16("kda", "cuda", [300, 1, 64, 65, 500] if varlen else None)
 
@@ -228,23 +228,27 @@ def test_channel_gates(op, T, device):
     check(make_inputs(spec, B=2, T=T, H=2, HV=4 if spec.gva else None, K=32, V=32, device=device), spec=spec)
 
 
-def score_build(monkeypatch, loops: bool) -> None:
-    """The per-channel score kernel's build: a program per 16-row block, the diagonal blocks a row
-    and a column at a time (``loops``, chunk_channel_backward's default), or its previous one."""
+def score_build(monkeypatch, build: str) -> None:
+    """The per-channel score kernel's build: ``products`` (chunk_channel_backward's default: a
+    program per 16-row block, its diagonal block on fp32 products where its span allows, else a row
+    and a column at a time), ``loops`` (always a row and a column at a time) or ``previous`` (a
+    program per chunk, [16, 16, BK] diagonal products)."""
     from fastla.backends.triton import chunk_channel_backward
 
-    monkeypatch.setattr(chunk_channel_backward, "SCORE_DIAGONAL_LOOPS", loops)
-    monkeypatch.setattr(chunk_channel_backward, "SCORE_PROGRAM_PER_BLOCK", loops)
+    monkeypatch.setattr(chunk_channel_backward, "SCORE_DIAGONAL_PRODUCTS", build == "products")
+    monkeypatch.setattr(chunk_channel_backward, "SCORE_DIAGONAL_LOOPS", build != "previous")
+    monkeypatch.setattr(chunk_channel_backward, "SCORE_PROGRAM_PER_BLOCK", build != "previous")
 
 
-@pytest.mark.parametrize("loops", [False, True])
+@pytest.mark.parametrize("build", ["previous", "loops", "products"])
 @pytest.mark.parametrize("op", ["kda", "gla"])
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
-def test_channel_gates_varlen_strong_decay(op, device, loops, monkeypatch):
+def test_channel_gates_varlen_strong_decay(op, device, build, monkeypatch):
     """Mixed lengths (partial blocks and chunks) under strong decay (spans of hundreds of nats in a
     16-token block: the blocks' references and the exact diagonal keep every exponent <= 0), the
-    score kernel in both builds."""
-    score_build(monkeypatch, loops)
+    score kernel in each build (products: the whole blocks past the span limit take the loops, the
+    short ones the products)."""
+    score_build(monkeypatch, build)
     spec = OPS[op]
     lengths = [1, 17, 64, 79, 5]
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())

@@ -71,6 +71,12 @@ SCORE_WARPS = 8
 # previous build (tests keep it served)
 SCORE_DIAGONAL_LOOPS = True
 SCORE_PROGRAM_PER_BLOCK = True
+# With the loops above: a diagonal block whose span (its first row's G less its last row's, the
+# widest of the step's BK channels) is within DIAGONAL_SPAN_LIMIT nats takes its four terms on
+# [16, 16] x [16, BK] fp32 products around the span's midpoint (every factor within e^(+-40));
+# wider blocks keep the loops (the bounded gate, lower_bound >= -5, spans at most 15 x 5 = 75)
+SCORE_DIAGONAL_PRODUCTS = True
+DIAGONAL_SPAN_LIMIT = tl.constexpr(80.0)
 
 
 @triton.jit(do_not_specialize=["T", "NT"])     # as chunk_delta._scan_kernel
@@ -287,9 +293,52 @@ def _diagonal_terms(q, k, beta, gcum, dqk, dkk, base, qk_row0, b, rb, last, n_va
 
 
 @triton.jit
+def _diagonal_products(b_aq_diag, b_a_diag, b_beta_b, b_qb, b_kb, b_Gb, b_first, b_lastrow, rb, DELTA: tl.constexpr):
+    """_diagonal_terms' (D1, D2, D3, D4) on four [16, 16] x [16, BK] fp32 products (FMA; tf32's rounding
+    breaks the cancellation of the i = j terms in dG), E_ij = e^(G_i - M)
+    e^(M - G_j) factored around M, the midpoint of the block's first and last G (per channel): every
+    factor within e^(+-span / 2), exact where the block's span is within DIAGONAL_SPAN_LIMIT."""
+    b_mid = 0.5 * (b_first + b_lastrow)                                                     # [BK]
+    b_down = tl.exp(b_Gb - b_mid[None, :])                                                 # e^(G_i - M) [16, BK]
+    b_up = tl.exp(b_mid[None, :] - b_Gb)                                                   # e^(M - G_j) [16, BK]
+    tri = rb[:, None] >= rb[None, :]
+    b_aq = tl.where(tri, b_aq_diag, 0.0)                                                   # [16, 16]
+    b_ku = b_kb * b_up
+    b_d1 = b_down * tl.dot(b_aq, b_ku, input_precision="ieee")
+    b_d3 = b_up * tl.dot(tl.trans(b_aq), b_qb * b_down, input_precision="ieee")
+    if DELTA:
+        b_a = tl.where(rb[:, None] > rb[None, :], b_a_diag, 0.0)
+        b_d2 = b_down * tl.dot(b_a, b_ku, input_precision="ieee")
+        b_d4 = b_up * tl.dot(tl.trans(b_beta_b[:, None] * b_a), b_kb * b_down, input_precision="ieee")
+    else:
+        b_d2 = tl.zeros_like(b_d1)
+        b_d4 = tl.zeros_like(b_d1)
+    return b_d1, b_d2, b_d3, b_d4
+
+
+@triton.jit
+def _diagonal(q, k, beta, gcum, dqk, dkk, base, qk_row0, b, rb, last, n_valid, o_k, m_k, b_aq_diag, b_a_diag,
+              b_beta_b, b_qb, b_kb, b_Gb, b_first, b_lastrow, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+              BT: tl.constexpr, BK: tl.constexpr, DELTA: tl.constexpr, PRODUCTS: tl.constexpr):
+    """Block b's diagonal terms (D1, D2, D3, D4): on products (_diagonal_products) where PRODUCTS and
+    the block's span allow, else a row and a column at a time (_diagonal_terms)."""
+    if PRODUCTS:
+        if tl.max(b_first - b_lastrow, 0) <= DIAGONAL_SPAN_LIMIT:
+            b_d1, b_d2, b_d3, b_d4 = _diagonal_products(b_aq_diag, b_a_diag, b_beta_b, b_qb, b_kb, b_Gb, b_first,
+                                                        b_lastrow, rb, DELTA)
+        else:
+            b_d1, b_d2, b_d3, b_d4 = _diagonal_terms(q, k, beta, gcum, dqk, dkk, base, qk_row0, b, rb, last, n_valid,
+                                                     o_k, m_k, b_Gb, H, HV, K, BT, BK, DELTA)
+    else:
+        b_d1, b_d2, b_d3, b_d4 = _diagonal_terms(q, k, beta, gcum, dqk, dkk, base, qk_row0, b, rb, last, n_valid,
+                                                 o_k, m_k, b_Gb, H, HV, K, BT, BK, DELTA)
+    return b_d1, b_d2, b_d3, b_d4
+
+
+@triton.jit
 def _score_block(q, k, beta, gcum, dqk, dkk, dq, dk, dG, dbeta, b, base, qk_row0, n_valid, last, b_beta, scale,
                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                 DOT: tl.constexpr, DELTA: tl.constexpr, DIAG_LOOPS: tl.constexpr):
+                 DOT: tl.constexpr, DELTA: tl.constexpr, DIAG_LOOPS: tl.constexpr, DIAG_PRODUCTS: tl.constexpr):
     """Row block b (16 tokens) of _channel_score_grads_kernel's program: its score terms of dq,
     dk, dG and dbeta, K in steps of BK."""
     r = tl.arange(0, BT)
@@ -313,6 +362,9 @@ def _score_block(q, k, beta, gcum, dqk, dkk, dq, dk, dG, dbeta, b, base, qk_row0
         b_a_diag = tl.load(dkk + base * BT + rows[:, None] * (HV * BT) + (b * 16 + rb)[None, :],
                            mask=m_b[:, None], other=0.0).to(tl.float32)
         b_db = tl.zeros([16], dtype=tl.float32)
+    else:
+        b_beta_b = tl.zeros([16], dtype=tl.float32)
+        b_a_diag = b_aq_diag
     for k0 in range(0, K, BK):
         o_k = k0 + tl.arange(0, BK)
         m_k = o_k < K
@@ -332,9 +384,12 @@ def _score_block(q, k, beta, gcum, dqk, dkk, dq, dk, dG, dbeta, b, base, qk_row0
         b_up = tl.exp(b_Gb - b_ref[None, :])                                                   # [16, BK]
         b_kl = (b_k * b_left).to(DOT)
         b_dq = scale * b_up * tl.dot(b_aq_row.to(DOT), b_kl)
+        # (columns of block b against the rows after it: around e_b, G of the block's last row)
+        b_end = _g_row(gcum, base, b * 16 + 15, last, o_k, m_k, HV, K)                         # [BK]
         if DIAG_LOOPS:
-            b_d1, b_d2, b_d3, b_d4 = _diagonal_terms(q, k, beta, gcum, dqk, dkk, base, qk_row0, b, rb, last,
-                                                     n_valid, o_k, m_k, b_Gb, H, HV, K, BT, BK, DELTA)
+            b_d1, b_d2, b_d3, b_d4 = _diagonal(q, k, beta, gcum, dqk, dkk, base, qk_row0, b, rb, last, n_valid, o_k,
+                                               m_k, b_aq_diag, b_a_diag, b_beta_b, b_qb, b_kb, b_Gb, b_ref, b_end,
+                                               H, HV, K, BT, BK, DELTA, DIAG_PRODUCTS)
             b_dq += scale * b_d1
         else:
             # diagonal block, element-wise: E_ij = e^(G_i - G_j), i >= j
@@ -342,8 +397,6 @@ def _score_block(q, k, beta, gcum, dqk, dkk, dq, dk, dG, dbeta, b, base, qk_row0
             b_E = tl.where(tri, tl.exp(tl.where(tri, b_Gb[:, None, :] - b_Gb[None, :, :], 0.0)), 0.0)  # [16, 16, BK]
             b_aqE = scale * b_aq_diag[:, :, None] * b_E                                        # [16, 16, BK]
             b_dq += tl.sum(b_aqE * b_kb[None, :, :], 1)
-        # columns of block b against the rows after it, around e_b (G of the block's last row)
-        b_end = _g_row(gcum, base, b * 16 + 15, last, o_k, m_k, HV, K)                         # [BK]
         after = (r >= b * 16 + 16)[:, None]
         b_right = tl.where(after, tl.exp(tl.where(after, b_G - b_end[None, :], 0.0)), 0.0)     # [BT, BK]
         b_down = tl.exp(b_end[None, :] - b_Gb)                                                 # [16, BK]
@@ -385,7 +438,7 @@ def _channel_score_grads_kernel(
     q, k, beta, gcum, dqk, dkk, dq, dk, dG, dbeta, cu_seqlens, chunk_index, T, NT, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, VARLEN: tl.constexpr, DELTA: tl.constexpr,
-    DIAG_LOOPS: tl.constexpr, ONE_BLOCK: tl.constexpr,
+    DIAG_LOOPS: tl.constexpr, ONE_BLOCK: tl.constexpr, DIAG_PRODUCTS: tl.constexpr = False,
 ):
     """Program (chunk, value head; ONE_BLOCK: and 16-row block): the score terms of dq, dk, dG
     (added to the key kernel's) and dbeta (added to the value kernel's), block by block of 16 rows
@@ -408,11 +461,11 @@ def _channel_score_grads_kernel(
         b_beta = tl.zeros([BT], dtype=tl.float32)
     if ONE_BLOCK:                                                           # the grid's third axis
         _score_block(q, k, beta, gcum, dqk, dkk, dq, dk, dG, dbeta, tl.program_id(2), base, qk_row0, n_valid, last,
-                     b_beta, scale, H, HV, K, BT, BK, DOT, DELTA, DIAG_LOOPS)
+                     b_beta, scale, H, HV, K, BT, BK, DOT, DELTA, DIAG_LOOPS, DIAG_PRODUCTS)
     else:
         for b in tl.static_range(0, BT // 16):
             _score_block(q, k, beta, gcum, dqk, dkk, dq, dk, dG, dbeta, b, base, qk_row0, n_valid, last, b_beta,
-                         scale, H, HV, K, BT, BK, DOT, DELTA, DIAG_LOOPS)
+                         scale, H, HV, K, BT, BK, DOT, DELTA, DIAG_LOOPS, DIAG_PRODUCTS)
 
 
 def backward(p: Problem, do: torch.Tensor, dht: torch.Tensor | None, states: torch.Tensor | None = None):
@@ -469,7 +522,7 @@ def backward(p: Problem, do: torch.Tensor, dht: torch.Tensor | None, states: tor
         launcher(_channel_score_grads_kernel, T, c.NT)[(total, HV, BT // 16 if SCORE_PROGRAM_PER_BLOCK else 1)](
             p.q, p.k, beta, gcum, dqk, dkk, dq, dk, dG, dbeta if dbeta is not None else decay, *c.index(decay),
             T, c.NT, p.scale, H=H, HV=HV, K=K, BT=BT, BK=min(SCORE_BLOCK_K, c.BK), DOT=c.dot, VARLEN=varlen,
-            DELTA=p.delta, DIAG_LOOPS=SCORE_DIAGONAL_LOOPS,
+            DELTA=p.delta, DIAG_LOOPS=SCORE_DIAGONAL_LOOPS, DIAG_PRODUCTS=SCORE_DIAGONAL_PRODUCTS,
             ONE_BLOCK=SCORE_PROGRAM_PER_BLOCK, num_warps=SCORE_WARPS, num_stages=1)
         _cumsum(c, dG, dgk, reverse=True)
     return dq, dk, dv, dgk, dbeta, dh0
