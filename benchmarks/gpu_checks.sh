@@ -240,7 +240,11 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
       left 45 || break
       echo "== ${kn:-default}"
       KNOBS=$kn timeout 60 python3 benchmarks/backward_variants.py kda 2 400 bfloat16 1 1 2>&1 | grep "vs fp64" | sed 's/.*| vs/vs/; s/| torch tier.*//'
-      KNOBS=$kn FLA=0 TOP=3 timeout 60 python3 benchmarks/backward_profile.py kda/h64/1x8192 2>&1 | grep -E "^--|score" | head -3
+      if [ -z "$kn" ]; then       # (the default: every kernel)
+        FLA=0 TOP=16 timeout 60 python3 benchmarks/backward_profile.py kda/h64/1x8192 2>&1 | grep -E "^--|^ +[0-9]"
+      else
+        KNOBS=$kn FLA=0 TOP=3 timeout 60 python3 benchmarks/backward_profile.py kda/h64/1x8192 2>&1 | grep -E "^--|score" | head -3
+      fi
     done
     echo "-- $(( $(date +%s) - start )) s" ;;
   backward-bench)
