@@ -235,7 +235,7 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
     show
     echo "-- $(( $(date +%s) - start )) s"
     m=chunk_channel_backward
-    IFS=';' read -ra variants <<< "${SCORE_VARIANTS:-$m.SCORE_DIAGONAL_PRODUCTS=0;;$m.SCORE_DIAGONAL_PRODUCTS=0,$m.SCORE_BLOCK_K=64;$m.SCORE_BLOCK_K=32;$m.SCORE_BLOCK_K=64;$m.SCORE_WARPS=4;$m.SCORE_WARPS=4,$m.SCORE_BLOCK_K=32}"
+    IFS=';' read -ra variants <<< "${SCORE_VARIANTS:-$m.SCORE_BLOCKS_FIRST=0;;$m.SCORE_STAGES=2;$m.SCORE_WARPS=8,$m.SCORE_BLOCK_K=64;$m.SCORE_STAGES=2,$m.SCORE_BLOCK_K=16}"
     for kn in "${variants[@]}"; do
       left 45 || break
       echo "== ${kn:-default}"

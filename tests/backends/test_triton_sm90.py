@@ -222,11 +222,12 @@ GDN_KERNELS = {
     # (a program per 16-row block, its diagonal blocks on fp32 products where their span allows,
     # else a row and a column at a time; the loops alone, SCORE_DIAGONAL_PRODUCTS off)
     "bwd-kda-score-grads": ("chunk_channel_backward._channel_score_grads_kernel", CHANNEL_BWD_POINTERS,
-                            dict(BK=16, DIAG_LOOPS=True, ONE_BLOCK=True, DIAG_PRODUCTS=True), 8, 1),
+                            dict(BK=32, DIAG_LOOPS=True, ONE_BLOCK=True, DIAG_PRODUCTS=True, BLOCKS_FIRST=True), 4, 1),
     "bwd-gla-score-grads": ("chunk_channel_backward._channel_score_grads_kernel", CHANNEL_BWD_POINTERS,
-                            dict(BK=16, DELTA=False, DIAG_LOOPS=True, ONE_BLOCK=True, DIAG_PRODUCTS=True), 8, 1),
+                            dict(BK=32, DELTA=False, DIAG_LOOPS=True, ONE_BLOCK=True, DIAG_PRODUCTS=True,
+                                 BLOCKS_FIRST=True), 4, 1),
     "bwd-kda-score-grads-loops": ("chunk_channel_backward._channel_score_grads_kernel", CHANNEL_BWD_POINTERS,
-                                  dict(BK=16, DIAG_LOOPS=True, ONE_BLOCK=True), 8, 1),
+                                  dict(BK=32, DIAG_LOOPS=True, ONE_BLOCK=True, BLOCKS_FIRST=True), 4, 1),
     # (its previous build, SCORE_DIAGONAL_LOOPS and SCORE_PROGRAM_PER_BLOCK off: a program per chunk)
     "bwd-kda-score-grads-per-chunk": ("chunk_channel_backward._channel_score_grads_kernel",
                                       CHANNEL_BWD_POINTERS, dict(BK=16, DIAG_LOOPS=False, ONE_BLOCK=False), 8, 1),

@@ -238,6 +238,9 @@ def score_build(monkeypatch, build: str) -> None:
     monkeypatch.setattr(chunk_channel_backward, "SCORE_DIAGONAL_PRODUCTS", build == "products")
     monkeypatch.setattr(chunk_channel_backward, "SCORE_DIAGONAL_LOOPS", build != "previous")
     monkeypatch.setattr(chunk_channel_backward, "SCORE_PROGRAM_PER_BLOCK", build != "previous")
+    if build == "previous":                 # (its launch shape)
+        monkeypatch.setattr(chunk_channel_backward, "SCORE_WARPS", 8)
+        monkeypatch.setattr(chunk_channel_backward, "SCORE_BLOCK_K", 16)
 
 
 @pytest.mark.parametrize("build", ["previous", "loops", "products"])

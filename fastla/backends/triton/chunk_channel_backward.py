@@ -58,10 +58,11 @@ from fastla.core.problem import Problem
 # value 1.1
 VALUE_BLOCK_V = 32      # value columns per tile of _channel_value_grads_kernel
 KEY_BLOCK_K = 32        # key columns per program of _channel_key_grads_kernel
-SCORE_BLOCK_K = 16      # key columns per step of _channel_score_grads_kernel ([16, 16, BK] diagonal tiles)
+SCORE_BLOCK_K = 32      # key columns per step of _channel_score_grads_kernel
 VALUE_WARPS = 8
 KEY_WARPS = 4
-SCORE_WARPS = 8
+SCORE_WARPS = 4
+SCORE_STAGES = 1
 # The score kernel's build: its diagonal blocks a column and a row at a time ([16, BK] tiles, a
 # dynamic loop of 16) instead of [16, 16, BK] products reduced across threads, and a program per
 # 16-row block (grid (chunks, HV, 4)) instead of one per chunk looping over its four blocks: 175
@@ -76,6 +77,9 @@ SCORE_PROGRAM_PER_BLOCK = True
 # [16, 16] x [16, BK] fp32 products around the span's midpoint (every factor within e^(+-40));
 # wider blocks keep the loops (the bounded gate, lower_bound >= -5, spans at most 15 x 5 = 75)
 SCORE_DIAGONAL_PRODUCTS = True
+# A chunk's four block programs next to each other in the grid ((chunks x 4, HV)), so that its
+# q, k and G tiles, which each reads whole, come from L2 after the first
+SCORE_BLOCKS_FIRST = True
 DIAGONAL_SPAN_LIMIT = tl.constexpr(80.0)
 
 
@@ -439,12 +443,18 @@ def _channel_score_grads_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, VARLEN: tl.constexpr, DELTA: tl.constexpr,
     DIAG_LOOPS: tl.constexpr, ONE_BLOCK: tl.constexpr, DIAG_PRODUCTS: tl.constexpr = False,
+    BLOCKS_FIRST: tl.constexpr = False,
 ):
     """Program (chunk, value head; ONE_BLOCK: and 16-row block): the score terms of dq, dk, dG
     (added to the key kernel's) and dbeta (added to the value kernel's), block by block of 16 rows
     (_score_block), K in steps of BK (DIAG_LOOPS: the diagonal blocks by _diagonal_terms, else as
     [16, 16, BK] products)."""
-    i_c = tl.program_id(0).to(tl.int64)
+    if BLOCKS_FIRST:                        # grid (chunks x 4, HV): a chunk's four blocks side by side
+        i_c = tl.program_id(0).to(tl.int64) // (BT // 16)
+        i_b = tl.program_id(0) % (BT // 16)
+    else:                                   # grid (chunks, HV, 4) or (chunks, HV)
+        i_c = tl.program_id(0).to(tl.int64)
+        i_b = tl.program_id(2)
     i_hv = tl.program_id(1)
     i_h = i_hv // (HV // H)
     i_n, c, bos, eos = _chunk(chunk_index, cu_seqlens, i_c, T, NT, VARLEN)
@@ -459,8 +469,8 @@ def _channel_score_grads_kernel(
         b_beta = tl.load(beta + base + r * HV, mask=m_t, other=0.0)                                # [BT]
     else:
         b_beta = tl.zeros([BT], dtype=tl.float32)
-    if ONE_BLOCK:                                                           # the grid's third axis
-        _score_block(q, k, beta, gcum, dqk, dkk, dq, dk, dG, dbeta, tl.program_id(2), base, qk_row0, n_valid, last,
+    if ONE_BLOCK:
+        _score_block(q, k, beta, gcum, dqk, dkk, dq, dk, dG, dbeta, i_b, base, qk_row0, n_valid, last,
                      b_beta, scale, H, HV, K, BT, BK, DOT, DELTA, DIAG_LOOPS, DIAG_PRODUCTS)
     else:
         for b in tl.static_range(0, BT // 16):
@@ -519,11 +529,14 @@ def backward(p: Problem, do: torch.Tensor, dht: torch.Tensor | None, states: tor
             p.q, p.k, beta, gcum, states, dh_chunks, do, r_buf, v_new, dq, dk, dG, *c.index(decay), T, c.NT, p.scale,
             H=H, HV=HV, K=K, V=V, BT=BT, BK=BKS, BV=c.BV, DOT=c.dot, VARLEN=varlen, DELTA=p.delta,
             num_warps=KEY_WARPS, num_stages=1)
-        launcher(_channel_score_grads_kernel, T, c.NT)[(total, HV, BT // 16 if SCORE_PROGRAM_PER_BLOCK else 1)](
+        blocks = BT // 16 if SCORE_PROGRAM_PER_BLOCK else 1
+        grid = (total * blocks, HV) if SCORE_BLOCKS_FIRST and SCORE_PROGRAM_PER_BLOCK else (total, HV, blocks)
+        launcher(_channel_score_grads_kernel, T, c.NT)[grid](
             p.q, p.k, beta, gcum, dqk, dkk, dq, dk, dG, dbeta if dbeta is not None else decay, *c.index(decay),
             T, c.NT, p.scale, H=H, HV=HV, K=K, BT=BT, BK=min(SCORE_BLOCK_K, c.BK), DOT=c.dot, VARLEN=varlen,
             DELTA=p.delta, DIAG_LOOPS=SCORE_DIAGONAL_LOOPS, DIAG_PRODUCTS=SCORE_DIAGONAL_PRODUCTS,
-            ONE_BLOCK=SCORE_PROGRAM_PER_BLOCK, num_warps=SCORE_WARPS, num_stages=1)
+            ONE_BLOCK=SCORE_PROGRAM_PER_BLOCK, BLOCKS_FIRST=SCORE_BLOCKS_FIRST and SCORE_PROGRAM_PER_BLOCK,
+            num_warps=SCORE_WARPS, num_stages=SCORE_STAGES)
         _cumsum(c, dG, dgk, reverse=True)
     return dq, dk, dv, dgk, dbeta, dh0
 
