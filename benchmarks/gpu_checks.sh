@@ -23,8 +23,8 @@
 #                                              # (ROW), KDA's kernels (~7 min)
 #   bash benchmarks/gpu_checks.sh backward-next  # the backward's GPU tests, then GDN's fwd + bwd kernels
 #                                              # against FLA's and KDA's (~6 min, BUDGET s)
-#   bash benchmarks/gpu_checks.sh score-sweep  # KDA / GLA backward GPU tests, then the score kernel's builds:
-#                                              # errors vs fp64 and KDA's kernels each (~6 min, BUDGET s)
+#   bash benchmarks/gpu_checks.sh score-sweep  # the score kernel's builds (errors vs fp64, KDA's kernels),
+#                                              # then the KDA / GLA backward GPU tests (~6 min, BUDGET s)
 #   bash benchmarks/gpu_checks.sh backward-bench # its fwdbwd against FLA on registry shapes (FILTER: which;
 #                                              # two GDN ones by default; FLA's backward compiles for
 #                                              # minutes without a cache: KDA's tunes ~280 s)
@@ -225,19 +225,16 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
     fi
     echo "-- $(( $(date +%s) - start )) s" ;;
   score-sweep)
-    # the per-channel backward's GPU tests (KDA, GLA), then the score kernel's builds and launch
-    # shapes (SCORE_VARIANTS: KNOBS strings, ";"-separated, "" the default): each one's gradients
-    # against fp64 (benchmarks/backward_variants.py, KDA B 2 T 400 bf16) and its KDA kernels at
-    # kda/h64/1x8192 (BUDGET s, 540)
+    # the score kernel's builds and launch shapes (SCORE_VARIANTS: KNOBS strings, ";"-separated,
+    # "" the default): each one's gradients against fp64 (benchmarks/backward_variants.py, KDA B 2
+    # T 400 bf16) and its KDA kernels at kda/h64/1x8192 while BUDGET s (540) leave 190; then the
+    # per-channel backward's GPU tests (KDA, GLA)
     start=$(date +%s)
     left() { [ $(( ${BUDGET:-540} - ($(date +%s) - start) )) -gt "$1" ]; }
-    bg 220 tests/ops/test_triton_chunk_backward.py -m "" -k "(cuda or gpu) and (kda or gla) and not narrow"
-    show
-    echo "-- $(( $(date +%s) - start )) s"
     m=chunk_channel_backward
     IFS=';' read -ra variants <<< "${SCORE_VARIANTS:-$m.SCORE_BLOCKS_FIRST=0;;$m.SCORE_STAGES=2;$m.SCORE_WARPS=8,$m.SCORE_BLOCK_K=64;$m.SCORE_STAGES=2,$m.SCORE_BLOCK_K=16}"
     for kn in "${variants[@]}"; do
-      left 45 || break
+      left 190 || break
       echo "== ${kn:-default}"
       KNOBS=$kn timeout 60 python3 benchmarks/backward_variants.py kda 2 400 bfloat16 1 1 2>&1 | grep "vs fp64" | sed 's/.*| vs/vs/; s/| torch tier.*//'
       if [ -z "$kn" ]; then       # (the default: every kernel)
@@ -246,6 +243,9 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
         KNOBS=$kn FLA=0 TOP=3 timeout 60 python3 benchmarks/backward_profile.py kda/h64/1x8192 2>&1 | grep -E "^--|score" | head -3
       fi
     done
+    echo "-- $(( $(date +%s) - start )) s"
+    bg 220 tests/ops/test_triton_chunk_backward.py -m "" -k "(cuda or gpu) and (kda or gla) and not narrow"
+    show
     echo "-- $(( $(date +%s) - start )) s" ;;
   backward-bench)
     FASTLA_TRITON_BACKWARD=1 timeout 560 python3 -m fastla bench --filter "${FILTER:-gdn/h16-hv32/1x8192,gdn/h2-hv8/1x8192}" \
