@@ -219,18 +219,14 @@ GDN_KERNELS = {
                             dict(BV=32), 8, 1),
     "bwd-kda-key-grads": ("chunk_channel_backward._channel_key_grads_kernel", CHANNEL_BWD_POINTERS,
                           dict(BK=32, BV=32), 4, 1),
-    # (a program per 16-row block, its diagonal blocks on fp32 products where their span allows,
-    # else a row and a column at a time; the loops alone, SCORE_DIAGONAL_PRODUCTS off)
+    # (its diagonal blocks on fp32 products where their span allows, else a row and a column at a
+    # time; the loops alone, SCORE_DIAGONAL_PRODUCTS off)
     "bwd-kda-score-grads": ("chunk_channel_backward._channel_score_grads_kernel", CHANNEL_BWD_POINTERS,
-                            dict(BK=32, DIAG_LOOPS=True, ONE_BLOCK=True, DIAG_PRODUCTS=True, BLOCKS_FIRST=True), 4, 1),
+                            dict(BK=32, DIAG_PRODUCTS=True, BLOCKS_FIRST=True), 4, 1),
     "bwd-gla-score-grads": ("chunk_channel_backward._channel_score_grads_kernel", CHANNEL_BWD_POINTERS,
-                            dict(BK=32, DELTA=False, DIAG_LOOPS=True, ONE_BLOCK=True, DIAG_PRODUCTS=True,
-                                 BLOCKS_FIRST=True), 4, 1),
+                            dict(BK=32, DELTA=False, DIAG_PRODUCTS=True, BLOCKS_FIRST=True), 4, 1),
     "bwd-kda-score-grads-loops": ("chunk_channel_backward._channel_score_grads_kernel", CHANNEL_BWD_POINTERS,
-                                  dict(BK=32, DIAG_LOOPS=True, ONE_BLOCK=True, BLOCKS_FIRST=True), 4, 1),
-    # (its previous build, SCORE_DIAGONAL_LOOPS and SCORE_PROGRAM_PER_BLOCK off: a program per chunk)
-    "bwd-kda-score-grads-per-chunk": ("chunk_channel_backward._channel_score_grads_kernel",
-                                      CHANNEL_BWD_POINTERS, dict(BK=16, DIAG_LOOPS=False, ONE_BLOCK=False), 8, 1),
+                                  dict(BK=32, DIAG_PRODUCTS=False, BLOCKS_FIRST=True), 4, 1),
     "bwd-channel-cumsum": ("chunk_channel_backward._channel_cumsum_kernel", CHANNEL_BWD_POINTERS,
                            dict(BK=32, REVERSE=True), 4, 1),
     "plain-gate-cumsum": ("chunk_prepare._gate_cumsum_kernel",
@@ -315,10 +311,7 @@ def test_gdn_chunk_kernels_compile_for_sm90(name, tmp_path):
 # warp and spills 8 bytes in both launches (docs/notes/kda-prefill.md); so does the GDN inverse
 # with its diagonal rows read back from memory (measured faster: 1x32k HV64 478 -> 366 us,
 # docs/notes/gdn-prefill.md); the other builds none
-# the per-channel backward's score kernel in its previous build (the diagonal blocks' [16, 16, 16]
-# products at 8 warps) 64
-KNOWN_STACK = {"kda-prepare-given-gate": 8, "kda-prepare-scores-given-gate": 8, "inverse": 8,
-               "bwd-kda-score-grads-per-chunk": 64}
+KNOWN_STACK = {"kda-prepare-given-gate": 8, "kda-prepare-scores-given-gate": 8, "inverse": 8}
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))

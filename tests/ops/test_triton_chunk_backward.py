@@ -155,13 +155,13 @@ def test_bf16_one_row_chunk_on_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("build", ["previous", "loops"])
 @pytest.mark.parametrize("varlen", [False, True])
-def test_bf16_kda_score_other_builds_on_gpu(varlen, build, monkeypatch):
-    """KDA's score kernel in its other builds (score_build), still served."""
+def test_bf16_kda_score_loops_on_gpu(varlen, monkeypatch):
+    """KDA's score kernel with every diagonal block a row and a column at a time (the wide blocks'
+    form) at the bounded gate, where the default takes the products."""
     from tests.helpers import poison
 
-    score_build(monkeypatch, build)
+    score_build(monkeypatch, "loops")
     poison()
     check_bf16("kda", "cuda", [300, 1, 64, 65, 500] if varlen else None)
 
@@ -229,21 +229,15 @@ def test_channel_gates(op, T, device):
 
 
 def score_build(monkeypatch, build: str) -> None:
-    """The per-channel score kernel's build: ``products`` (chunk_channel_backward's default: a
-    program per 16-row block, its diagonal block on fp32 products where its span allows, else a row
-    and a column at a time), ``loops`` (always a row and a column at a time) or ``previous`` (a
-    program per chunk, [16, 16, BK] diagonal products)."""
+    """The per-channel score kernel's build: ``products`` (chunk_channel_backward's default: each
+    diagonal block on fp32 products where its span allows, else a row and a column at a time) or
+    ``loops`` (always a row and a column at a time)."""
     from fastla.backends.triton import chunk_channel_backward
 
     monkeypatch.setattr(chunk_channel_backward, "SCORE_DIAGONAL_PRODUCTS", build == "products")
-    monkeypatch.setattr(chunk_channel_backward, "SCORE_DIAGONAL_LOOPS", build != "previous")
-    monkeypatch.setattr(chunk_channel_backward, "SCORE_PROGRAM_PER_BLOCK", build != "previous")
-    if build == "previous":                 # (its launch shape)
-        monkeypatch.setattr(chunk_channel_backward, "SCORE_WARPS", 8)
-        monkeypatch.setattr(chunk_channel_backward, "SCORE_BLOCK_K", 16)
 
 
-@pytest.mark.parametrize("build", ["previous", "loops", "products"])
+@pytest.mark.parametrize("build", ["loops", "products"])
 @pytest.mark.parametrize("op", ["kda", "gla"])
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_channel_gates_varlen_strong_decay(op, device, build, monkeypatch):

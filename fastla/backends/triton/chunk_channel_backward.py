@@ -23,13 +23,15 @@ The backward:
 4. ``_channel_key_grads_kernel``, grid ``(chunks, HV, K / BK)``: the state terms through qg, kg, kd
    and decay: d(qg) = dO S^T, d(kg) = -diag(beta) R S^T, d(kd) = V_new dS'^T, d(decay) = rowsum(S * dS'),
    into dq, dk and dG (G_last's share on the chunk's last token);
-5. ``_channel_score_grads_kernel``, grid ``(chunks, HV)``: the score terms, for row block b (16
-   tokens) with r_b the G of its first row and column block c with e_c the G of its last row:
+5. ``_channel_score_grads_kernel``, grid ``(chunks x 4, HV)`` (a program per row block): the
+   score terms, for row block b (16 tokens) with r_b the G of its first row and column block c
+   with e_c the G of its last row:
        dq_i = scale sum_j dA_qk_ij k_j e^(G_i - G_j),  (dk_row)_i = beta_i sum_j dA_ij k_j e^(G_i - G_j),
        (dk_col)_j = sum_i (scale dA_qk_ij q_i + beta_i dA_ij k_i) e^(G_i - G_j),
        dG_i += q_i dq_i + k_i (dk_row)_i,  dG_j -= k_j (dk_col)_j,  dbeta_i += sum_j dA_ij (k * k)_ij;
    blocks below the diagonal through products factored around r_b (rows) or e_c (columns), every
-   factor e^(<= 0) for any decay; the diagonal blocks element-wise ``[16, 16, BK]``, exact; added to
+   factor e^(<= 0) for any decay; the diagonal blocks on fp32 products around their span's
+   midpoint where that span is within 80 nats, else a row and a column at a time, exact; added to
    what step 4 stored (each entry read and written by one program);
 6. dgk = the reverse in-chunk cumsum of dG (``_channel_cumsum_kernel``, REVERSE).
 dq and dk are per value head (float32), summed per q/k head by qk_grads.input_grads.
@@ -52,10 +54,9 @@ from fastla.core import call_plan
 from fastla.core.problem import Problem
 
 # Launch shapes at K = V = 128 (sm_90 compiles, tests/backends/test_triton_sm90.py): the value
-# kernel 163 registers (8 warps), the key kernel 136 (4 warps), the score kernel 175 at 8 warps (KDA;
-# GLA 126; the previous build below 255 with 64 bytes of stack, GLA 236). KDA's kernels timed on an
-# H100 at kda/h64/1x8192 (benchmarks/backward_profile.py): score 12.3 ms, key 2.0, reverse scan 1.3,
-# value 1.1
+# kernel 163 registers (8 warps), the key kernel 136 (4 warps), the score kernel 244 at 4 warps
+# (KDA, no stack). KDA's kernels timed on an H100 at kda/h64/1x8192 (benchmarks/backward_profile.py,
+# docs/notes/chunk-backward.md): score 3.3 ms, key 2.0, reverse scan 1.3, value 1.1
 VALUE_BLOCK_V = 32      # value columns per tile of _channel_value_grads_kernel
 KEY_BLOCK_K = 32        # key columns per program of _channel_key_grads_kernel
 SCORE_BLOCK_K = 32      # key columns per step of _channel_score_grads_kernel
@@ -63,24 +64,18 @@ VALUE_WARPS = 8
 KEY_WARPS = 4
 SCORE_WARPS = 4
 SCORE_STAGES = 1
-# The score kernel's build: its diagonal blocks a column and a row at a time ([16, BK] tiles, a
-# dynamic loop of 16) instead of [16, 16, BK] products reduced across threads, and a program per
-# 16-row block (grid (chunks, HV, 4)) instead of one per chunk looping over its four blocks: 175
-# registers, no stack, 1088 SASS instructions against 255, 64 bytes and 6888. Exact either way; on
-# an H100 at kda/h64/1x8192 the kernel took 12.3 ms of KDA's 22.9 ms of fwd + bwd kernels, 20.0 of
-# 30.7 with both off (its GPU tests pass both ways; docs/notes/chunk-backward.md). False: the
-# previous build (tests keep it served)
-SCORE_DIAGONAL_LOOPS = True
-SCORE_PROGRAM_PER_BLOCK = True
-# With the loops above: a diagonal block whose span (its first row's G less its last row's, the
-# widest of the step's BK channels) is within DIAGONAL_SPAN_LIMIT nats takes its four terms on
+# The score kernel's diagonal blocks: where a block's span (its first row's G less its last row's,
+# the widest of the step's BK channels) is within DIAGONAL_SPAN_LIMIT nats, its four terms on
 # [16, 16] x [16, BK] fp32 products around the span's midpoint (every factor within e^(+-40));
-# wider blocks keep the loops (the bounded gate, lower_bound >= -5, spans at most 15 x 5 = 75)
+# wider blocks (and every block with this off) a row and a column at a time, exact for any decay.
+# The bounded gate (lower_bound >= -5) spans at most 15 x 5 = 75. On an H100 at kda/h64/1x8192 the
+# kernel took 12.1 ms with the loops alone (8 warps, 16 channels a step), 9.1 with the products,
+# 3.3 with them at 4 warps and 32 channels
 SCORE_DIAGONAL_PRODUCTS = True
+DIAGONAL_SPAN_LIMIT = tl.constexpr(80.0)
 # A chunk's four block programs next to each other in the grid ((chunks x 4, HV)), so that its
 # q, k and G tiles, which each reads whole, come from L2 after the first
 SCORE_BLOCKS_FIRST = True
-DIAGONAL_SPAN_LIMIT = tl.constexpr(80.0)
 
 
 @triton.jit(do_not_specialize=["T", "NT"])     # as chunk_delta._scan_kernel
@@ -339,12 +334,30 @@ def _diagonal(q, k, beta, gcum, dqk, dkk, base, qk_row0, b, rb, last, n_valid, o
     return b_d1, b_d2, b_d3, b_d4
 
 
-@triton.jit
-def _score_block(q, k, beta, gcum, dqk, dkk, dq, dk, dG, dbeta, b, base, qk_row0, n_valid, last, b_beta, scale,
-                 H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                 DOT: tl.constexpr, DELTA: tl.constexpr, DIAG_LOOPS: tl.constexpr, DIAG_PRODUCTS: tl.constexpr):
-    """Row block b (16 tokens) of _channel_score_grads_kernel's program: its score terms of dq,
-    dk, dG and dbeta, K in steps of BK."""
+@triton.jit(do_not_specialize=["T", "NT"])     # as chunk_delta._scan_kernel
+def _channel_score_grads_kernel(
+    q, k, beta, gcum, dqk, dkk, dq, dk, dG, dbeta, cu_seqlens, chunk_index, T, NT, scale,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, VARLEN: tl.constexpr, DELTA: tl.constexpr,
+    DIAG_PRODUCTS: tl.constexpr, BLOCKS_FIRST: tl.constexpr,
+):
+    """Program (chunk, value head, row block b of 16 tokens): the block's score terms of dq, dk, dG
+    (added to the key kernel's) and dbeta (added to the value kernel's), K in steps of BK; the
+    diagonal block by _diagonal (DIAG_PRODUCTS: on products where its span allows)."""
+    if BLOCKS_FIRST:                        # grid (chunks x 4, HV): a chunk's four blocks side by side
+        i_c = tl.program_id(0).to(tl.int64) // (BT // 16)
+        b = tl.program_id(0) % (BT // 16)
+    else:                                   # grid (chunks, HV, 4)
+        i_c = tl.program_id(0).to(tl.int64)
+        b = tl.program_id(2)
+    i_hv = tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    i_n, c, bos, eos = _chunk(chunk_index, cu_seqlens, i_c, T, NT, VARLEN)
+    t0 = bos + c * BT
+    base = t0 * HV + i_hv
+    n_valid = eos - t0
+    last = tl.minimum(n_valid, BT) - 1
+    qk_row0 = (t0 * H + i_h) * K
     r = tl.arange(0, BT)
     rb = tl.arange(0, 16)
     m_t = r < n_valid
@@ -354,17 +367,17 @@ def _score_block(q, k, beta, gcum, dqk, dkk, dq, dk, dG, dbeta, b, base, qk_row0
     # (transposed, [16, BT]), its diagonal block [16, 16]
     off_rows = base * BT + rows[:, None] * (HV * BT) + r[None, :]
     off_cols = base * BT + r[None, :] * (HV * BT) + rows[:, None]
+    off_diag = base * BT + rows[:, None] * (HV * BT) + (b * 16 + rb)[None, :]
     b_aq_row = tl.load(dqk + off_rows, mask=m_b[:, None] & (r < b * 16)[None, :], other=0.0).to(tl.float32)
     b_aq_col = tl.load(dqk + off_cols, mask=(r >= b * 16 + 16)[None, :] & m_t[None, :], other=0.0).to(tl.float32)
-    b_aq_diag = tl.load(dqk + base * BT + rows[:, None] * (HV * BT) + (b * 16 + rb)[None, :],
-                        mask=m_b[:, None], other=0.0).to(tl.float32)                           # [16, 16]
+    b_aq_diag = tl.load(dqk + off_diag, mask=m_b[:, None], other=0.0).to(tl.float32)            # [16, 16]
     if DELTA:
+        b_beta = tl.load(beta + base + r * HV, mask=m_t, other=0.0)                             # [BT]
         b_beta_b = tl.load(beta + base + rows * HV, mask=m_b, other=0.0)                        # [16]
         b_a_row = tl.load(dkk + off_rows, mask=m_b[:, None] & (r < b * 16)[None, :], other=0.0).to(tl.float32)
         b_a_col = tl.load(dkk + off_cols, mask=(r >= b * 16 + 16)[None, :] & m_t[None, :],
                           other=0.0).to(tl.float32) * b_beta[None, :]   # beta_i dA_ij, [16 (j), BT (i)]
-        b_a_diag = tl.load(dkk + base * BT + rows[:, None] * (HV * BT) + (b * 16 + rb)[None, :],
-                           mask=m_b[:, None], other=0.0).to(tl.float32)
+        b_a_diag = tl.load(dkk + off_diag, mask=m_b[:, None], other=0.0).to(tl.float32)
         b_db = tl.zeros([16], dtype=tl.float32)
     else:
         b_beta_b = tl.zeros([16], dtype=tl.float32)
@@ -388,43 +401,26 @@ def _score_block(q, k, beta, gcum, dqk, dkk, dq, dk, dG, dbeta, b, base, qk_row0
         b_up = tl.exp(b_Gb - b_ref[None, :])                                                   # [16, BK]
         b_kl = (b_k * b_left).to(DOT)
         b_dq = scale * b_up * tl.dot(b_aq_row.to(DOT), b_kl)
-        # (columns of block b against the rows after it: around e_b, G of the block's last row)
+        # columns of block b against the rows after it, around e_b (G of the block's last row)
         b_end = _g_row(gcum, base, b * 16 + 15, last, o_k, m_k, HV, K)                         # [BK]
-        if DIAG_LOOPS:
-            b_d1, b_d2, b_d3, b_d4 = _diagonal(q, k, beta, gcum, dqk, dkk, base, qk_row0, b, rb, last, n_valid, o_k,
-                                               m_k, b_aq_diag, b_a_diag, b_beta_b, b_qb, b_kb, b_Gb, b_ref, b_end,
-                                               H, HV, K, BT, BK, DELTA, DIAG_PRODUCTS)
-            b_dq += scale * b_d1
-        else:
-            # diagonal block, element-wise: E_ij = e^(G_i - G_j), i >= j
-            tri = (rb[:, None] >= rb[None, :])[:, :, None]
-            b_E = tl.where(tri, tl.exp(tl.where(tri, b_Gb[:, None, :] - b_Gb[None, :, :], 0.0)), 0.0)  # [16, 16, BK]
-            b_aqE = scale * b_aq_diag[:, :, None] * b_E                                        # [16, 16, BK]
-            b_dq += tl.sum(b_aqE * b_kb[None, :, :], 1)
         after = (r >= b * 16 + 16)[:, None]
         b_right = tl.where(after, tl.exp(tl.where(after, b_G - b_end[None, :], 0.0)), 0.0)     # [BT, BK]
         b_down = tl.exp(b_end[None, :] - b_Gb)                                                 # [16, BK]
         b_dkc = scale * tl.dot(b_aq_col.to(DOT), (b_q * b_right).to(DOT))                    # [16, BK]
         if DELTA:
             b_dkc += tl.dot(b_a_col.to(DOT), (b_k * b_right).to(DOT))
-        if DIAG_LOOPS:
-            b_dkc = b_down * b_dkc + scale * b_d3
-        else:
-            b_dkc = b_down * b_dkc + tl.sum(b_aqE * b_qb[:, None, :], 0)
+        # the diagonal block
+        b_d1, b_d2, b_d3, b_d4 = _diagonal(q, k, beta, gcum, dqk, dkk, base, qk_row0, b, rb, last, n_valid, o_k, m_k,
+                                           b_aq_diag, b_a_diag, b_beta_b, b_qb, b_kb, b_Gb, b_ref, b_end,
+                                           H, HV, K, BT, BK, DELTA, DIAG_PRODUCTS)
+        b_dq += scale * b_d1
+        b_dkc = b_down * b_dkc + scale * b_d3
         b_dG = b_qb * b_dq
         if DELTA:
-            b_drow = b_up * tl.dot(b_a_row.to(DOT), b_kl)                                      # sum_j dA_ij k_j e^(..)
-            if DIAG_LOOPS:
-                b_drow += b_d2
-            else:
-                b_aE = b_a_diag[:, :, None] * b_E               # (dA's diagonal block is strict)
-                b_drow += tl.sum(b_aE * b_kb[None, :, :], 1)
+            b_drow = b_up * tl.dot(b_a_row.to(DOT), b_kl) + b_d2                               # sum_j dA_ij k_j e^(..)
             b_db += tl.sum(b_kb * b_drow, 1)
             b_drow = b_beta_b[:, None] * b_drow
-            if DIAG_LOOPS:
-                b_dkc += b_d4
-            else:
-                b_dkc += tl.sum(b_aE * (b_beta_b[:, None] * b_kb)[:, None, :], 0)
+            b_dkc += b_d4
             b_dG += b_kb * b_drow
         else:
             b_drow = tl.zeros([16, BK], dtype=tl.float32)
@@ -435,47 +431,6 @@ def _score_block(q, k, beta, gcum, dqk, dkk, dq, dk, dG, dbeta, b, base, qk_row0
         tl.store(dG + off_out, tl.load(dG + off_out, mask=m_bk, other=0.0) + b_dG, mask=m_bk)
     if DELTA:
         tl.store(dbeta + base + rows * HV, tl.load(dbeta + base + rows * HV, mask=m_b, other=0.0) + b_db, mask=m_b)
-
-
-@triton.jit(do_not_specialize=["T", "NT"])     # as chunk_delta._scan_kernel
-def _channel_score_grads_kernel(
-    q, k, beta, gcum, dqk, dkk, dq, dk, dG, dbeta, cu_seqlens, chunk_index, T, NT, scale,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, VARLEN: tl.constexpr, DELTA: tl.constexpr,
-    DIAG_LOOPS: tl.constexpr, ONE_BLOCK: tl.constexpr, DIAG_PRODUCTS: tl.constexpr = False,
-    BLOCKS_FIRST: tl.constexpr = False,
-):
-    """Program (chunk, value head; ONE_BLOCK: and 16-row block): the score terms of dq, dk, dG
-    (added to the key kernel's) and dbeta (added to the value kernel's), block by block of 16 rows
-    (_score_block), K in steps of BK (DIAG_LOOPS: the diagonal blocks by _diagonal_terms, else as
-    [16, 16, BK] products)."""
-    if BLOCKS_FIRST:                        # grid (chunks x 4, HV): a chunk's four blocks side by side
-        i_c = tl.program_id(0).to(tl.int64) // (BT // 16)
-        i_b = tl.program_id(0) % (BT // 16)
-    else:                                   # grid (chunks, HV, 4) or (chunks, HV)
-        i_c = tl.program_id(0).to(tl.int64)
-        i_b = tl.program_id(2)
-    i_hv = tl.program_id(1)
-    i_h = i_hv // (HV // H)
-    i_n, c, bos, eos = _chunk(chunk_index, cu_seqlens, i_c, T, NT, VARLEN)
-    t0 = bos + c * BT
-    base = t0 * HV + i_hv
-    n_valid = eos - t0
-    last = tl.minimum(n_valid, BT) - 1
-    r = tl.arange(0, BT)
-    m_t = r < n_valid
-    qk_row0 = (t0 * H + i_h) * K
-    if DELTA:
-        b_beta = tl.load(beta + base + r * HV, mask=m_t, other=0.0)                                # [BT]
-    else:
-        b_beta = tl.zeros([BT], dtype=tl.float32)
-    if ONE_BLOCK:
-        _score_block(q, k, beta, gcum, dqk, dkk, dq, dk, dG, dbeta, i_b, base, qk_row0, n_valid, last,
-                     b_beta, scale, H, HV, K, BT, BK, DOT, DELTA, DIAG_LOOPS, DIAG_PRODUCTS)
-    else:
-        for b in tl.static_range(0, BT // 16):
-            _score_block(q, k, beta, gcum, dqk, dkk, dq, dk, dG, dbeta, b, base, qk_row0, n_valid, last, b_beta,
-                         scale, H, HV, K, BT, BK, DOT, DELTA, DIAG_LOOPS, DIAG_PRODUCTS)
 
 
 def backward(p: Problem, do: torch.Tensor, dht: torch.Tensor | None, states: torch.Tensor | None = None):
@@ -529,13 +484,11 @@ def backward(p: Problem, do: torch.Tensor, dht: torch.Tensor | None, states: tor
             p.q, p.k, beta, gcum, states, dh_chunks, do, r_buf, v_new, dq, dk, dG, *c.index(decay), T, c.NT, p.scale,
             H=H, HV=HV, K=K, V=V, BT=BT, BK=BKS, BV=c.BV, DOT=c.dot, VARLEN=varlen, DELTA=p.delta,
             num_warps=KEY_WARPS, num_stages=1)
-        blocks = BT // 16 if SCORE_PROGRAM_PER_BLOCK else 1
-        grid = (total * blocks, HV) if SCORE_BLOCKS_FIRST and SCORE_PROGRAM_PER_BLOCK else (total, HV, blocks)
+        grid = (total * (BT // 16), HV) if SCORE_BLOCKS_FIRST else (total, HV, BT // 16)
         launcher(_channel_score_grads_kernel, T, c.NT)[grid](
             p.q, p.k, beta, gcum, dqk, dkk, dq, dk, dG, dbeta if dbeta is not None else decay, *c.index(decay),
             T, c.NT, p.scale, H=H, HV=HV, K=K, BT=BT, BK=min(SCORE_BLOCK_K, c.BK), DOT=c.dot, VARLEN=varlen,
-            DELTA=p.delta, DIAG_LOOPS=SCORE_DIAGONAL_LOOPS, DIAG_PRODUCTS=SCORE_DIAGONAL_PRODUCTS,
-            ONE_BLOCK=SCORE_PROGRAM_PER_BLOCK, BLOCKS_FIRST=SCORE_BLOCKS_FIRST and SCORE_PROGRAM_PER_BLOCK,
+            DELTA=p.delta, DIAG_PRODUCTS=SCORE_DIAGONAL_PRODUCTS, BLOCKS_FIRST=SCORE_BLOCKS_FIRST,
             num_warps=SCORE_WARPS, num_stages=SCORE_STAGES)
         _cumsum(c, dG, dgk, reverse=True)
     return dq, dk, dv, dgk, dbeta, dh0
