@@ -227,14 +227,14 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
   score-sweep)
     # the score kernel's builds and launch shapes (SCORE_VARIANTS: KNOBS strings, ";"-separated,
     # "" the default): each one's gradients against fp64 (benchmarks/backward_variants.py, KDA B 2
-    # T 400 bf16) and its KDA kernels at kda/h64/1x8192 while BUDGET s (540) leave 190; then the
+    # T 400 bf16) and its KDA kernels at kda/h64/1x8192 while BUDGET s (540) leave 150; then the
     # per-channel backward's GPU tests (KDA, GLA)
     start=$(date +%s)
     left() { [ $(( ${BUDGET:-540} - ($(date +%s) - start) )) -gt "$1" ]; }
     m=chunk_channel_backward
     IFS=';' read -ra variants <<< "${SCORE_VARIANTS:-$m.SCORE_BLOCKS_FIRST=0;;$m.SCORE_STAGES=2;$m.SCORE_WARPS=8,$m.SCORE_BLOCK_K=64;$m.SCORE_STAGES=2,$m.SCORE_BLOCK_K=16}"
     for kn in "${variants[@]}"; do
-      left 190 || break
+      left 150 || break
       echo "== ${kn:-default}"
       KNOBS=$kn timeout 60 python3 benchmarks/backward_variants.py kda 2 400 bfloat16 1 1 2>&1 | grep "vs fp64" | sed 's/.*| vs/vs/; s/| torch tier.*//'
       if [ -z "$kn" ]; then       # (the default: every kernel)
