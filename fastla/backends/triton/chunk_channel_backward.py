@@ -56,7 +56,7 @@ from fastla.core.problem import Problem
 # Launch shapes at K = V = 128 (sm_90 compiles, tests/backends/test_triton_sm90.py): the value
 # kernel 163 registers (8 warps), the key kernel 136 (4 warps), the score kernel 244 at 4 warps
 # (KDA, no stack). KDA's kernels timed on an H100 at kda/h64/1x8192 (benchmarks/backward_profile.py,
-# docs/notes/chunk-backward.md): score 3.3 ms, key 2.0, reverse scan 1.3, value 1.1
+# docs/notes/chunk-backward.md): score 3.1 ms, key 2.0, reverse scan 1.3, value 1.2
 VALUE_BLOCK_V = 32      # value columns per tile of _channel_value_grads_kernel
 KEY_BLOCK_K = 32        # key columns per program of _channel_key_grads_kernel
 SCORE_BLOCK_K = 32      # key columns per step of _channel_score_grads_kernel
@@ -70,11 +70,11 @@ SCORE_STAGES = 1
 # wider blocks (and every block with this off) a row and a column at a time, exact for any decay.
 # The bounded gate (lower_bound >= -5) spans at most 15 x 5 = 75. On an H100 at kda/h64/1x8192 the
 # kernel took 12.1 ms with the loops alone (8 warps, 16 channels a step), 9.1 with the products,
-# 3.3 with them at 4 warps and 32 channels
+# 3.3 with them at 4 warps and 32 channels, 3.1 with the grid below
 SCORE_DIAGONAL_PRODUCTS = True
 DIAGONAL_SPAN_LIMIT = tl.constexpr(80.0)
 # A chunk's four block programs next to each other in the grid ((chunks x 4, HV)), so that its
-# q, k and G tiles, which each reads whole, come from L2 after the first
+# q, k and G tiles, which each reads whole, come from L2 after the first (3296 -> 3107 us there)
 SCORE_BLOCKS_FIRST = True
 
 

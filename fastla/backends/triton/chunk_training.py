@@ -21,8 +21,8 @@ kernels (benchmarks/backward_profile.py, fastla alone; FLA's 2.53 in an earlier 
 ms before the q/k ends moved into qk_grads and the scan onto bf16 operands, 3.0 before the launch
 shapes of chunk_delta_backward and the state terms of dG moved to the key kernel), eager (at 3.0
 ms of kernels) 3.05 ms against FLA's 3.94 in one process (``python -m fastla bench --modes
-fwdbwd``); KDA's at B1 T8192 H64 22.9 ms of kernels, 12.3 of them the score-gradient kernel's (FLA
-not compared). None of it has run on an H200. The plain rule's and GLA's bf16 cases have not run on a
+fwdbwd``); KDA's at B1 T8192 H64 13.8 ms of kernels, 3.1 of them the score-gradient kernel's (22.8
+and 12.2 before its diagonal blocks went on products; FLA not compared). None of it has run on an H200. The plain rule's and GLA's bf16 cases have not run on a
 GPU: they stay behind the switch (docs/notes/chunk-backward.md).
 """
 from __future__ import annotations
