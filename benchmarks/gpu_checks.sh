@@ -25,6 +25,8 @@
 #                                              # against FLA's and KDA's (~6 min, BUDGET s)
 #   bash benchmarks/gpu_checks.sh score-sweep  # the score kernel's builds (errors vs fp64, KDA's kernels),
 #                                              # then the KDA / GLA backward GPU tests (~6 min, BUDGET s)
+#   bash benchmarks/gpu_checks.sh fused-gate   # KDA's gate on gate_grads' kernels in training: GPU tests,
+#                                              # gradients and KDA's fwd + bwd kernels off / on (~4 min)
 #   bash benchmarks/gpu_checks.sh backward-bench # its fwdbwd against FLA on registry shapes (FILTER: which;
 #                                              # two GDN ones by default; FLA's backward compiles for
 #                                              # minutes without a cache: KDA's tunes ~280 s)
@@ -247,6 +249,17 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
     bg 220 tests/ops/test_triton_chunk_backward.py -m "" -k "(cuda or gpu) and (kda or gla) and not narrow"
     show
     echo "-- $(( $(date +%s) - start )) s" ;;
+  fused-gate)
+    # the training path's KDA gate by gate_grads' two kernels (chunk_training.FUSED_KDA_GATE, off
+    # until this passes): its GPU tests, then each way KDA's gradients against fp64 (B 2 T 400
+    # bf16) and its fwd + bwd kernels at kda/h64/1x8192
+    bg 220 tests/ops/test_triton_chunk_backward.py -m "" -k "(fused_kda_gate or kda_everything_in_op) and not cpu"
+    show
+    for kn in "" chunk_training.FUSED_KDA_GATE=1; do
+      echo "== ${kn:-default}"
+      KNOBS=$kn timeout 60 python3 benchmarks/backward_variants.py kda 2 400 bfloat16 1 1 2>&1 | grep "vs fp64" | sed 's/.*| vs/vs/; s/| torch tier.*//'
+      KNOBS=$kn FLA=0 TOP=16 timeout 60 python3 benchmarks/backward_profile.py kda/h64/1x8192 2>&1 | grep -E "^--|^ +[0-9]"
+    done ;;
   backward-bench)
     FASTLA_TRITON_BACKWARD=1 timeout 560 python3 -m fastla bench --filter "${FILTER:-gdn/h16-hv32/1x8192,gdn/h2-hv8/1x8192}" \
       --modes fwdbwd --quick --no-cold --out "$out" 2>&1 | tail -8

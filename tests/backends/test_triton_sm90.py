@@ -103,6 +103,8 @@ BWD_POINTERS = {
             "do": "*bf16", "r_in": "*fp32", "vn_in": "*bf16", "dqk_in": "*bf16", "dkk_in": "*bf16", "dG_in": "*fp32",
             "dq": "*fp32", "dk": "*fp32", "dg": "*fp32", "cu_seqlens": "*i64", "chunk_index": "*i32"},
 }
+KDA_GATE_POINTERS = {"g_raw": "*bf16", "A_log": "*fp32", "dt_bias": "*fp32", "gk": "*fp32", "dgk": "*fp32",
+                     "dg_raw": "*bf16", "dbias_part": "*fp32", "dA_part": "*fp32"}
 CHANNEL_BWD_POINTERS = {
     "q": "*bf16", "k": "*bf16", "kg": "*bf16", "v": "*bf16", "beta": "*fp32", "p_in": "*bf16", "gcum": "*fp32",
     "h": "*bf16", "dh_chunks": "*bf16", "do": "*bf16", "r_in": "*fp32", "vn_out": "*bf16", "vn_in": "*bf16",
@@ -227,6 +229,11 @@ GDN_KERNELS = {
                             dict(BK=32, DELTA=False, DIAG_PRODUCTS=True, BLOCKS_FIRST=True), 4, 1),
     "bwd-kda-score-grads-loops": ("chunk_channel_backward._channel_score_grads_kernel", CHANNEL_BWD_POINTERS,
                                   dict(BK=32, DIAG_PRODUCTS=False, BLOCKS_FIRST=True), 4, 1),
+    # (the training path's KDA gate, gate_grads.py: the bounded gate with A_log and dt_bias)
+    "bwd-kda-gate": ("gate_grads._gate_kernel", KDA_GATE_POINTERS, dict(BK=128, BLOCK_T=32, GATE=1, HAS_BIAS=True),
+                     4, 1),
+    "bwd-kda-gate-grads": ("gate_grads._gate_grads_kernel", KDA_GATE_POINTERS,
+                           dict(BK=128, BLOCK_T=32, GATE=1, HAS_BIAS=True), 4, 1),
     "bwd-channel-cumsum": ("chunk_channel_backward._channel_cumsum_kernel", CHANNEL_BWD_POINTERS,
                            dict(BK=32, REVERSE=True), 4, 1),
     "plain-gate-cumsum": ("chunk_prepare._gate_cumsum_kernel",
@@ -296,9 +303,10 @@ def test_gdn_chunk_kernels_compile_for_sm90(name, tmp_path):
     for a warpgroup; none in the wide-block kernel, fp32 on purpose), within Hopper's 227 KB of
     shared memory, spills bounded."""
     res = _run_child(f"_child_gdn({name!r}, {str(tmp_path)!r})", tmp_path)
-    # no tensor-core products: fp32 FMA products (ieee), a list, a cumsum, GLA's kd and decay
+    # no tensor-core products: fp32 FMA products (ieee), a list, a cumsum, GLA's kd and decay, the
+    # training path's element-wise ends
     if not name.startswith(("kda-wide", "plain-gate", "plain-gla-prepare", "plain-gla-wide", "bwd-channel-cumsum",
-                            "bwd-qk")):
+                            "bwd-qk", "bwd-kda-gate")):
         # (the backward's score kernels: [16, BT] x [BT, 16] products per 16-token block)
         small = name in ("inverse", "kda-inverse", "kda-inverse-beta-cols") or name.startswith(("kda-prepare", "bwd-kda-score", "bwd-gla-score"))
         assert (res["hmma"] if small else res["hgmma"]) > 0, res

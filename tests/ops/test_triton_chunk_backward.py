@@ -254,11 +254,13 @@ def test_channel_gates_varlen_strong_decay(op, device, build, monkeypatch):
     check(t, spec=spec, cu_seqlens=cu.to(device), cu_seqlens_cpu=cu)
 
 
+@pytest.mark.parametrize("fused_gate", [False, True])
 @pytest.mark.parametrize("lower_bound", [None, -5.0])
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
-def test_kda_everything_in_op(lower_bound, device):
+def test_kda_everything_in_op(lower_bound, device, fused_gate, monkeypatch):
     """The KDA gate from learned A_log and dt_bias (softplus, or bounded by lower_bound with
-    safe_gate), the l2norm, beta logits, a V-first state."""
+    safe_gate; in PyTorch or by gate_grads' kernels), the l2norm, beta logits, a V-first state."""
+    monkeypatch.setattr(chunk_training, "FUSED_KDA_GATE", fused_gate)
     spec = OPS["kda"]
     t = make_inputs(spec, B=1, T=90, H=2, HV=4, K=32, V=32, device=device, v_first=True)
     t["g"] = torch.randn_like(t["g"])
@@ -267,6 +269,55 @@ def test_kda_everything_in_op(lower_bound, device):
     check(t, extra, spec=spec, use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True,
           use_beta_sigmoid_in_kernel=True, state_v_first=True, safe_gate=lower_bound is not None,
           lower_bound=lower_bound)
+
+
+@pytest.mark.parametrize("K", [48, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("gate", ["softplus", "bounded", "bounded-no-A", "no-bias"])
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_fused_kda_gate(gate, dtype, K, device):
+    """gate_grads.kda_gate (two Triton kernels) against fastla.core.gates.kda_gate in fp64: the log
+    decay and the gradients of g_raw, A_log and dt_bias, 70 token rows (not a multiple of the
+    kernels' 32), K a power of two or not."""
+    from fastla.backends.triton import gate_grads
+    from fastla.core.gates import kda_gate
+
+    gen = torch.Generator().manual_seed(7)
+    B, T, HV = 2, 35, 3
+    g_raw = (2 * torch.randn(B, T, HV, K, generator=gen)).to(dtype)
+    A_log = None if gate == "bounded-no-A" else torch.randn(HV, generator=gen) * 0.5
+    dt_bias = None if gate == "no-bias" else torch.randn(HV * K, generator=gen)
+    lower_bound = None if gate in ("softplus", "no-bias") else -5.0
+    dgk = torch.randn(B, T, HV, K, generator=gen)
+    named = {n: x for n, x in (("g_raw", g_raw), ("A_log", A_log), ("dt_bias", dt_bias)) if x is not None}
+
+    def run(fn, dev, float_dtype, raw_dtype):
+        xs = {n: x.detach().to(dev, raw_dtype if n == "g_raw" else float_dtype).requires_grad_()
+              for n, x in named.items()}
+        out = fn(xs["g_raw"], xs.get("A_log"), xs.get("dt_bias"), lower_bound)
+        out.backward(dgk.to(dev, out.dtype))
+        return out, {n: x.grad for n, x in xs.items()}
+
+    out, got = run(gate_grads.kda_gate, device, torch.float32, dtype)
+    ref, want = run(kda_gate, "cpu", torch.float64, torch.float64)
+    assert out.dtype == torch.float32
+    assert got["g_raw"].dtype == dtype
+    assert_close("gk", out.cpu(), ref, 1e-6)
+    for name, g in got.items():
+        # (d g_raw is stored in g_raw's dtype: bf16's rounding, 2^-9)
+        assert_close(f"d{name}", g.cpu(), want[name], 4e-3 if dtype == torch.bfloat16 and name == "g_raw" else 1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("varlen", [False, True])
+def test_bf16_fused_kda_gate_on_gpu(varlen, monkeypatch):
+    """KDA's bf16 cases with the gate by gate_grads' kernels (chunk_training.FUSED_KDA_GATE)."""
+    from tests.helpers import poison
+
+    monkeypatch.setattr(chunk_training, "FUSED_KDA_GATE", True)
+    poison()
+    check_bf16("kda", "cuda", [300, 1, 64, 65, 500] if varlen else None)
 
 
 @pytest.mark.parametrize("op", ["gdn", "simple_gla"])

@@ -32,7 +32,9 @@ import os
 
 import torch
 
-from fastla.backends.triton import chunk_channel_backward, chunk_delta, chunk_delta_backward, launch, qk_grads
+from fastla.backends.triton import (
+    chunk_channel_backward, chunk_delta, chunk_delta_backward, gate_grads, launch, qk_grads,
+)
 from fastla.core import dispatch
 from fastla.core.gates import beta_activation, gdn_gate, kda_gate
 from fastla.core.problem import Problem
@@ -44,6 +46,9 @@ _SWITCH = os.environ.get("FASTLA_TRITON_BACKWARD")
 ENABLED = True if _SWITCH == "1" else False if _SWITCH == "0" else ("chunk_gated_delta_rule", "chunk_kda")
 # The forward keeps its chunk-start states for the backward (False: the backward recomputes them)
 SAVE_STATES = True
+# KDA's gate computed in the op by gate_grads' two Triton kernels instead of PyTorch's chain; off
+# until its GPU cases run (tests/ops/test_triton_chunk_backward.py, test_fused_kda_gate*)
+FUSED_KDA_GATE = False
 
 OPS = ("chunk_gated_delta_rule", "chunk_kda", "chunk_gla", "chunk_simple_gla", "chunk_lightning_attn")
 
@@ -120,7 +125,12 @@ def run_training(p: Problem):
         g = gamma if g is None else g + gamma
     gk = p.gk
     if gk is not None:
-        gk = kda_gate(gk, p.A_log, p.dt_bias, p.lower_bound) if p.gate_in_op == "kda" else gk.float()
+        if p.gate_in_op != "kda":
+            gk = gk.float()
+        elif FUSED_KDA_GATE and gk.dtype != torch.float64:
+            gk = gate_grads.kda_gate(gk, p.A_log, p.dt_bias, p.lower_bound)
+        else:
+            gk = kda_gate(gk, p.A_log, p.dt_bias, p.lower_bound)
         gk = gk.contiguous()
     beta = None
     if p.delta:
