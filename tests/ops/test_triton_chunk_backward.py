@@ -159,9 +159,10 @@ def test_bf16_one_row_chunk_on_gpu():
 def test_bf16_kda_score_loops_on_gpu(varlen, monkeypatch):
     """KDA's score kernel with every diagonal block a row and a column at a time (the wide blocks'
     form) at the bounded gate, where the default takes the products."""
+    from fastla.backends.triton import chunk_channel_backward
     from tests.helpers import poison
 
-    score_build(monkeypatch, "loops")
+    monkeypatch.setattr(chunk_channel_backward, "SCORE_DIAGONAL_PRODUCTS", False)
     poison()
     check_bf16("kda", "cuda", [300, 1, 64, 65, 500] if varlen else None)
 
@@ -228,24 +229,13 @@ def test_channel_gates(op, T, device):
     check(make_inputs(spec, B=2, T=T, H=2, HV=4 if spec.gva else None, K=32, V=32, device=device), spec=spec)
 
 
-def score_build(monkeypatch, build: str) -> None:
-    """The per-channel score kernel's build: ``products`` (chunk_channel_backward's default: each
-    diagonal block on fp32 products where its span allows, else a row and a column at a time) or
-    ``loops`` (always a row and a column at a time)."""
-    from fastla.backends.triton import chunk_channel_backward
-
-    monkeypatch.setattr(chunk_channel_backward, "SCORE_DIAGONAL_PRODUCTS", build == "products")
-
-
-@pytest.mark.parametrize("build", ["loops", "products"])
 @pytest.mark.parametrize("op", ["kda", "gla"])
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
-def test_channel_gates_varlen_strong_decay(op, device, build, monkeypatch):
+def test_channel_gates_varlen_strong_decay(op, device):
     """Mixed lengths (partial blocks and chunks) under strong decay (spans of hundreds of nats in a
-    16-token block: the blocks' references and the exact diagonal keep every exponent <= 0), the
-    score kernel in each build (products: the whole blocks past the span limit take the loops, the
-    short ones the products)."""
-    score_build(monkeypatch, build)
+    16-token block: the blocks' references and the exact diagonal keep every exponent <= 0); the
+    score kernel's diagonal blocks both ways: the whole ones, past the span limit, by the loops,
+    the short ones (1-5 rows) by the products."""
     spec = OPS[op]
     lengths = [1, 17, 64, 79, 5]
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
@@ -254,12 +244,12 @@ def test_channel_gates_varlen_strong_decay(op, device, build, monkeypatch):
     check(t, spec=spec, cu_seqlens=cu.to(device), cu_seqlens_cpu=cu)
 
 
-@pytest.mark.parametrize("fused_gate", [False, True])
-@pytest.mark.parametrize("lower_bound", [None, -5.0])
+@pytest.mark.parametrize("lower_bound,fused_gate", [(None, False), (-5.0, False), (-5.0, True)])
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_kda_everything_in_op(lower_bound, device, fused_gate, monkeypatch):
     """The KDA gate from learned A_log and dt_bias (softplus, or bounded by lower_bound with
-    safe_gate; in PyTorch or by gate_grads' kernels), the l2norm, beta logits, a V-first state."""
+    safe_gate; in PyTorch or by gate_grads' kernels, whose every gate form test_fused_kda_gate
+    checks), the l2norm, beta logits, a V-first state."""
     monkeypatch.setattr(chunk_training, "FUSED_KDA_GATE", fused_gate)
     spec = OPS["kda"]
     t = make_inputs(spec, B=1, T=90, H=2, HV=4, K=32, V=32, device=device, v_first=True)

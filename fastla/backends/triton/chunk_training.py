@@ -6,7 +6,7 @@ A chunked call that needs gradients is served here (the Triton tier's entry for 
 ``tier.py``): the gate computed in the op (GDN's, KDA's with or without lower_bound, Simple GLA's
 and Lightning's constant ``g_gamma`` added to ``g``), the beta sigmoid and the state layout are
 applied in PyTorch (autograd takes their gradients; ``[B, T, HV]``-sized but for KDA's gate and the
-state), then ``ChunkTraining`` runs the forward through the dispatcher without gradients (the sm_90
+state; KDA's gate by gate_grads.py's two kernels instead with ``FUSED_KDA_GATE``), then ``ChunkTraining`` runs the forward through the dispatcher without gradients (the sm_90
 kernels on Hopper, the Triton ones elsewhere; the q/k l2norm in them) and its backward in
 ``chunk_delta_backward.py`` or ``chunk_channel_backward.py``, the q/k ends (the l2norm, GVA's sum
 over value heads, the inputs' dtype) in ``qk_grads.py``. Calls it cannot serve (say why in
