@@ -98,6 +98,15 @@ show() {
   done
   return $worst
 }
+# (seconds of BUDGET (540) still left, from $start that a target sets, above $1)
+left() { [ $(( ${BUDGET:-540} - ($(date +%s) - start) )) -gt "$1" ]; }
+# (a timeout of $1 s, cut to what is left of the call's 575 s from $start, at least 1)
+cap() { local rest=$(( 575 - ($(date +%s) - start) )); echo $(( rest < 1 ? 1 : (rest < $1 ? rest : $1) )); }
+# (KDA's gradients against fp64 at B 2 T 400 bf16 under KNOBS $1, one line)
+kda_errors() {
+  KNOBS=$1 timeout 60 python3 benchmarks/backward_variants.py kda 2 400 bfloat16 1 1 2>&1 | grep "vs fp64" |
+    sed 's/.*| vs/vs/; s/| torch tier.*//'
+}
 case "${1:-tests}" in
   tests)
     # ONLY: which of the groups to run (all by default)
@@ -210,7 +219,6 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
     # the backward's GPU tests in three groups side by side, then GDN's fwd + bwd kernels against
     # FLA's and KDA's (benchmarks/backward_profile.py) while time is left (BUDGET s, 540)
     start=$(date +%s)
-    left() { [ $(( ${BUDGET:-540} - ($(date +%s) - start) )) -gt "$1" ]; }
     f=tests/ops/test_triton_chunk_backward.py
     bg 220 $f -m "" -k "(cuda or gpu) and not kda and not gla and not narrow"
     bg 220 $f -m "" -k "(cuda or gpu) and (kda or gla) and not narrow"
@@ -232,13 +240,12 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
     # T 400 bf16) and its KDA kernels at kda/h64/1x8192 while BUDGET s (540) leave 150; then the
     # per-channel backward's GPU tests (KDA, GLA)
     start=$(date +%s)
-    left() { [ $(( ${BUDGET:-540} - ($(date +%s) - start) )) -gt "$1" ]; }
     m=chunk_channel_backward
-    IFS=';' read -ra variants <<< "${SCORE_VARIANTS:-$m.SCORE_BLOCKS_FIRST=0;;$m.SCORE_STAGES=2;$m.SCORE_WARPS=8,$m.SCORE_BLOCK_K=64;$m.SCORE_STAGES=2,$m.SCORE_BLOCK_K=16}"
+    IFS=';' read -ra variants <<< "${SCORE_VARIANTS:-;$m.SCORE_STAGES=2;$m.SCORE_WARPS=8,$m.SCORE_BLOCK_K=64;$m.SCORE_STAGES=2,$m.SCORE_BLOCK_K=16}"
     for kn in "${variants[@]}"; do
       left 150 || break
       echo "== ${kn:-default}"
-      KNOBS=$kn timeout 60 python3 benchmarks/backward_variants.py kda 2 400 bfloat16 1 1 2>&1 | grep "vs fp64" | sed 's/.*| vs/vs/; s/| torch tier.*//'
+      kda_errors "$kn"
       if [ -z "$kn" ]; then       # (the default: every kernel)
         FLA=0 TOP=16 timeout 60 python3 benchmarks/backward_profile.py kda/h64/1x8192 2>&1 | grep -E "^--|^ +[0-9]"
       else
@@ -257,7 +264,7 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
     show
     for kn in "" chunk_training.FUSED_KDA_GATE=1; do
       echo "== ${kn:-default}"
-      KNOBS=$kn timeout 60 python3 benchmarks/backward_variants.py kda 2 400 bfloat16 1 1 2>&1 | grep "vs fp64" | sed 's/.*| vs/vs/; s/| torch tier.*//'
+      kda_errors "$kn"
       KNOBS=$kn FLA=0 TOP=16 timeout 60 python3 benchmarks/backward_profile.py kda/h64/1x8192 2>&1 | grep -E "^--|^ +[0-9]"
     done ;;
   backward-bench)
@@ -272,7 +279,6 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
     # (docs/notes/gdn-prefill.md v30): its parity tests and sweep. Each step is capped and bounded
     # by what is left of the call's ten minutes (KDA first)
     start=$(date +%s)
-    cap() { local left=$(( 575 - ($(date +%s) - start) )); echo $(( left < 1 ? 1 : (left < $1 ? left : $1) )); }
     t "$(cap 200)" tests/ops/test_gluon_chunk_kda.py -k "bounded_operands or matches_triton or full_chunks"
     timeout "$(cap 200)" python3 benchmarks/kda_prefill_sweep.py --tier gluon \
       --variants no-from-x,from-x,from-x-full \
@@ -290,7 +296,6 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
     # wave): its GPU tests, the A/B sweep, then the registry rows the H200 table owes: the KDA rows
     # it serves and GDN's ten scores-in-scan rows
     start=$(date +%s)
-    cap() { local left=$(( 575 - ($(date +%s) - start) )); echo $(( left < 1 ? 1 : (left < $1 ? left : $1) )); }
     t "$(cap 180)" tests/ops/test_gluon_chunk_kda.py -k "gates_in_scan"
     timeout "$(cap 150)" python3 benchmarks/kda_prefill_sweep.py --tier gluon \
       --variants ${VARIANTS:-tiles,gates-in-scan,gates-fp32} \
@@ -305,7 +310,6 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
   loads-ahead)
     # the KDA prologue's loads ahead (kda-prefill.md v23): the bit-equality tests, then the A/B sweep
     start=$(date +%s)
-    cap() { local left=$(( 575 - ($(date +%s) - start) )); echo $(( left < 1 ? 1 : (left < $1 ? left : $1) )); }
     t "$(cap 200)" tests/ops/test_gluon_chunk_kda.py -k "prologue_loads_ahead"
     timeout "$(cap 150)" python3 benchmarks/kda_prefill_sweep.py --tier gluon --variants default,loads-late \
       --shapes kda/h64/1x8192,kda/h64/2x16384 --out "$out" 2>&1 | grep gluon | cut -c1-150
@@ -316,7 +320,6 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
     # parity tests (it writes the norms now), then the A/B sweep against the scores kernel on the
     # shapes it serves
     start=$(date +%s)
-    cap() { local left=$(( 575 - ($(date +%s) - start) )); echo $(( left < 1 ? 1 : (left < $1 ? left : $1) )); }
     t "$(cap 260)" tests/ops/test_gluon_chunk_gdn.py -k "scores_in_scan or (sm90_inverse and default)"
     left=$(cap 200)
     [ "$left" -gt 30 ] && timeout "$left" python3 benchmarks/gdn_prefill_sweep.py \
@@ -336,7 +339,6 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
     # v24, WHOLE_CHUNK_BRANCHES): the KDA gaters' and GDN's scores-in-scan GPU tests side by side
     # (partial last chunks, varlen, length-1 sequences), then the A/B sweeps
     start=$(date +%s)
-    cap() { local left=$(( 575 - ($(date +%s) - start) )); echo $(( left < 1 ? 1 : (left < $1 ? left : $1) )); }
     n=1; t "$(cap 250)" tests/ops/test_gluon_chunk_kda.py -k "gates_in_scan" > /tmp/wb1.txt 2>&1 &
     n=2; t "$(cap 250)" tests/ops/test_gluon_chunk_gdn.py -k "scores_in_scan or (lengths and regs) or (varlen and regs)" > /tmp/wb2.txt 2>&1 &
     wait; cat /tmp/wb1.txt /tmp/wb2.txt
@@ -353,7 +355,6 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
     # v27): the GPU tests of both plans, the inverse kernels' (the KDA one against fp64 with the
     # columns scaled), the pipeline's and the call plans' replays, side by side; then the A/B sweeps
     start=$(date +%s)
-    cap() { local left=$(( 575 - ($(date +%s) - start) )); echo $(( left < 1 ? 1 : (left < $1 ? left : $1) )); }
     n=1; t "$(cap 250)" tests/ops/test_gluon_chunk_kda.py -k "gates_in_scan" > /tmp/bp1.txt 2>&1 &
     n=2; t "$(cap 250)" tests/ops/test_gluon_chunk_gdn.py -k "scores_in_scan or pipeline" > /tmp/bp2.txt 2>&1 &
     n=3; t "$(cap 250)" tests/ops/test_triton_chunk_kda.py tests/core/test_call_plan.py -m "" \

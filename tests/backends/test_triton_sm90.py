@@ -224,11 +224,11 @@ GDN_KERNELS = {
     # (its diagonal blocks on fp32 products where their span allows, else a row and a column at a
     # time; the loops alone, SCORE_DIAGONAL_PRODUCTS off)
     "bwd-kda-score-grads": ("chunk_channel_backward._channel_score_grads_kernel", CHANNEL_BWD_POINTERS,
-                            dict(BK=32, DIAG_PRODUCTS=True, BLOCKS_FIRST=True), 4, 1),
+                            dict(BK=32, DIAG_PRODUCTS=True), 4, 1),
     "bwd-gla-score-grads": ("chunk_channel_backward._channel_score_grads_kernel", CHANNEL_BWD_POINTERS,
-                            dict(BK=32, DELTA=False, DIAG_PRODUCTS=True, BLOCKS_FIRST=True), 4, 1),
+                            dict(BK=32, DELTA=False, DIAG_PRODUCTS=True), 4, 1),
     "bwd-kda-score-grads-loops": ("chunk_channel_backward._channel_score_grads_kernel", CHANNEL_BWD_POINTERS,
-                                  dict(BK=32, DIAG_PRODUCTS=False, BLOCKS_FIRST=True), 4, 1),
+                                  dict(BK=32, DIAG_PRODUCTS=False), 4, 1),
     # (the training path's KDA gate, gate_grads.py: the bounded gate with A_log and dt_bias)
     "bwd-kda-gate": ("gate_grads._gate_kernel", KDA_GATE_POINTERS, dict(BK=128, BLOCK_T=32, GATE=1, HAS_BIAS=True),
                      4, 1),

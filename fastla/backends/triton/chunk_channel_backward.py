@@ -70,12 +70,11 @@ SCORE_STAGES = 1
 # wider blocks (and every block with this off) a row and a column at a time, exact for any decay.
 # The bounded gate (lower_bound >= -5) spans at most 15 x 5 = 75. On an H100 at kda/h64/1x8192 the
 # kernel took 12.1 ms with the loops alone (8 warps, 16 channels a step), 9.1 with the products,
-# 3.3 with them at 4 warps and 32 channels, 3.1 with the grid below
+# 3.3 with them at 4 warps and 32 channels, 3.1 with a chunk's four block programs next to each
+# other in the grid (chunks x 4, HV), so that the q, k and G tiles each reads whole come from L2
+# after the first (3296 us with the grid (chunks, HV, 4))
 SCORE_DIAGONAL_PRODUCTS = True
 DIAGONAL_SPAN_LIMIT = tl.constexpr(80.0)
-# A chunk's four block programs next to each other in the grid ((chunks x 4, HV)), so that its
-# q, k and G tiles, which each reads whole, come from L2 after the first (3296 -> 3107 us there)
-SCORE_BLOCKS_FIRST = True
 
 
 @triton.jit(do_not_specialize=["T", "NT"])     # as chunk_delta._scan_kernel
@@ -339,17 +338,13 @@ def _channel_score_grads_kernel(
     q, k, beta, gcum, dqk, dkk, dq, dk, dG, dbeta, cu_seqlens, chunk_index, T, NT, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, VARLEN: tl.constexpr, DELTA: tl.constexpr,
-    DIAG_PRODUCTS: tl.constexpr, BLOCKS_FIRST: tl.constexpr,
+    DIAG_PRODUCTS: tl.constexpr,
 ):
     """Program (chunk, value head, row block b of 16 tokens): the block's score terms of dq, dk, dG
     (added to the key kernel's) and dbeta (added to the value kernel's), K in steps of BK; the
     diagonal block by _diagonal (DIAG_PRODUCTS: on products where its span allows)."""
-    if BLOCKS_FIRST:                        # grid (chunks x 4, HV): a chunk's four blocks side by side
-        i_c = tl.program_id(0).to(tl.int64) // (BT // 16)
-        b = tl.program_id(0) % (BT // 16)
-    else:                                   # grid (chunks, HV, 4)
-        i_c = tl.program_id(0).to(tl.int64)
-        b = tl.program_id(2)
+    i_c = tl.program_id(0).to(tl.int64) // (BT // 16)        # (a chunk's four blocks side by side)
+    b = tl.program_id(0) % (BT // 16)
     i_hv = tl.program_id(1)
     i_h = i_hv // (HV // H)
     i_n, c, bos, eos = _chunk(chunk_index, cu_seqlens, i_c, T, NT, VARLEN)
@@ -484,11 +479,10 @@ def backward(p: Problem, do: torch.Tensor, dht: torch.Tensor | None, states: tor
             p.q, p.k, beta, gcum, states, dh_chunks, do, r_buf, v_new, dq, dk, dG, *c.index(decay), T, c.NT, p.scale,
             H=H, HV=HV, K=K, V=V, BT=BT, BK=BKS, BV=c.BV, DOT=c.dot, VARLEN=varlen, DELTA=p.delta,
             num_warps=KEY_WARPS, num_stages=1)
-        grid = (total * (BT // 16), HV) if SCORE_BLOCKS_FIRST else (total, HV, BT // 16)
-        launcher(_channel_score_grads_kernel, T, c.NT)[grid](
+        launcher(_channel_score_grads_kernel, T, c.NT)[(total * (BT // 16), HV)](
             p.q, p.k, beta, gcum, dqk, dkk, dq, dk, dG, dbeta if dbeta is not None else decay, *c.index(decay),
             T, c.NT, p.scale, H=H, HV=HV, K=K, BT=BT, BK=min(SCORE_BLOCK_K, c.BK), DOT=c.dot, VARLEN=varlen,
-            DELTA=p.delta, DIAG_PRODUCTS=SCORE_DIAGONAL_PRODUCTS, BLOCKS_FIRST=SCORE_BLOCKS_FIRST,
+            DELTA=p.delta, DIAG_PRODUCTS=SCORE_DIAGONAL_PRODUCTS,
             num_warps=SCORE_WARPS, num_stages=SCORE_STAGES)
         _cumsum(c, dG, dgk, reverse=True)
     return dq, dk, dv, dgk, dbeta, dh0

@@ -73,7 +73,7 @@ from fastla.core.problem import Problem
 # stage (633 us: at 2 stages, 580, its dk was wrong on the GPU for chunks of a few rows, the
 # interpreter right). Registers on bf16 operands, none spilled: scans 179 and 198, value 226, key
 # 238. GDN's kernels at B1 T8192 H16 HV32 (benchmarks/backward_profile.py): fwd + bwd 2413 us
-# (2999 before these shapes and the state terms' move; FLA's 2534 in an earlier run that day)
+# (2999 before these shapes and the state terms' move; FLA's 2535 in the same process, H100)
 BLOCK_V = 32        # value columns per tile of _key_grads_kernel (and of the states' recompute)
 SCAN_BLOCK_V = 16   # value columns per reverse-scan program (scalar gates)
 SCAN_WARPS = 4

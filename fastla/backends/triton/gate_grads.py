@@ -51,8 +51,7 @@ def _program_tile(rows, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BLO
 @triton.jit
 def _gate_tile(g_raw, A_log, dt_bias, lower_bound, i_hv, off, m, o_k, m_k, K: tl.constexpr, GATE: tl.constexpr,
                HAS_BIAS: tl.constexpr):
-    """``(x, gk, dgk/dx, a)`` of a tile of g_raw (``[BLOCK_T, BK]``, 0 off ``m``); ``a`` = e^(A_log)
-    (1 without A_log)."""
+    """``(x, gk, dgk/dx)`` of a tile of g_raw (``[BLOCK_T, BK]``; gk and dgk/dx 0 off ``m``)."""
     x = tl.load(g_raw + off, mask=m, other=0.0).to(tl.float32)
     if HAS_BIAS:
         x += tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.0).to(tl.float32)[None, :]
@@ -67,7 +66,7 @@ def _gate_tile(g_raw, A_log, dt_bias, lower_bound, i_hv, off, m, o_k, m_k, K: tl
         s = tl.sigmoid(a * x)
         gk = lower_bound * s
         dx = lower_bound * s * (1.0 - s) * a
-    return x, tl.where(m, gk, 0.0), tl.where(m, dx, 0.0), a
+    return x, tl.where(m, gk, 0.0), tl.where(m, dx, 0.0)
 
 
 @triton.jit
@@ -75,7 +74,7 @@ def _gate_kernel(g_raw, A_log, dt_bias, gk, rows, lower_bound, HV: tl.constexpr,
                  BK: tl.constexpr, BLOCK_T: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr):
     """Program (BLOCK_T token rows, value head): gk float32 ``[BLOCK_T, K]``."""
     i_t, i_hv, off, m, o_k, m_k = _program_tile(rows, HV, K, BK, BLOCK_T)
-    _, b_gk, _, _ = _gate_tile(g_raw, A_log, dt_bias, lower_bound, i_hv, off, m, o_k, m_k, K, GATE, HAS_BIAS)
+    _, b_gk, _ = _gate_tile(g_raw, A_log, dt_bias, lower_bound, i_hv, off, m, o_k, m_k, K, GATE, HAS_BIAS)
     tl.store(gk + off, b_gk, mask=m)
 
 
@@ -87,7 +86,7 @@ def _gate_grads_kernel(g_raw, A_log, dt_bias, dgk, dg_raw, dbias_part, dA_part, 
     sum over the rows into dbias_part ``[programs, HV, K]`` and the rows' share of d A_log into
     dA_part ``[programs, HV]``."""
     i_t, i_hv, off, m, o_k, m_k = _program_tile(rows, HV, K, BK, BLOCK_T)
-    x, b_gk, b_dx, a = _gate_tile(g_raw, A_log, dt_bias, lower_bound, i_hv, off, m, o_k, m_k, K, GATE, HAS_BIAS)
+    x, b_gk, b_dx = _gate_tile(g_raw, A_log, dt_bias, lower_bound, i_hv, off, m, o_k, m_k, K, GATE, HAS_BIAS)
     b_dgk = tl.load(dgk + off, mask=m, other=0.0).to(tl.float32)
     b_dg = b_dgk * b_dx                                                                   # [BLOCK_T, BK]
     tl.store(dg_raw + off, b_dg.to(dg_raw.dtype.element_ty), mask=m)
