@@ -6,17 +6,18 @@ import torch
 from fastla.backends.triton import chunk_training, interpreting
 from tests.helpers import (
     DEVICES, OPS, TOLERANCE, as_leaves, assert_close, call_chunk, call_reference, forward_backward, make_inputs,
+    random_final_state_grad,
 )
 
 
 @pytest.fixture(autouse=True)
-def _kda_training_on_the_torch_tier_in_the_interpreter(monkeypatch):
-    """In the Triton interpreter (no GPU) KDA's gradients here come from the torch tier's autograd:
-    its Triton backward (on by default) takes ~4 min of this file's CPU time interpreted, and its
-    interpreter checks live in test_triton_chunk_backward.py. On a GPU the default serves."""
+def _training_on_the_torch_tier_in_the_interpreter(monkeypatch):
+    """In the Triton interpreter (no GPU) the gradients here come from the torch tier's autograd:
+    the Triton backward (on by default for GDN and KDA) takes ~6 min of this file's CPU time
+    interpreted, and its interpreter checks live in test_triton_chunk_backward.py (GVA, varlen,
+    every option). On a GPU the default serves."""
     if interpreting():
-        on = chunk_training.OPS if chunk_training.ENABLED is True else chunk_training.ENABLED or ()
-        monkeypatch.setattr(chunk_training, "ENABLED", tuple(op for op in on if op != "chunk_kda"))
+        monkeypatch.setattr(chunk_training, "ENABLED", False)
 
 
 def check_against_reference(spec, t, device="cpu", fast_only=None, with_dht=True, **opts):
@@ -29,8 +30,7 @@ def check_against_reference(spec, t, device="cpu", fast_only=None, with_dht=True
     do = torch.randn(o_shape, device=device)
     N = t["initial_state"].shape[0] if "initial_state" in t else None
     fast = lambda x, **kw: call_chunk(spec, x, output_final_state=True, **kw, **(fast_only or {}))  # noqa: E731
-    with torch.no_grad():
-        dht = torch.randn_like(fast(as_leaves(t), **opts)[1]) if with_dht else None
+    dht = random_final_state_grad(t, **opts) if with_dht else None
     o, ht, grads = forward_backward(fast, leaves, do, dht, **opts)
     ref_leaves = as_leaves(t, torch.float64)
     ref = lambda x, **kw: call_reference(spec, x, output_final_state=True, **kw)  # noqa: E731

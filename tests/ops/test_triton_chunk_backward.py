@@ -11,7 +11,7 @@ from fastla.core.dispatch import use_tier
 from fastla.core.validation import build_problem
 from tests.helpers import (
     KERNEL_DEVICES, OPS, as_leaves, assert_close, call_chunk, call_reference, forward_backward, gated_case,
-    make_inputs,
+    make_inputs, random_final_state_grad,
 )
 
 SPEC = OPS["gdn"]
@@ -42,8 +42,7 @@ def check(t, extra=None, dht=True, tol=TOL, grad_tol=None, spec=SPEC, param_tol=
 
     final = opts.get("output_final_state", True)
     opts["output_final_state"] = final
-    probe = fast(as_leaves({**t, **extra}), **opts)[1]
-    d_final = torch.randn_like(probe) if dht and final else None
+    d_final = random_final_state_grad(t, **opts) if dht and final else None
     o, ht, grads = forward_backward(fast, leaves, do, d_final, **opts)
     ref = lambda x, **kw: call_reference(spec, x, **kw)  # noqa: E731
     ro, rht, rgrads = forward_backward(ref, as_leaves({**t, **extra}, torch.float64), do, d_final, **opts)
