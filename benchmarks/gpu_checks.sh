@@ -9,7 +9,7 @@
 #   bash benchmarks/gpu_checks.sh plain-split  # the plain rule's kernel split vs FLA (docs/notes/plain-prefill.md)
 #   bash benchmarks/gpu_checks.sh cold         # cold starts of the Gluon paths (first call, empty cache)
 #   bash benchmarks/gpu_checks.sh setup        # only the installs (before runs side by side)
-#   bash benchmarks/gpu_checks.sh backward     # the Triton GDN backward (off by default): its GPU tests (~3 min)
+#   bash benchmarks/gpu_checks.sh backward     # the Triton backward's GPU tests and its option fuzz (~4 min)
 #   bash benchmarks/gpu_checks.sh backward-stages # those tests, and every backward launch's tensors
 #                                              # against the interpreter's (benchmarks/backward_stages.py)
 #   bash benchmarks/gpu_checks.sh backward-scan  # GDN's dh0 with the reverse scan on tf32 / bf16 operands,
@@ -158,7 +158,9 @@ with torch.no_grad():
 torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: first call', round(time.perf_counter() - start, 2), 's')
 " 2>&1 | tail -1
     done ;;
-  backward) bg 240 tests/ops/test_triton_chunk_backward.py -m "" -k "not cpu"; show ;;
+  backward)
+    bg 240 tests/ops/test_triton_chunk_backward.py -m "" -k "not cpu"
+    bg 240 tests/ops/test_option_fuzz.py -m "" -k backward_against_fp64_on_gpu; show ;;
   backward-stages)
     # each backward launch's tensors on the GPU against the interpreter's (its products rounded as
     # the GPU's), GDN and KDA at B = 2, T = 400 bf16; the interpreter runs beside the GPU tests

@@ -4,7 +4,9 @@ without dt_bias, KDA's lower_bound), the l2norm, beta sigmoid and negative eigen
 state in either layout, final and intermediate states, strided inputs. On the CPU the Triton tier
 (interpreter) against the torch tier; on an sm_90 GPU the Gluon tier against fp64, within 1.5x the
 Triton tier's error as in test_gluon_chunk_gdn.py. The same for the plain rule (GLA, Simple GLA,
-Lightning), its kernel tiers switched on for the GPU case."""
+Lightning), its kernel tiers switched on for the GPU case. Training: the same combinations' gradients
+through the Triton backward against fp64, within twice the torch tier's error (its autograd on the
+same inputs) plus a floor."""
 import random
 
 import pytest
@@ -12,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from fastla.backends.gluon import available
+from fastla.backends.triton import chunk_training
 from fastla.core.dispatch import use_tier
 from fastla.ops.gated_delta_rule import chunk_gated_delta_rule
 from fastla.ops.gla import chunk_gla
@@ -122,6 +125,46 @@ def gluon_against_fp64(op, t, opts):
         assert err <= 1.5 * err_t + 2e-3, f"output {i}: gluon {err:.2e} vs triton {err_t:.2e}"
 
 
+def outputs_and_gradients(op, t, opts, tier, do, dht):
+    """{name: tensor or None}: the op's output, final state and every floating input's gradient
+    (tensors and options) for the loss (o do).sum() + (ht dht).sum()."""
+    leaves = {n: x.detach().requires_grad_(True) for n, x in t.items()}          # (strides kept)
+    params = {n: x.detach().requires_grad_(True) if torch.is_tensor(x) and x.is_floating_point() else x
+              for n, x in opts.items()}
+    with use_tier(tier, strict=True):
+        o, ht = OPS[op](**leaves, **params)[:2]
+    loss = (o.double() * do).sum() + ((ht.double() * dht).sum() if ht is not None else 0.0)
+    loss.backward()
+    grads = {f"d{n}": x.grad for n, x in (*leaves.items(), *params.items()) if torch.is_tensor(x) and x.requires_grad}
+    return {"o": o, "final_state": ht, **grads}
+
+
+def triton_backward_against_fp64(op, t, opts, seed, floor):
+    """The Triton tier's outputs and gradients against fp64 (the torch tier's autograd on float64
+    copies) within twice the torch tier's own error plus ``floor``; finite. Sums over every token
+    (A_log's, dt_bias's and g_gamma's gradients) cancel, so their errors run 10-100x the others'
+    on both tiers: the bound is relative to the torch tier's, not absolute."""
+    opts = {n: x for n, x in opts.items() if n != "return_intermediate_states"}
+    with torch.no_grad(), use_tier("torch"):
+        o, ht = OPS[op](**t, **opts)[:2]
+    gen = torch.Generator().manual_seed(1000 + seed)
+    do = torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.device)
+    dht = torch.randn(ht.shape, generator=gen, dtype=torch.float64).to(o.device) if ht is not None else None
+    as64 = lambda d: {n: x.double() if torch.is_tensor(x) and x.is_floating_point() else x for n, x in d.items()}  # noqa: E731
+    ref = outputs_and_gradients(op, as64(t), as64(opts), "torch", do, dht)
+    torch_tier = outputs_and_gradients(op, t, opts, "torch", do, dht)
+    triton_tier = outputs_and_gradients(op, t, opts, "triton", do, dht)
+    assert ref.keys() == triton_tier.keys()
+    for name, r in ref.items():
+        a, b = torch_tier[name], triton_tier[name]
+        assert (r is None) == (b is None), f"{name}: None on one side"
+        if r is None:
+            continue
+        assert torch.isfinite(b).all(), f"{name} not finite"
+        err, err_torch = rel_rms(b, r), rel_rms(a, r)
+        assert err <= 2 * err_torch + floor, f"{name}: triton {err:.2e} vs torch tier {err_torch:.2e}"
+
+
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(),
                               reason="the CPU interpreter's case (fp32 operands); the GPU case is the Gluon one")
 sm90_only = pytest.mark.skipif(not torch.cuda.is_available() or available(torch.device("cuda")) is not None,
@@ -177,3 +220,23 @@ def test_triton_tier_matches_torch_tier(family, seed):
 @pytest.mark.parametrize("family,seed", [("delta", s) for s in range(24)] + [("plain", s) for s in range(12)])
 def test_gluon_tier_against_fp64(family, seed):
     gluon_against_fp64(*CASES[family](seed, gpu=True))
+
+
+@cpu_only
+@pytest.mark.parametrize("family,seed", [("delta", s) for s in range(4)] + [("plain", s) for s in range(4)])
+def test_triton_backward_against_fp64(family, seed, monkeypatch):
+    """The interpreter's Triton backward (fp32 operands) on the option combinations, every op."""
+    monkeypatch.setattr(chunk_training, "ENABLED", True)
+    triton_backward_against_fp64(*CASES[family](seed, gpu=False), seed, floor=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("family,seed", [("delta", s) for s in range(12)] + [("plain", s) for s in range(6)])
+def test_triton_backward_against_fp64_on_gpu(family, seed, monkeypatch):
+    """The GPU's bf16 backward (bf16 operands and chunk states) on the Gluon cases' shapes."""
+    from tests.helpers import poison
+
+    poison()
+    monkeypatch.setattr(chunk_training, "ENABLED", True)
+    triton_backward_against_fp64(*CASES[family](seed, gpu=True), seed, floor=1e-2)
