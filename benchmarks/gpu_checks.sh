@@ -27,6 +27,8 @@
 #                                              # then the KDA / GLA backward GPU tests (~6 min, BUDGET s)
 #   bash benchmarks/gpu_checks.sh fused-gate   # KDA's gate on gate_grads' kernels in training: GPU tests,
 #                                              # gradients and KDA's fwd + bwd kernels off / on (~4 min)
+#   bash benchmarks/gpu_checks.sh owed         # on an H200 the table below (issues 3 and 4), elsewhere
+#                                              # fused-gate then the backward's fuzz (~7 min)
 #   bash benchmarks/gpu_checks.sh backward-bench # its fwdbwd against FLA on registry shapes (FILTER: which;
 #                                              # two GDN ones by default; FLA's backward compiles for
 #                                              # minutes without a cache: KDA's tunes ~280 s)
@@ -269,6 +271,16 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
       kda_errors "$kn"
       KNOBS=$kn FLA=0 TOP=16 timeout 60 python3 benchmarks/backward_profile.py kda/h64/1x8192 2>&1 | grep -E "^--|^ +[0-9]"
     done ;;
+  owed)
+    # what the open work owes, by the card drawn: on an H200 the table (issues 3 and 4; `unbounded`
+    # in a second call); elsewhere fused-gate's run, then the backward's option fuzz (~7 min)
+    start=$(date +%s)
+    if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+      AB=0 bash benchmarks/gpu_checks.sh table
+    else
+      bash benchmarks/gpu_checks.sh fused-gate
+      bg "$(cap 200)" tests/ops/test_option_fuzz.py -m "" -k backward_against_fp64_on_gpu; show
+    fi ;;
   backward-bench)
     FASTLA_TRITON_BACKWARD=1 timeout 560 python3 -m fastla bench --filter "${FILTER:-gdn/h16-hv32/1x8192,gdn/h2-hv8/1x8192}" \
       --modes fwdbwd --quick --no-cold --out "$out" 2>&1 | tail -8
