@@ -27,6 +27,7 @@
 #                                              # then the KDA / GLA backward GPU tests (~6 min, BUDGET s)
 #   bash benchmarks/gpu_checks.sh fused-gate   # KDA's gate on gate_grads' kernels in training: GPU tests,
 #                                              # gradients and KDA's fwd + bwd kernels off / on (~4 min)
+#   bash benchmarks/gpu_checks.sh fuzz-cases   # the training fuzz's fault: one case a process (~4 min)
 #   bash benchmarks/gpu_checks.sh owed         # on an H200 the table below (issues 3 and 4), elsewhere
 #                                              # fused-gate then the backward's fuzz (~7 min)
 #   bash benchmarks/gpu_checks.sh backward-bench # its fwdbwd against FLA on registry shapes (FILTER: which;
@@ -271,6 +272,10 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
       kda_errors "$kn"
       KNOBS=$kn FLA=0 TOP=16 timeout 60 python3 benchmarks/backward_profile.py kda/h64/1x8192 2>&1 | grep -E "^--|^ +[0-9]"
     done ;;
+  fuzz-cases)
+    # the training fuzz's cases one process each, blocking launches: which kernel faults on delta
+    # seed 7 and under which of its options (benchmarks/fuzz_cases.py; ~4 min)
+    timeout 560 python3 benchmarks/fuzz_cases.py ;;
   owed)
     # what the open work owes, by the card drawn: on an H200 the table (issues 3 and 4; `unbounded`
     # in a second call); elsewhere fused-gate's run, then the backward's option fuzz (~7 min)
