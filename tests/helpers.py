@@ -184,13 +184,17 @@ def as_leaves(t: dict, dtype=None) -> dict:
     return {n: (x.detach().to(dtype) if dtype else x.detach().clone()).requires_grad_(True) for n, x in t.items()}
 
 
-def random_final_state_grad(t: dict, cu_seqlens=None, state_v_first=False, **_) -> torch.Tensor:
+def random_final_state_grad(t: dict, cu_seqlens=None, state_v_first=False, generator=None, **_) -> torch.Tensor:
     """A random gradient for the op's final state (float32, [N, HV, K, V], V-first [N, HV, V, K]),
-    shaped from the inputs so that no forward runs just to learn it."""
+    shaped from the inputs so that no forward runs just to learn it (drawn on the CPU from
+    ``generator`` when given)."""
     q, v = t["q"], t["v"]
     N = q.shape[0] if cu_seqlens is None else len(cu_seqlens) - 1
     K, V = q.shape[-1], v.shape[-1]
-    return torch.randn(N, v.shape[-2], *((V, K) if state_v_first else (K, V)), device=q.device)
+    shape = (N, v.shape[-2], *((V, K) if state_v_first else (K, V)))
+    if generator is None:
+        return torch.randn(shape, device=q.device)
+    return torch.randn(shape, generator=generator).to(q.device)
 
 
 def forward_backward(fn: Callable, leaves: dict, do: torch.Tensor, dht: torch.Tensor | None, **opts):

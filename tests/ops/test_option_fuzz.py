@@ -21,7 +21,7 @@ from fastla.ops.gla import chunk_gla
 from fastla.ops.kda import chunk_kda
 from fastla.ops.lightning_attn import chunk_lightning_attn
 from fastla.ops.simple_gla import chunk_simple_gla
-from tests.helpers import rel_rms, strided_inputs
+from tests.helpers import forward_backward, random_final_state_grad, rel_rms, strided_inputs
 
 OPS = {"gdn": chunk_gated_delta_rule, "kda": chunk_kda, "gla": chunk_gla, "simple_gla": chunk_simple_gla,
        "lightning": chunk_lightning_attn}
@@ -127,16 +127,17 @@ def gluon_against_fp64(op, t, opts):
 
 def outputs_and_gradients(op, t, opts, tier, do, dht):
     """{name: tensor or None}: the op's output, final state and every floating input's gradient
-    (tensors and options) for the loss (o do).sum() + (ht dht).sum()."""
-    leaves = {n: x.detach().requires_grad_(True) for n, x in t.items()}          # (strides kept)
-    params = {n: x.detach().requires_grad_(True) if torch.is_tensor(x) and x.is_floating_point() else x
-              for n, x in opts.items()}
-    with use_tier(tier, strict=True):
-        o, ht = OPS[op](**leaves, **params)[:2]
-    loss = (o.double() * do).sum() + ((ht.double() * dht).sum() if ht is not None else 0.0)
-    loss.backward()
-    grads = {f"d{n}": x.grad for n, x in (*leaves.items(), *params.items()) if torch.is_tensor(x) and x.requires_grad}
-    return {"o": o, "final_state": ht, **grads}
+    (tensors and options: A_log, dt_bias, g_gamma) for the loss (o do).sum() + (ht dht).sum()."""
+    floating = lambda x: torch.is_tensor(x) and x.is_floating_point()  # noqa: E731
+    leaves = {n: x.detach().requires_grad_(True) for n, x in {**t, **opts}.items() if floating(x)}  # (strides kept)
+    rest = {n: x for n, x in opts.items() if not floating(x)}
+
+    def fn(x, **kw):
+        with use_tier(tier, strict=True):
+            return OPS[op](**x, **kw)
+
+    o, ht, grads = forward_backward(fn, leaves, do, dht, **rest)
+    return {"o": o, "final_state": ht, **{f"d{n}": g for n, g in grads.items()}}
 
 
 def triton_backward_against_fp64(op, t, opts, seed, floor):
@@ -145,11 +146,9 @@ def triton_backward_against_fp64(op, t, opts, seed, floor):
     (A_log's, dt_bias's and g_gamma's gradients) cancel, so their errors run 10-100x the others'
     on both tiers: the bound is relative to the torch tier's, not absolute."""
     opts = {n: x for n, x in opts.items() if n != "return_intermediate_states"}
-    with torch.no_grad(), use_tier("torch"):
-        o, ht = OPS[op](**t, **opts)[:2]
     gen = torch.Generator().manual_seed(1000 + seed)
-    do = torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.device)
-    dht = torch.randn(ht.shape, generator=gen, dtype=torch.float64).to(o.device) if ht is not None else None
+    do = torch.randn(t["v"].shape, generator=gen).to(t["v"].device)
+    dht = random_final_state_grad(t, generator=gen, **opts) if opts.get("output_final_state") else None
     as64 = lambda d: {n: x.double() if torch.is_tensor(x) and x.is_floating_point() else x for n, x in d.items()}  # noqa: E731
     ref = outputs_and_gradients(op, as64(t), as64(opts), "torch", do, dht)
     torch_tier = outputs_and_gradients(op, t, opts, "torch", do, dht)

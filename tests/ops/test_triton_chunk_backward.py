@@ -243,7 +243,7 @@ def test_channel_gates_varlen_strong_decay(op, device):
     check(t, spec=spec, cu_seqlens=cu.to(device), cu_seqlens_cpu=cu)
 
 
-@pytest.mark.parametrize("lower_bound,fused_gate", [(None, False), (-5.0, False), (-5.0, True)])
+@pytest.mark.parametrize("lower_bound,fused_gate", [(None, True), (-5.0, True), (-5.0, False)])
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_kda_everything_in_op(lower_bound, device, fused_gate, monkeypatch):
     """The KDA gate from learned A_log and dt_bias (softplus, or bounded by lower_bound with

@@ -6,7 +6,7 @@ A chunked call that needs gradients is served here (the Triton tier's entry for 
 ``tier.py``): the gate computed in the op (GDN's, KDA's with or without lower_bound, Simple GLA's
 and Lightning's constant ``g_gamma`` added to ``g``), the beta sigmoid and the state layout are
 applied in PyTorch (autograd takes their gradients; ``[B, T, HV]``-sized but for KDA's gate and the
-state; KDA's gate by gate_grads.py's two kernels instead with ``FUSED_KDA_GATE``), then
+state; KDA's gate by gate_grads.py's two kernels instead, ``FUSED_KDA_GATE``, on), then
 ``ChunkTraining`` runs the forward through the dispatcher without gradients (the sm_90 kernels on
 Hopper, the Triton ones elsewhere; the q/k l2norm in them) and its backward in
 ``chunk_delta_backward.py`` or ``chunk_channel_backward.py``, the q/k ends (the l2norm, GVA's sum
@@ -22,8 +22,8 @@ kernels against FLA's 2.54 in one process (benchmarks/backward_profile.py; 5.1 m
 ends moved into qk_grads and the scan onto bf16 operands, 3.0 before the launch shapes of
 chunk_delta_backward and the state terms of dG moved to the key kernel), eager (at 3.0 ms of
 kernels) 3.05 ms against FLA's 3.94 in one process (``python -m fastla bench --modes fwdbwd``);
-KDA's at B1 T8192 H64 13.8 ms of kernels, 3.1 of them the score-gradient kernel's (22.8 and 12.2
-before its diagonal blocks went on products; FLA not compared). None of it has run on an H200. The
+KDA's at B1 T8192 H64 11.8 ms of kernels, 3.1 of them the score-gradient kernel's (22.8 and 12.2
+before its diagonal blocks went on products, 13.75 before FUSED_KDA_GATE; FLA not compared). None of it has run on an H200. The
 plain rule's and GLA's bf16 cases have not run on a
 GPU: they stay behind the switch (docs/notes/chunk-backward.md).
 """
