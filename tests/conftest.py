@@ -1,5 +1,6 @@
 """pytest configuration: the Triton interpreter where there is no GPU, one intra-op thread (the test tensors are tiny; spinning thread pools
-only contend on a busy 2-core machine), per-test seeds derived from the test id, and how many
+only contend on a busy 2-core machine), per-test seeds derived from the test id, out-of-bounds accesses caught in the interpreter
+(tests/interpreter_bounds.py), and how many
 workers the README's `-n auto` starts."""
 import os
 import zlib
@@ -11,6 +12,10 @@ torch.set_num_threads(1)
 if not torch.cuda.is_available():
     # Triton kernels run on the CPU through the interpreter (must be set before triton kernels are defined)
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("FASTLA_BOUNDS_CHECK", "1") != "0":
+    from tests import interpreter_bounds
+
+    interpreter_bounds.install()        # every kernel's loads and stores inside its tensors
 
 
 @pytest.hookimpl(optionalhook=True, tryfirst=True)

@@ -46,10 +46,11 @@ def random_offsets(rng: random.Random, lengths) -> dict:
     return dict(cu_seqlens_cpu=cu, cu_seqlens=cu.clone()) if rng.random() < 0.5 else dict(cu_seqlens_cpu=cu)
 
 
-def placed(rng: random.Random, t: dict, opts: dict, gpu: bool):
-    """A case's tensors on its device (bf16 on the GPU; the state and g_gamma stay fp32) and its
-    option tensors there too (the host offsets stay), strided views three cases in ten."""
-    device, dtype = ("cuda", torch.bfloat16) if gpu else ("cpu", torch.float32)
+def placed(rng: random.Random, t: dict, opts: dict, gpu: bool, device: str | None = None):
+    """A case's tensors on its device (bf16 for the GPU's case, on ``device`` or CUDA; the state and
+    g_gamma stay fp32) and its option tensors there too (the host offsets stay), strided views three
+    cases in ten."""
+    device, dtype = (device or ("cuda" if gpu else "cpu")), (torch.bfloat16 if gpu else torch.float32)
     t = {n: x.to(device) if n in ("initial_state", "g_gamma") else x.to(device, dtype) for n, x in t.items()}
     opts = {n: x.to(device) if torch.is_tensor(x) and n != "cu_seqlens_cpu" else x for n, x in opts.items()}
     if rng.random() < 0.3:
@@ -57,9 +58,9 @@ def placed(rng: random.Random, t: dict, opts: dict, gpu: bool):
     return t, opts
 
 
-def random_case(seed: int, gpu: bool):
+def random_case(seed: int, gpu: bool, device: str | None = None):
     """(op, tensors, options) of one seeded combination. ``gpu``: the Gluon scan's shapes (bf16,
-    K = 64 or 128, V a multiple of 32, 64 tokens or more) on CUDA."""
+    K = 64 or 128, V a multiple of 32, 64 tokens or more) on CUDA or ``device``."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     rnd = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
@@ -94,7 +95,7 @@ def random_case(seed: int, gpu: bool):
     opts["output_final_state"] = rng.random() < 0.8
     opts["return_intermediate_states"] = rng.random() < 0.25
     opts.update(random_offsets(rng, lengths))
-    return (op, *placed(rng, t, opts, gpu))
+    return (op, *placed(rng, t, opts, gpu, device))
 
 
 def call(op, t, opts, tier):
@@ -172,7 +173,7 @@ sm90_only = pytest.mark.skipif(not torch.cuda.is_available() or available(torch.
 
 # ----------------------------------------------------------------------------- the plain rule
 
-def random_plain_case(seed: int, gpu: bool):
+def random_plain_case(seed: int, gpu: bool, device: str | None = None):
     """(op, tensors, options) of one seeded combination of GLA / Simple GLA / Lightning options:
     head dims, dense or varlen batches, Simple GLA's g and / or g_gamma (or neither), Lightning's
     layer, initial state in either layout, the final state, strided inputs."""
@@ -200,7 +201,7 @@ def random_plain_case(seed: int, gpu: bool):
         t["initial_state"] = rnd(N, H, V, K) if opts["state_v_first"] else rnd(N, H, K, V)
     opts["output_final_state"] = rng.random() < 0.8
     opts.update(random_offsets(rng, lengths))
-    return (op, *placed(rng, t, opts, gpu))
+    return (op, *placed(rng, t, opts, gpu, device))
 
 
 # ----------------------------------------------------------------------------- the tests
@@ -227,6 +228,28 @@ def test_triton_backward_against_fp64(family, seed, monkeypatch):
     """The interpreter's Triton backward (fp32 operands) on the option combinations, every op."""
     monkeypatch.setattr(chunk_training, "ENABLED", True)
     triton_backward_against_fp64(*CASES[family](seed, gpu=False), seed, floor=1e-5)
+
+
+@cpu_only
+def test_triton_backward_bf16_path_in_interpreter(monkeypatch):
+    """The GPU case of delta seed 7 (KDA, GVA 2, K 64, V 32, a weak given gate, the l2norm, beta
+    sigmoid with negative eigenvalues, the V-first state, strided bf16 inputs) in the interpreter on
+    the GPU's bf16 path, forward and backward, products and casts rounded as a GPU's
+    (tests/interpreter_emulation.py; the interpreter's truncating casts put it 10x over the torch
+    tier), and every access in bounds (it faulted on an H100: docs/notes/chunk-backward.md)."""
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    from fastla.backends.triton import chunk_delta, chunk_delta_backward
+    from tests import interpreter_emulation
+
+    monkeypatch.setattr(InterpreterBuilder, "create_dot", interpreter_emulation.emulated_dot(tf32=True))
+    monkeypatch.setattr(InterpreterBuilder, "cast_impl", interpreter_emulation.emulated_cast)
+    for module in (chunk_delta, chunk_delta_backward):
+        monkeypatch.setattr(module, "interpreting", lambda: False)
+    monkeypatch.setattr(chunk_training, "ENABLED", True)
+    op, t, opts = random_case(7, gpu=True, device="cpu")
+    assert op == "kda" and t["q"].dtype == torch.bfloat16
+    triton_backward_against_fp64(op, t, opts, 7, floor=1e-2)
 
 
 @pytest.mark.gpu

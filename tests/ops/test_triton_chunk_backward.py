@@ -184,7 +184,7 @@ def test_bf16_narrow_heads_on_gpu(op, K):
 def test_bf16_path_in_interpreter(op, varlen, monkeypatch):
     """The GPU's bf16 path in the interpreter (which otherwise runs the backward on float32
     operands and states): bf16 operands and chunk states (kept by the forward), float32 operands
-    rounded to tf32 (tests/interpreter_emulation.py). KDA's dense batch left out (~30 s of CPU; its
+    rounded to tf32, casts to bf16 rounded to nearest (tests/interpreter_emulation.py). KDA's dense batch left out (~30 s of CPU; its
     kernels' dense indexing runs in the other interpreter tests)."""
     from triton.runtime.interpreter import InterpreterBuilder
 
@@ -192,6 +192,7 @@ def test_bf16_path_in_interpreter(op, varlen, monkeypatch):
     from tests import interpreter_emulation
 
     monkeypatch.setattr(InterpreterBuilder, "create_dot", interpreter_emulation.emulated_dot(tf32=True))
+    monkeypatch.setattr(InterpreterBuilder, "cast_impl", interpreter_emulation.emulated_cast)
     monkeypatch.setattr(chunk_delta_backward, "interpreting", lambda: False)
     seen = []
     reverse_scan = chunk_delta_backward.reverse_scan
