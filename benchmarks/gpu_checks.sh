@@ -29,7 +29,7 @@
 #                                              # gradients and KDA's fwd + bwd kernels off / on (~4 min)
 #   bash benchmarks/gpu_checks.sh fuzz-cases   # the training fuzz's fault: one case a process (~4 min)
 #   bash benchmarks/gpu_checks.sh owed         # on an H200 the table below (issues 3 and 4), elsewhere
-#                                              # fused-gate then the backward's fuzz (~7 min)
+#                                              # fuzz-cases (~4 min)
 #   bash benchmarks/gpu_checks.sh backward-bench # its fwdbwd against FLA on registry shapes (FILTER: which;
 #                                              # two GDN ones by default; FLA's backward compiles for
 #                                              # minutes without a cache: KDA's tunes ~280 s)
@@ -278,13 +278,11 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
     timeout 560 python3 benchmarks/fuzz_cases.py ;;
   owed)
     # what the open work owes, by the card drawn: on an H200 the table (issues 3 and 4; `unbounded`
-    # in a second call); elsewhere fused-gate's run, then the backward's option fuzz (~7 min)
-    start=$(date +%s)
+    # in a second call); elsewhere the training fuzz's fault one case a process (fuzz-cases, ~4 min)
     if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
       AB=0 bash benchmarks/gpu_checks.sh table
     else
-      bash benchmarks/gpu_checks.sh fused-gate
-      bg "$(cap 200)" tests/ops/test_option_fuzz.py -m "" -k backward_against_fp64_on_gpu; show
+      bash benchmarks/gpu_checks.sh fuzz-cases
     fi ;;
   backward-bench)
     FASTLA_TRITON_BACKWARD=1 timeout 560 python3 -m fastla bench --filter "${FILTER:-gdn/h16-hv32/1x8192,gdn/h2-hv8/1x8192}" \
