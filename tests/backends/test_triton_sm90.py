@@ -230,10 +230,10 @@ GDN_KERNELS = {
     "bwd-kda-score-grads-loops": ("chunk_channel_backward._channel_score_grads_kernel", CHANNEL_BWD_POINTERS,
                                   dict(BK=32, DIAG_PRODUCTS=False), 4, 1),
     # (the training path's KDA gate, gate_grads.py: the bounded gate with A_log and dt_bias)
-    "bwd-kda-gate": ("gate_grads._gate_kernel", KDA_GATE_POINTERS, dict(BK=128, BLOCK_T=32, GATE=1, HAS_BIAS=True),
-                     4, 1),
+    "bwd-kda-gate": ("gate_grads._gate_kernel", KDA_GATE_POINTERS,
+                     dict(BK=128, BLOCK_T=32, BOUNDED=True, HAS_A=True, HAS_BIAS=True), 4, 1),
     "bwd-kda-gate-grads": ("gate_grads._gate_grads_kernel", KDA_GATE_POINTERS,
-                           dict(BK=128, BLOCK_T=32, GATE=1, HAS_BIAS=True), 4, 1),
+                           dict(BK=128, BLOCK_T=32, BOUNDED=True, HAS_A=True, HAS_BIAS=True), 4, 1),
     "bwd-channel-cumsum": ("chunk_channel_backward._channel_cumsum_kernel", CHANNEL_BWD_POINTERS,
                            dict(BK=32, REVERSE=True), 4, 1),
     "plain-gate-cumsum": ("chunk_prepare._gate_cumsum_kernel",

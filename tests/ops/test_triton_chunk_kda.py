@@ -219,7 +219,7 @@ def test_wide_blocks_rewrite_flagged_blocks_exactly(gate, delta, varlen):
     equals fp64, everything else stays poisoned. Without the delta rule (GLA): no A nor kg written, the rest as for KDA."""
     from fastla.backends.torch.chunked import _channel_scores_block
     from fastla.backends.triton import chunk_prepare_kda_wide
-    from fastla.backends.triton.recurrent import BETA_SIGMOID
+    from fastla.backends.triton.activations import BETA_SIGMOID
     from fastla.core.gates import kda_gate, l2norm
     from fastla.core.validation import build_problem
 
@@ -315,7 +315,7 @@ def test_inverse_kernel_matches_fp64(varlen, kernel):
     from types import SimpleNamespace
 
     from fastla.backends.triton import chunk_prepare_kda
-    from fastla.backends.triton.recurrent import BETA_SIGMOID
+    from fastla.backends.triton.activations import BETA_SIGMOID
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not interpreting():

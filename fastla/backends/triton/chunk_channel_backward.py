@@ -49,7 +49,7 @@ import triton.language as tl
 from fastla.backends.triton import cdiv, chunk_delta_backward, chunk_prepare_kda, next_pow2
 from fastla.backends.triton.chunk_index import BT, _chunk
 from fastla.backends.triton.launch import launcher
-from fastla.backends.triton.recurrent import BETA_GIVEN
+from fastla.backends.triton.activations import BETA_GIVEN
 from fastla.core import call_plan
 from fastla.core.problem import Problem
 

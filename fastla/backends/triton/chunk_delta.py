@@ -51,7 +51,7 @@ from fastla.backends.triton import cdiv, chunk_prepare, chunk_prepare_kda, inter
 from fastla.backends.triton.chunk_index import BT, _sequence
 from fastla.backends.triton.chunk_prepare import _activate_beta
 from fastla.backends.triton.launch import launcher
-from fastla.backends.triton.recurrent import BETA_GIVEN, BETA_SIGMOID, BETA_SIGMOID2
+from fastla.backends.triton.activations import BETA_GIVEN, BETA_SIGMOID, BETA_SIGMOID2
 from fastla.core import call_plan
 from fastla.core.problem import Problem
 

@@ -60,7 +60,7 @@ from fastla.backends.triton.chunk_delta import (
 )
 from fastla.backends.triton.chunk_index import BT, _chunk, _sequence
 from fastla.backends.triton.launch import launcher, newer_ptxas
-from fastla.backends.triton.recurrent import BETA_GIVEN
+from fastla.backends.triton.activations import BETA_GIVEN
 from fastla.core import call_plan
 from fastla.core.problem import Problem
 

@@ -33,20 +33,18 @@ import triton
 import triton.language as tl
 
 from fastla.backends.triton import cdiv, next_pow2, sm_count
+from fastla.backends.triton.activations import activate_beta, log_decay
 from fastla.backends.triton.chunk_index import BT, _chunk
 from fastla.backends.triton.launch import launcher
-from fastla.backends.triton.recurrent import _softplus
 
 
 @triton.jit
 def _activate_beta(b, mask, BETA: tl.constexpr):
-    """beta as the op defines it, BETA as recurrent.py numbers the modes: raw (BETA_GIVEN, 1),
-    sigmoid (BETA_SIGMOID, 2), 2 x sigmoid (BETA_SIGMOID2, 3: allow_neg_eigval); 0 off mask."""
-    b = b.to(tl.float32)
+    """beta as the op defines it (activations.activate_beta); 0 off ``mask`` (where a raw beta's
+    sigmoid would not be)."""
+    b = activate_beta(b, BETA)
     if BETA >= 2:
-        b = tl.where(mask, tl.sigmoid(b), 0.0)
-    if BETA == 3:
-        b = 2.0 * b
+        b = tl.where(mask, b, 0.0)
     return b
 
 
@@ -56,7 +54,7 @@ def _gdn_gate(x, m, A_log, dt_bias, i_hv, HAS_BIAS: tl.constexpr):
     not ``m`` (also called from the sm_90 inverse kernel, gluon/chunk_inverse_sm90.py)."""
     if HAS_BIAS:
         x = x + tl.load(dt_bias + i_hv).to(tl.float32)
-    return tl.where(m, -tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * _softplus(x), 0.0)
+    return tl.where(m, log_decay(x, tl.exp(tl.load(A_log + i_hv).to(tl.float32)), 0.0, False), 0.0)
 
 
 @triton.jit

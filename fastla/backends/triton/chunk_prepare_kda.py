@@ -48,17 +48,17 @@ import triton
 import triton.language as tl
 
 from fastla.backends.triton import next_pow2
+from fastla.backends.triton.activations import GATE_KDA, GATE_KDA_BOUNDED, GATE_NONE, LOG2E, log2_decay
 from fastla.backends.triton.chunk_index import BT, _chunk
 from fastla.backends.triton.chunk_prepare import (
     _activate_beta, _diag_inverses_rows, _key_block, _lower_inverse, _lower_merge, _store_lower,
 )
 from fastla.backends.triton.launch import launcher
-from fastla.backends.triton.recurrent import GATE_KDA, GATE_KDA_BOUNDED, GATE_NONE
 
-# the kernel works in log2 units (tl.exp2 is one MUFU.EX2; tl.exp adds four instructions)
-LOG2E = tl.constexpr(1.4426950408889634)
-# largest in-block decay span of the tensor-core diagonal form, 80 nats in log2 units: its
-# factors stay within e^(+-40), far inside the bf16 / fp32 range for any key magnitude below 1e20
+# the kernel works in log2 units (tl.exp2 is one MUFU.EX2; tl.exp adds four instructions: LOG2E and
+# log2_decay in activations.py). The largest in-block decay span of the tensor-core diagonal
+# form, 80 nats in log2 units: its factors stay within e^(+-40), far inside the bf16 / fp32 range
+# for any key magnitude below 1e20
 SPAN_LIMIT = tl.constexpr(80.0 * 1.4426950408889634)
 
 
@@ -77,11 +77,7 @@ def _log_decay(g, A_log, dt_bias, lower_bound, base, t, n_left, i_hv, o_k, HV: t
             a = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
         else:
             a = 1.0
-        if GATE == 2:                                                       # -a softplus(x) log2(e)
-            x = -a * tl.where(x > 20.0, LOG2E * x, tl.log2(1.0 + tl.exp2(LOG2E * x)))
-        else:                                                               # lower_bound sigmoid(a x) log2(e)
-            x = (LOG2E * lower_bound) / (1.0 + tl.exp2(-LOG2E * a * x))
-        return tl.where(m, x, 0.0)
+        return tl.where(m, log2_decay(x, a, lower_bound, GATE == 3), 0.0)      # (3: GATE_KDA_BOUNDED)
     return x * LOG2E
 
 

@@ -27,12 +27,11 @@ import triton
 import triton.language as tl
 
 from fastla.backends.triton import cdiv, next_pow2
+from fastla.backends.triton.activations import log_decay, log_decay_dx
 from fastla.backends.triton.launch import launcher
-from fastla.backends.triton.recurrent import _softplus
 
 BLOCK_T = 32        # token rows per program
 WARPS = 4
-GATE_SOFTPLUS, GATE_BOUNDED, GATE_BOUNDED_NO_A = 0, 1, 2
 
 
 @triton.jit
@@ -49,59 +48,50 @@ def _program_tile(rows, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BLO
 
 
 @triton.jit
-def _gate_tile(g_raw, A_log, dt_bias, lower_bound, i_hv, off, m, o_k, m_k, K: tl.constexpr, GATE: tl.constexpr,
-               HAS_BIAS: tl.constexpr):
+def _gate_tile(g_raw, A_log, dt_bias, lower_bound, i_hv, off, m, o_k, m_k, K: tl.constexpr, BOUNDED: tl.constexpr,
+               HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr):
     """``(x, gk, dgk/dx)`` of a tile of g_raw (``[BLOCK_T, BK]``; gk and dgk/dx 0 off ``m``)."""
     x = tl.load(g_raw + off, mask=m, other=0.0).to(tl.float32)
     if HAS_BIAS:
         x += tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.0).to(tl.float32)[None, :]
-    if GATE == 2:
-        a = 1.0
-    else:
+    if HAS_A:
         a = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
-    if GATE == 0:
-        gk = -a * _softplus(x)
-        dx = -a * tl.sigmoid(x)
     else:
-        s = tl.sigmoid(a * x)
-        gk = lower_bound * s
-        dx = lower_bound * s * (1.0 - s) * a
+        a = 1.0
+    gk = log_decay(x, a, lower_bound, BOUNDED)
+    dx = log_decay_dx(x, a, lower_bound, BOUNDED)
     return x, tl.where(m, gk, 0.0), tl.where(m, dx, 0.0)
 
 
 @triton.jit
 def _gate_kernel(g_raw, A_log, dt_bias, gk, rows, lower_bound, HV: tl.constexpr, K: tl.constexpr,
-                 BK: tl.constexpr, BLOCK_T: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr):
+                 BK: tl.constexpr, BLOCK_T: tl.constexpr, BOUNDED: tl.constexpr, HAS_A: tl.constexpr,
+                 HAS_BIAS: tl.constexpr):
     """Program (BLOCK_T token rows, value head): gk float32 ``[BLOCK_T, K]``."""
     i_t, i_hv, off, m, o_k, m_k = _program_tile(rows, HV, K, BK, BLOCK_T)
-    _, b_gk, _ = _gate_tile(g_raw, A_log, dt_bias, lower_bound, i_hv, off, m, o_k, m_k, K, GATE, HAS_BIAS)
+    _, b_gk, _ = _gate_tile(g_raw, A_log, dt_bias, lower_bound, i_hv, off, m, o_k, m_k, K, BOUNDED, HAS_A, HAS_BIAS)
     tl.store(gk + off, b_gk, mask=m)
 
 
 @triton.jit
 def _gate_grads_kernel(g_raw, A_log, dt_bias, dgk, dg_raw, dbias_part, dA_part, rows, lower_bound,
                        HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BLOCK_T: tl.constexpr,
-                       GATE: tl.constexpr, HAS_BIAS: tl.constexpr):
+                       BOUNDED: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr):
     """Program (BLOCK_T token rows, value head): d g_raw ``[BLOCK_T, K]`` in g_raw's dtype, its
     sum over the rows into dbias_part ``[programs, HV, K]`` and the rows' share of d A_log into
     dA_part ``[programs, HV]``."""
     i_t, i_hv, off, m, o_k, m_k = _program_tile(rows, HV, K, BK, BLOCK_T)
-    x, b_gk, b_dx = _gate_tile(g_raw, A_log, dt_bias, lower_bound, i_hv, off, m, o_k, m_k, K, GATE, HAS_BIAS)
+    x, b_gk, b_dx = _gate_tile(g_raw, A_log, dt_bias, lower_bound, i_hv, off, m, o_k, m_k, K, BOUNDED, HAS_A,
+                               HAS_BIAS)
     b_dgk = tl.load(dgk + off, mask=m, other=0.0).to(tl.float32)
     b_dg = b_dgk * b_dx                                                                   # [BLOCK_T, BK]
     tl.store(dg_raw + off, b_dg.to(dg_raw.dtype.element_ty), mask=m)
     tl.store(dbias_part + (i_t * HV + i_hv) * K + o_k, tl.sum(b_dg, 0), mask=m_k)
-    if GATE == 0:
+    if not BOUNDED:
         b_dA = b_dgk * b_gk                                                               # d(-a sp)/dA = gk
     else:
         b_dA = b_dg * x                                                                   # (a x)' = a x
     tl.store(dA_part + i_t * HV + i_hv, tl.sum(tl.sum(b_dA, 1), 0))
-
-
-def _gate_mode(A_log, lower_bound) -> int:
-    if lower_bound is None:
-        return GATE_SOFTPLUS
-    return GATE_BOUNDED if A_log is not None else GATE_BOUNDED_NO_A
 
 
 def _launch_shape(g_raw: torch.Tensor):
@@ -120,12 +110,11 @@ class KdaGate(torch.autograd.Function):
         dt_bias = dt_bias.contiguous() if dt_bias is not None else None
         rows, HV, K, grid, BK = _launch_shape(g_raw)
         gk = torch.empty(g_raw.shape, dtype=torch.float32, device=g_raw.device)
-        mode = _gate_mode(A_log, lower_bound)
         if rows:
             launcher(_gate_kernel)[grid](
                 g_raw, A_log if A_log is not None else gk, dt_bias if dt_bias is not None else gk, gk, rows,
-                float(lower_bound or 0.0), HV=HV, K=K, BK=BK, BLOCK_T=BLOCK_T, GATE=mode,
-                HAS_BIAS=dt_bias is not None, num_warps=WARPS)
+                float(lower_bound or 0.0), HV=HV, K=K, BK=BK, BLOCK_T=BLOCK_T, BOUNDED=lower_bound is not None,
+                HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None, num_warps=WARPS)
         ctx.save_for_backward(g_raw, A_log, dt_bias)
         ctx.lower_bound = lower_bound
         return gk
@@ -142,7 +131,8 @@ class KdaGate(torch.autograd.Function):
             launcher(_gate_grads_kernel)[grid](
                 g_raw, A_log if A_log is not None else dgk, dt_bias if dt_bias is not None else dgk, dgk, dg_raw,
                 dbias_part, dA_part, rows, float(ctx.lower_bound or 0.0), HV=HV, K=K, BK=BK, BLOCK_T=BLOCK_T,
-                GATE=_gate_mode(A_log, ctx.lower_bound), HAS_BIAS=dt_bias is not None, num_warps=WARPS)
+                BOUNDED=ctx.lower_bound is not None, HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None,
+                num_warps=WARPS)
         dA = dA_part.sum(0).to(A_log.dtype) if A_log is not None and ctx.needs_input_grad[1] else None
         dbias = (dbias_part.sum(0).reshape(dt_bias.shape).to(dt_bias.dtype)
                  if dt_bias is not None and ctx.needs_input_grad[2] else None)

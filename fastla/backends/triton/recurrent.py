@@ -34,21 +34,16 @@ import triton
 import triton.language as tl
 
 from fastla.backends.triton import cdiv, next_pow2, sm_count
+from fastla.backends.triton.activations import (
+    BETA_GIVEN, BETA_ONE, BETA_SIGMOID, BETA_SIGMOID2, GATE_GDN, GATE_KDA, GATE_KDA_BOUNDED, GATE_NONE,
+    activate_beta, log_decay,
+)
 from fastla.backends.triton.launch import launcher
 from fastla.core import call_plan
 from fastla.core.problem import Problem
 
-# Gate computed in the op.
-GATE_NONE, GATE_GDN, GATE_KDA, GATE_KDA_BOUNDED = 0, 1, 2, 3
-# Beta handling.
-BETA_ONE, BETA_GIVEN, BETA_SIGMOID, BETA_SIGMOID2 = 0, 1, 2, 3
 # Pool addressing.
 POOL_NONE, POOL_PER_SEQ, POOL_PER_TOKEN = 0, 1, 2
-
-
-@triton.jit
-def _softplus(x):
-    return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
 
 
 @triton.jit
@@ -56,13 +51,13 @@ def token_decay(b_a, b_g, b_gk, b_A, b_bias, b_bias_k, b_gamma, lower_bound, HAS
                 HAS_GK: tl.constexpr, HAS_GAMMA: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr):
     """One token's decay of each key row of the state, ``a = exp(g) * exp(gk)`` [BK], from ``b_a``
     (ones [BK]), the raw scalar gate ``b_g`` and the raw per-key gate ``b_gk`` [BK] (each transformed
-    here when the gate is in the op: core/gates.py has the formulas). Shared by the Triton and the
+    here when the gate is in the op: activations.py). Shared by the Triton and the
     sm_90 decode kernels (backends/gluon/recurrent_sm90.py); unused arguments may be any scalar."""
     if HAS_G:
         if GATE == 1:
             if HAS_BIAS:
                 b_g = b_g + b_bias
-            b_g = -b_A * _softplus(b_g)
+            b_g = log_decay(b_g, b_A, 0.0, False)
         if HAS_GAMMA:
             b_g = b_g + b_gamma
         b_a = b_a * tl.exp(b_g)
@@ -72,10 +67,7 @@ def token_decay(b_a, b_g, b_gk, b_A, b_bias, b_bias_k, b_gamma, lower_bound, HAS
         if GATE >= 2:
             if HAS_BIAS:
                 b_gk = b_gk + b_bias_k
-            if GATE == 2:
-                b_gk = -b_A * _softplus(b_gk)
-            else:
-                b_gk = lower_bound * tl.sigmoid(b_A * b_gk)
+            b_gk = log_decay(b_gk, b_A, lower_bound, GATE == 3)
         b_a = b_a * tl.exp(b_gk)
     return b_a
 
@@ -99,9 +91,7 @@ def token_update(b_h, b_a, b_q, b_k, b_v, b_beta, scale, DELTA: tl.constexpr, BE
     b_hq = tl.sum(b_h * (b_a * b_q)[:, None], 0) * r_q                       # [BV]
     if DELTA:
         if BETA >= 2:
-            b_beta = tl.sigmoid(b_beta)
-        if BETA == 3:
-            b_beta = 2.0 * b_beta
+            b_beta = activate_beta(b_beta, BETA)
         b_u = b_beta * (b_v - b_hk)                                           # [BV]
     else:
         b_u = b_v
