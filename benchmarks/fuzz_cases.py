@@ -4,6 +4,7 @@ chunk-backward.md: delta seed 7 faulted on an H100).
 
     python benchmarks/fuzz_cases.py                 # every variant below, CUDA_LAUNCH_BLOCKING=1
     python benchmarks/fuzz_cases.py delta 7 asis    # one case (what each child runs)
+    python benchmarks/fuzz_cases.py value-tiles     # seed 7 under the value kernel's tiles, and at K 128
 
 A variant of delta seed 7 changes one thing (contiguous inputs, V 64, no initial state, the
 K-first state, allow_neg_eigval off; its forward alone with the chunk states on the Gluon or the
@@ -17,11 +18,13 @@ import sys
 SEED7 = ["fwd-gluon", "fwd-triton", "asis", "contiguous", "v64", "no-h0", "k-first", "no-neg-eigval"]
 ROWS = [("delta", 7, v) for v in SEED7] + [("delta", s, "asis") for s in (8, 9, 10, 11)] + \
        [("plain", s, "asis") for s in range(6)]
+# the fault's second call (an H100: KDA at K 64, V 32 faults in the value kernel, V 64 passes)
+VALUE_TILES = [("delta", 7, v) for v in ("bv16", "warps4", "bv16-warps4", "k128")]
 
 
-def parent():
+def parent(rows):
     env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1")
-    for family, seed, variant in ROWS:
+    for family, seed, variant in rows:
         r = subprocess.run([sys.executable, __file__, family, str(seed), variant], env=env, capture_output=True,
                            text=True, timeout=150)
         lines = (r.stdout + r.stderr).strip().splitlines()
@@ -61,6 +64,15 @@ def child(family: str, seed: int, variant: str):
         t["initial_state"] = t["initial_state"].transpose(-1, -2).contiguous()
     elif variant == "no-neg-eigval":
         opts["allow_neg_eigval"] = False
+    elif variant in ("bv16", "warps4", "bv16-warps4"):     # the value kernel's tile (its fault at V 32)
+        from fastla.backends.triton import chunk_channel_backward as ccb
+        ccb.VALUE_BLOCK_V = 16 if "bv16" in variant else ccb.VALUE_BLOCK_V
+        ccb.VALUE_WARPS = 4 if "warps4" in variant else ccb.VALUE_WARPS
+    elif variant == "k128":
+        t = {n: x.contiguous() for n, x in t.items()}
+        for n in ("q", "k", "g"):
+            t[n] = torch.cat([t[n], t[n]], -1)
+        t["initial_state"] = torch.cat([t["initial_state"], t["initial_state"]], -1)
     try:
         fuzz.triton_backward_against_fp64(op, t, opts, seed, floor=1e-2)
         print("passed")
@@ -69,4 +81,7 @@ def child(family: str, seed: int, variant: str):
 
 
 if __name__ == "__main__":
-    parent() if len(sys.argv) == 1 else child(sys.argv[1], int(sys.argv[2]), sys.argv[3])
+    if len(sys.argv) <= 2:
+        parent(VALUE_TILES if sys.argv[1:] == ["value-tiles"] else ROWS)
+    else:
+        child(sys.argv[1], int(sys.argv[2]), sys.argv[3])

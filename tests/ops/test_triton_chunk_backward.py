@@ -116,6 +116,16 @@ def test_served_where_it_can(device, monkeypatch):
     assert "FASTLA_TRITON_BACKWARD" in dict(dispatch.explain("chunk_kda", pk))["triton"]
 
 
+def test_gpu_faults_declined():
+    """The head sizes whose GPU backward is known to fail (chunk_training.gpu_fault) are named, and
+    only those: KDA at V = 17..32, not KDA at V = 16 or 64 nor GDN at V = 32."""
+    assert "V = 32" in chunk_training.gpu_fault("chunk_kda", 64, 32)
+    assert chunk_training.gpu_fault("chunk_kda", 128, 24) is not None
+    for op, K, V in (("chunk_kda", 64, 64), ("chunk_kda", 16, 16), ("chunk_kda", 128, 128),
+                     ("chunk_gated_delta_rule", 64, 32)):
+        assert chunk_training.gpu_fault(op, K, V) is None, (op, K, V)
+
+
 def check_bf16(op, device, lengths=None, T=400, K=128):
     """bf16 inputs, every activation in the op (tests.helpers.gated_case): every gradient against
     the fp64 reference within FLA-level error (its bf16 forward is ~4e-3 off). A_log's and
