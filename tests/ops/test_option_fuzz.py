@@ -247,9 +247,13 @@ def test_triton_backward_bf16_path_in_interpreter(monkeypatch):
     for module in (chunk_delta, chunk_delta_backward):
         monkeypatch.setattr(module, "interpreting", lambda: False)
     monkeypatch.setattr(chunk_training, "ENABLED", True)
+    seen = []
+    reverse_scan = chunk_delta_backward.reverse_scan
+    monkeypatch.setattr(chunk_delta_backward, "reverse_scan", lambda c, *a, **kw: seen.append(c) or reverse_scan(c, *a, **kw))
     op, t, opts = random_case(7, gpu=True, device="cpu")
     assert op == "kda" and t["q"].dtype == torch.bfloat16
     triton_backward_against_fp64(op, t, opts, 7, floor=1e-2)
+    assert seen and all(c.op_dtype == c.state_dtype == torch.bfloat16 for c in seen)     # (the bf16 path ran)
 
 
 # GLA's backward (behind FASTLA_TRITON_BACKWARD) on an H100: dq 0.39-1.0 from fp64 at K = V = 64

@@ -190,12 +190,13 @@ def test_bf16_narrow_heads_on_gpu(op, K):
 
 
 @pytest.mark.skipif(not interpreting(), reason="the interpreter's products, rounded as a GPU's")
-@pytest.mark.parametrize("op,varlen", [("gdn", False), ("gdn", True), ("kda", True)])
+@pytest.mark.parametrize("op,varlen", [("gdn", False), ("gdn", True)])
 def test_bf16_path_in_interpreter(op, varlen, monkeypatch):
     """The GPU's bf16 path in the interpreter (which otherwise runs the backward on float32
     operands and states): bf16 operands and chunk states (kept by the forward), float32 operands
-    rounded to tf32, casts to bf16 rounded to nearest (tests/interpreter_emulation.py). KDA's dense batch left out (~30 s of CPU; its
-    kernels' dense indexing runs in the other interpreter tests)."""
+    rounded to tf32, casts to bf16 rounded to nearest (tests/interpreter_emulation.py). KDA's
+    bf16 path: test_option_fuzz.py's test_triton_backward_bf16_path_in_interpreter (dense, GVA;
+    its varlen indexing runs in the other interpreter tests)."""
     from triton.runtime.interpreter import InterpreterBuilder
 
     from fastla.backends.triton import chunk_delta_backward
