@@ -72,7 +72,9 @@ def child(family: str, seed: int, variant: str):
         t = {n: x.contiguous() for n, x in t.items()}
         for n in ("q", "k", "g"):
             t[n] = torch.cat([t[n], t[n]], -1)
-        t["initial_state"] = torch.cat([t["initial_state"], t["initial_state"]], -1)
+        if "initial_state" in t:
+            k_axis = -1 if opts["state_v_first"] else -2
+            t["initial_state"] = torch.cat([t["initial_state"], t["initial_state"]], k_axis)
     try:
         fuzz.triton_backward_against_fp64(op, t, opts, seed, floor=1e-2)
         print("passed")

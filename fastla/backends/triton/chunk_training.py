@@ -84,8 +84,9 @@ def reason(p: Problem) -> str | None:
                 % launch.FIXED_PTXAS)
     if p.return_intermediate_states:
         return "inputs require grad with return_intermediate_states (the torch tier differentiates them)"
-    if p.q.is_cuda and gpu_fault(p.op, p.K, p.V):
-        return gpu_fault(p.op, p.K, p.V)
+    fault = gpu_fault(p.op, p.K, p.V) if p.q.is_cuda else None
+    if fault:
+        return fault
     with torch.no_grad():
         return chunk_delta.supports(p)
 
