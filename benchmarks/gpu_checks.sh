@@ -28,8 +28,10 @@
 #   bash benchmarks/gpu_checks.sh fused-gate   # KDA's gate on gate_grads' kernels in training: GPU tests,
 #                                              # gradients and KDA's fwd + bwd kernels off / on (~4 min)
 #   bash benchmarks/gpu_checks.sh fuzz-cases   # the training fuzz's fault: one case a process (~4 min)
+#   bash benchmarks/gpu_checks.sh localize     # KDA's V = 32 fault and GLA's K = V = 64 dq under knobs
+#                                              # and ptxas 12.9 (benchmarks/fuzz_cases.py localize; ~3 min)
 #   bash benchmarks/gpu_checks.sh owed         # on an H200 the table below (issues 3 and 4), elsewhere
-#                                              # fuzz-cases (~4 min)
+#                                              # localize (~3 min)
 #   bash benchmarks/gpu_checks.sh backward-bench # its fwdbwd against FLA on registry shapes (FILTER: which;
 #                                              # two GDN ones by default; FLA's backward compiles for
 #                                              # minutes without a cache: KDA's tunes ~280 s)
@@ -276,13 +278,17 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
     # the training fuzz's cases one process each, blocking launches: which kernel faults on delta
     # seed 7 and under which of its options (benchmarks/fuzz_cases.py; ~4 min)
     timeout 560 python3 benchmarks/fuzz_cases.py ;;
+  localize)
+    # the two backward faults one case a process, under the kernels' knobs and ptxas 12.9: every
+    # gradient's error (benchmarks/fuzz_cases.py localize; ~3 min)
+    timeout 560 python3 benchmarks/fuzz_cases.py localize ;;
   owed)
     # what the open work owes, by the card drawn: on an H200 the table (issues 3 and 4; `unbounded`
-    # in a second call); elsewhere the training fuzz's fault one case a process (fuzz-cases, ~4 min)
+    # in a second call); elsewhere the backward faults under knobs (localize, ~3 min)
     if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
       AB=0 bash benchmarks/gpu_checks.sh table
     else
-      bash benchmarks/gpu_checks.sh fuzz-cases
+      bash benchmarks/gpu_checks.sh localize
     fi ;;
   backward-bench)
     FASTLA_TRITON_BACKWARD=1 timeout 560 python3 -m fastla bench --filter "${FILTER:-gdn/h16-hv32/1x8192,gdn/h2-hv8/1x8192}" \
