@@ -30,8 +30,11 @@
 #   bash benchmarks/gpu_checks.sh fuzz-cases   # the training fuzz's fault: one case a process (~4 min)
 #   bash benchmarks/gpu_checks.sh localize     # KDA's V = 32 fault and GLA's K = V = 64 dq under knobs
 #                                              # and ptxas 12.9 (benchmarks/fuzz_cases.py localize; ~3 min)
+#   bash benchmarks/gpu_checks.sh value-fix    # the channel value kernel's fix: the backward's GPU tests
+#                                              # and fuzz, GLA's with the plain rule on, KDA's kernel
+#                                              # times (~5 min)
 #   bash benchmarks/gpu_checks.sh owed         # on an H200 the table below (issues 3 and 4), elsewhere
-#                                              # localize (~3 min)
+#                                              # value-fix (~5 min)
 #   bash benchmarks/gpu_checks.sh backward-bench # its fwdbwd against FLA on registry shapes (FILTER: which;
 #                                              # two GDN ones by default; FLA's backward compiles for
 #                                              # minutes without a cache: KDA's tunes ~280 s)
@@ -282,13 +285,21 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
     # the two backward faults one case a process, under the kernels' knobs and ptxas 12.9: every
     # gradient's error (benchmarks/fuzz_cases.py localize; ~3 min)
     timeout 560 python3 benchmarks/fuzz_cases.py localize ;;
+  value-fix)
+    # the channel value kernel's products started from its first tile and its 12.9 build
+    # (docs/notes/chunk-backward.md): the backward's GPU tests with every op on (GLA's, Simple
+    # GLA's and Lightning's included) and the training fuzz side by side, then KDA's kernel times
+    FASTLA_TRITON_BACKWARD=1 bg 270 tests/ops/test_triton_chunk_backward.py -m "" -k "not cpu"
+    bg 270 tests/ops/test_option_fuzz.py -m "" -k backward_against_fp64_on_gpu; show
+    FLA=0 TOP=8 timeout 60 python3 benchmarks/backward_profile.py kda/h64/1x8192 2>&1 | grep -v -E "Warn|_warn_once" | tail -9
+    ;;
   owed)
     # what the open work owes, by the card drawn: on an H200 the table (issues 3 and 4; `unbounded`
-    # in a second call); elsewhere the backward faults under knobs (localize, ~3 min)
+    # in a second call); elsewhere the value kernel's fix (value-fix, ~5 min)
     if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
       AB=0 bash benchmarks/gpu_checks.sh table
     else
-      bash benchmarks/gpu_checks.sh localize
+      bash benchmarks/gpu_checks.sh value-fix
     fi ;;
   backward-bench)
     FASTLA_TRITON_BACKWARD=1 timeout 560 python3 -m fastla bench --filter "${FILTER:-gdn/h16-hv32/1x8192,gdn/h2-hv8/1x8192}" \

@@ -221,6 +221,14 @@ GDN_KERNELS = {
                             dict(BV=32), 8, 1),
     "bwd-kda-key-grads": ("chunk_channel_backward._channel_key_grads_kernel", CHANNEL_BWD_POINTERS,
                           dict(BK=32, BV=32), 4, 1),
+    # (the value kernel where it once went wrong: GLA at K = V = 64, two tiles, whose products ptxas
+    # dropped; KDA at V = 32, one tile, which CUDA 12.8's build faulted)
+    "bwd-gla-value-grads-k64": ("chunk_channel_backward._channel_value_grads_kernel", CHANNEL_BWD_POINTERS,
+                                dict(K=64, V=64, BK=64, BV=32, DELTA=False, VARLEN=True, HV=3), 8, 1),
+    "bwd-kda-value-grads-v32": ("chunk_channel_backward._channel_value_grads_kernel", CHANNEL_BWD_POINTERS,
+                                dict(K=64, V=32, BK=64, BV=32, VARLEN=True, HV=4), 8, 1),
+    "bwd-gla-key-grads-k64": ("chunk_channel_backward._channel_key_grads_kernel", CHANNEL_BWD_POINTERS,
+                              dict(K=64, V=64, BK=32, BV=32, DELTA=False, VARLEN=True, H=3, HV=3), 4, 1),
     # (its diagonal blocks on fp32 products where their span allows, else a row and a column at a
     # time; the loops alone, SCORE_DIAGONAL_PRODUCTS off)
     "bwd-kda-score-grads": ("chunk_channel_backward._channel_score_grads_kernel", CHANNEL_BWD_POINTERS,
@@ -281,6 +289,9 @@ def _child_gdn(name: str, folder: str) -> None:
     path = pathlib.Path(folder) / "k.cubin"
     sass = subprocess.run([str(tool), "-sass", str(path)], capture_output=True, text=True, check=True).stdout
     res["hgmma"] = sass.count("HGMMA")
+    # (ptxas's placeholder for a warpgroup's products it removed: no descriptor, no registers)
+    res["hgmma_placeholders"] = len(re.findall(r"HGMMA\S* RZ, gdesc\[URZ\]", sass))
+    res["wgmma"] = kernel.asm["ptx"].count("wgmma.mma_async")
     res["hmma"] = sass.count("HMMA")
     res["shared_bytes"] = kernel.metadata.shared
     print(json.dumps(res))
@@ -310,6 +321,10 @@ def test_gdn_chunk_kernels_compile_for_sm90(name, tmp_path):
         # (the backward's score kernels: [16, BT] x [BT, 16] products per 16-token block)
         small = name in ("inverse", "kda-inverse", "kda-inverse-beta-cols") or name.startswith(("kda-prepare", "bwd-kda-score", "bwd-gla-score"))
         assert (res["hmma"] if small else res["hgmma"]) > 0, res
+    # every product the PTX asks for is in the SASS (ptxas may copy some, never drops one): ptxas
+    # 12.8 and 12.9 both dropped the GLA value kernel's (K = V = 64: two tiles unrolled, their sums
+    # zero-initialised, then masked), which left dA_qk zero (docs/notes/chunk-backward.md)
+    assert res["hgmma_placeholders"] == 0 and res["hgmma"] >= res["wgmma"], res
     assert res["shared_bytes"] <= 227 * 1024, res
     assert res["LOCAL"] == 0, res
     assert res["STACK"] <= KNOWN_STACK.get(name, 0), res

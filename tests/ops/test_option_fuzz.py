@@ -256,25 +256,14 @@ def test_triton_backward_bf16_path_in_interpreter(monkeypatch):
     assert seen and all(c.op_dtype == c.state_dtype == torch.bfloat16 for c in seen)     # (the bf16 path ran)
 
 
-# GLA's backward (behind FASTLA_TRITON_BACKWARD) on an H100: dq 0.39-1.0 from fp64 at K = V = 64
-# (plain seeds 1-3), right at K 64, V 128 (seed 4); docs/notes/chunk-backward.md
-_GLA_WRONG = pytest.mark.xfail(strict=True, reason="GLA's GPU backward at K = V = 64: dq wrong (off by default)")
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("family,seed", [("delta", s) for s in range(12)] + [
-    pytest.param("plain", s, marks=_GLA_WRONG if s in (1, 2, 3) else ()) for s in range(6)])
+@pytest.mark.parametrize("family,seed", [("delta", s) for s in range(12)] + [("plain", s) for s in range(6)])
 def test_triton_backward_against_fp64_on_gpu(family, seed, monkeypatch):
-    """The GPU's bf16 backward (bf16 operands and chunk states) on the Gluon cases' shapes; the
-    head sizes the training path declines on the GPU (chunk_training.gpu_fault) go to the torch
-    tier, which the other tests check: skipped here, saying why."""
+    """The GPU's bf16 backward (bf16 operands and chunk states) on the Gluon cases' shapes."""
     from tests.helpers import poison
 
     op, t, opts = CASES[family](seed, gpu=True)
-    declined = chunk_training.gpu_fault(OPS[op].__name__, t["k"].shape[-1], t["v"].shape[-1])
-    if declined:
-        pytest.skip(declined)
     poison()
     monkeypatch.setattr(chunk_training, "ENABLED", True)
     triton_backward_against_fp64(op, t, opts, seed, floor=1e-2)

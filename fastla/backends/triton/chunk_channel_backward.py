@@ -19,7 +19,10 @@ The backward:
 2. chunk_delta_backward's reverse scan with GK: dS' per chunk, R = P^T dV_new, dh0;
 3. ``_channel_value_grads_kernel``, grid ``(chunks, HV)``: dv = diag(beta) R, V_new (scratch),
    dA_qk = causal(dO V_new^T) and dA = -strict(R V_new^T) (scratch, ``[BT, BT]`` a token row),
-   dbeta's rowsum(R * X);
+   dbeta's rowsum(R * X); its sums over the value tiles start from the first tile's products:
+   from zero-initialised accumulators, at two tiles (GLA, K = V = 64) LLVM unrolled the loop and
+   ptxas (12.8 and 12.9) dropped every product, leaving dA_qk zero; assembled by ptxas 12.9
+   (``launch.newer_ptxas``), 12.8's build faulting at K 64, V 32 (docs/notes/chunk-backward.md);
 4. ``_channel_key_grads_kernel``, grid ``(chunks, HV, K / BK)``: the state terms through qg, kg, kd
    and decay: d(qg) = dO S^T, d(kg) = -diag(beta) R S^T, d(kd) = V_new dS'^T, d(decay) = rowsum(S * dS'),
    into dq, dk and dG (G_last's share on the chunk's last token);
@@ -38,7 +41,9 @@ dq and dk are per value head (float32), summed per q/k head by qk_grads.input_gr
 Rows past a sequence's end take G_last as their G, and the reference rows are clamped to the last
 valid one, so that no exponent of a masked entry is positive (inf times zero).
 On by default for KDA, behind FASTLA_TRITON_BACKWARD=1 for GLA (``chunk_training.ENABLED``): on an
-H100 KDA's bf16 cases pass at K = V = 16, 64 and 128 (docs/notes/chunk-backward.md).
+H100 KDA's bf16 cases pass at K = V = 16, 64 and 128 (docs/notes/chunk-backward.md); the training
+fuzz's KDA cases at V = 32 and GLA's at K = V = 64 passed with the value kernel's two fixes as
+knobs (ptxas 12.9; one 64-column tile), not yet in this form.
 """
 from __future__ import annotations
 
@@ -48,7 +53,7 @@ import triton.language as tl
 
 from fastla.backends.triton import cdiv, chunk_delta_backward, chunk_prepare_kda, next_pow2
 from fastla.backends.triton.chunk_index import BT, _chunk
-from fastla.backends.triton.launch import launcher
+from fastla.backends.triton.launch import launcher, newer_ptxas
 from fastla.backends.triton.activations import BETA_GIVEN
 from fastla.core import call_plan
 from fastla.core.problem import Problem
@@ -99,6 +104,37 @@ def _channel_cumsum_kernel(
     tl.store(out + off, b_y, mask=m)
 
 
+@triton.jit
+def _value_tile(v, h, do, r_in, vn_out, dv, b_kg, b_beta, b_P, base, chunk_state, v0, r, o_k, m_t, m_k,
+                HV: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr,
+                DELTA: tl.constexpr):
+    """One tile of BV value columns from ``v0`` (DELTA: kg, beta and P of the chunk given): stores
+    dv (and V_new); returns V_new, dO and R as product operands ``[BT, BV]`` and rowsum(R * X)
+    ``[BT]`` (DELTA False: V_new = v, dv = R, zeros)."""
+    o_v = v0 + tl.arange(0, BV)
+    m_v = o_v < V
+    m_tv = m_t[:, None] & m_v[None, :]
+    off_v = r[:, None] * (HV * V) + o_v[None, :]
+    b_v = tl.load(v + base * V + off_v, mask=m_tv, other=0.0).to(tl.float32)                     # [BT, BV]
+    b_do = tl.load(do + base * V + off_v, mask=m_tv, other=0.0).to(DOT)
+    b_r = tl.load(r_in + base * V + off_v, mask=m_tv, other=0.0)
+    if DELTA:
+        b_S = tl.load(h + chunk_state + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :],
+                      other=0.0).to(DOT)                                                          # [BK, BV]
+        b_x = b_v - tl.dot(b_kg, b_S)                                                             # X
+        b_vn = tl.dot(b_P, (b_beta[:, None] * b_x).to(DOT))                                       # V_new
+        b_dx = b_beta[:, None] * b_r
+        tl.store(vn_out + base * V + off_v, b_vn.to(vn_out.dtype.element_ty), mask=m_tv)
+        b_db = tl.sum(b_r * b_x, 1)
+    else:
+        b_vn = b_v
+        b_dx = b_r
+        b_db = tl.zeros([BT], dtype=tl.float32)
+    tl.store(dv + base * V + off_v, b_dx.to(dv.dtype.element_ty), mask=m_tv)
+    return b_vn.to(DOT), b_do, b_r.to(DOT), b_db
+
+
+@newer_ptxas                                    # CUDA 12.8's build faults at K 64, V 32 on an H100 (docstring)
 @triton.jit(do_not_specialize=["T", "NT"])     # as chunk_delta._scan_kernel
 def _channel_value_grads_kernel(
     kg, v, beta, p_in, h, dh_chunks, do, r_in, vn_out, dqk_out, dkk_out, dv, dbeta, cu_seqlens, chunk_index,
@@ -108,7 +144,8 @@ def _channel_value_grads_kernel(
     DELTA: tl.constexpr,
 ):
     """Program (chunk, value head), the value columns in tiles of BV: dv, V_new, dA_qk, dA and
-    dbeta's rowsum(R * X) (DELTA False: dv = R, V_new = v, no dA nor dbeta)."""
+    dbeta's rowsum(R * X) (DELTA False: dv = R, V_new = v, no dA nor dbeta). The first tile's
+    products start the sums (no zero-initialised accumulator: the docstring)."""
     i_c = tl.program_id(0).to(tl.int64)
     i_hv = tl.program_id(1)
     i_n, c, bos, eos = _chunk(chunk_index, cu_seqlens, i_c, T, NT, VARLEN)
@@ -118,44 +155,31 @@ def _channel_value_grads_kernel(
     o_k = tl.arange(0, BK)
     m_t = r < eos - t0
     m_k = o_k < K
-    lower_blocks = r[None, :] // 16 <= r[:, None] // 16                     # (P: zero above its diagonal)
-    off_p = r[:, None] * (HV * BT) + r[None, :]                             # [BT, BT] in P
     off_pT = r[None, :] * (HV * BT) + r[:, None]                            # the scratch, transposed tiles
     if DELTA:
+        lower_blocks = r[None, :] // 16 <= r[:, None] // 16                 # (P: zero above its diagonal)
         b_kg = tl.load(kg + base * K + r[:, None] * (HV * K) + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
                        other=0.0).to(DOT)                                                         # [BT, BK]
         b_beta = tl.load(beta + base + r * HV, mask=m_t, other=0.0)
-        b_P = tl.load(p_in + base * BT + off_p, mask=m_t[:, None] & lower_blocks, other=0.0).to(DOT)      # [BT, BT]
+        b_P = tl.load(p_in + base * BT + r[:, None] * (HV * BT) + r[None, :], mask=m_t[:, None] & lower_blocks,
+                      other=0.0).to(DOT)                                                          # [BT, BT]
+    else:
+        b_kg, b_beta, b_P = 0.0, 0.0, 0.0
     chunk_state = (i_c * HV + i_hv) * K * V
     # held transposed (row j, column i): tl.trans of a product's result (V_new) fed to another
     # product miscompiles on Hopper (GLUON.md)
-    b_dAqkT = tl.zeros([BT, BT], dtype=tl.float32)      # (dO V_new^T)^T
-    b_RVT = tl.zeros([BT, BT], dtype=tl.float32)        # (R V_new^T)^T
-    b_db = tl.zeros([BT], dtype=tl.float32)             # rowsum(R * X)
-    for v0 in range(0, V, BV):
-        o_v = v0 + tl.arange(0, BV)
-        m_v = o_v < V
-        m_tv = m_t[:, None] & m_v[None, :]
-        off_v = r[:, None] * (HV * V) + o_v[None, :]
-        b_v = tl.load(v + base * V + off_v, mask=m_tv, other=0.0).to(tl.float32)                 # [BT, BV]
-        b_do = tl.load(do + base * V + off_v, mask=m_tv, other=0.0).to(DOT)
-        b_r = tl.load(r_in + base * V + off_v, mask=m_tv, other=0.0)
-        if DELTA:
-            b_S = tl.load(h + chunk_state + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :],
-                          other=0.0).to(DOT)                                                      # [BK, BV]
-            b_x = b_v - tl.dot(b_kg, b_S)                                                         # X
-            b_vn = tl.dot(b_P, (b_beta[:, None] * b_x).to(DOT))                                   # V_new
-            b_dx = b_beta[:, None] * b_r
-            tl.store(vn_out + base * V + off_v, b_vn.to(vn_out.dtype.element_ty), mask=m_tv)
-        else:
-            b_vn = b_v
-            b_dx = b_r
-        tl.store(dv + base * V + off_v, b_dx.to(dv.dtype.element_ty), mask=m_tv)
-        b_vnd = b_vn.to(DOT)
+    b_vnd, b_do, b_rd, b_db = _value_tile(v, h, do, r_in, vn_out, dv, b_kg, b_beta, b_P, base, chunk_state, 0, r, o_k,
+                                          m_t, m_k, HV, V, BT, BV, DOT, DELTA)
+    b_dAqkT = tl.dot(b_vnd, tl.trans(b_do))             # (dO V_new^T)^T  [BT, BT]
+    if DELTA:
+        b_RVT = tl.dot(b_vnd, tl.trans(b_rd))           # (R V_new^T)^T
+    for v0 in range(BV, V, BV):
+        b_vnd, b_do, b_rd, b_dbt = _value_tile(v, h, do, r_in, vn_out, dv, b_kg, b_beta, b_P, base, chunk_state, v0,
+                                               r, o_k, m_t, m_k, HV, V, BT, BV, DOT, DELTA)
         b_dAqkT += tl.dot(b_vnd, tl.trans(b_do))
         if DELTA:
-            b_RVT += tl.dot(b_vnd, tl.trans(b_r.to(DOT)))
-            b_db += tl.sum(b_r * b_x, 1)
+            b_RVT += tl.dot(b_vnd, tl.trans(b_rd))
+            b_db += b_dbt
     upper = r[:, None] <= r[None, :]                                        # j <= i
     tl.store(dqk_out + base * BT + off_pT, tl.where(upper, b_dAqkT, 0.0).to(dqk_out.dtype.element_ty),
              mask=m_t[None, :])

@@ -24,11 +24,12 @@ chunk_delta_backward and the state terms of dG moved to the key kernel), eager (
 kernels) 3.05 ms against FLA's 3.94 in one process (``python -m fastla bench --modes fwdbwd``);
 KDA's at B1 T8192 H64 11.8 ms of kernels, 3.1 of them the score-gradient kernel's (22.8 and 12.2
 before its diagonal blocks went on products, 13.75 before FUSED_KDA_GATE; FLA not compared). None of it has run on an H200.
-On an H100 the training fuzz (tests/ops/test_option_fuzz.py) found KDA at K = 64, V = 32 faulting in
-the value-gradient kernel (an illegal memory access; V 64 passes): such calls on a GPU decline
-(``gpu_fault``) and the torch tier serves them. The plain rule's bf16 cases there: Simple GLA and
-Lightning passed, GLA's dq is wrong at K = V = 64 (0.39-1.0 from fp64; right at K 64, V 128), so
-they stay behind the switch (docs/notes/chunk-backward.md).
+On an H100 the training fuzz (tests/ops/test_option_fuzz.py) found two faults of the value-gradient
+kernel (chunk_channel_backward.py), both fixed: KDA at K = 64, V = 32 faulted under CUDA 12.8's
+ptxas (12.9 assembles it now), and GLA's dq was wrong at K = V = 64, ptxas having dropped the
+kernel's products (its sums now start from the first tile's; tests/backends/test_triton_sm90.py
+checks every product reaches the SASS). The plain rule stays behind the switch until its GPU cases
+have run with the fix (docs/notes/chunk-backward.md).
 """
 from __future__ import annotations
 
@@ -59,18 +60,6 @@ FUSED_KDA_GATE = True
 OPS = ("chunk_gated_delta_rule", "chunk_kda", "chunk_gla", "chunk_simple_gla", "chunk_lightning_attn")
 
 
-def gpu_fault(op: str, K: int, V: int) -> str | None:
-    """Why the backward declines a GPU call of these head sizes, where it is known to fail; None
-    elsewhere. KDA at V = 17..32 (one 32-column tile of the value-gradient kernel): an illegal
-    memory access in ``chunk_channel_backward._channel_value_grads_kernel`` on an H100 at K = 64
-    (the training fuzz's delta seeds 7, 9 and 11), while V = 16 and 64 pass and the CPU
-    interpreter, bounds-checked, finds every access in bounds (docs/notes/chunk-backward.md)."""
-    if op == "chunk_kda" and 16 < V <= 32:
-        return (f"inputs require grad: KDA's Triton backward faults on the GPU at V = {V} (its value-gradient "
-                "kernel's one 32-column tile; an illegal memory access on an H100); the torch tier has autograd")
-    return None
-
-
 def reason(p: Problem) -> str | None:
     """None when this path serves ``p`` (a call that needs gradients), else why not."""
     if p.op not in OPS:
@@ -84,9 +73,6 @@ def reason(p: Problem) -> str | None:
                 % launch.FIXED_PTXAS)
     if p.return_intermediate_states:
         return "inputs require grad with return_intermediate_states (the torch tier differentiates them)"
-    fault = gpu_fault(p.op, p.K, p.V) if p.q.is_cuda else None
-    if fault:
-        return fault
     with torch.no_grad():
         return chunk_delta.supports(p)
 
