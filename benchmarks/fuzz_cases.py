@@ -14,7 +14,8 @@ are. A knob variant ``NAME=value[,NAME=value]`` sets module constants of chunk_c
 chunk_delta_backward or chunk_training (the first that has the name; ``SAVE_STATES=0``: the
 backward recomputes the chunk states), ``ptxas129=value,key,...`` marks those kernels of
 chunk_channel_backward (``all``: every one) to be assembled by ptxas 12.9 (launch.newer_ptxas; the
-reverse scan, GDN's value and key kernels and the channel value kernel are). A row: the
+reverse scan and GDN's value and key kernels are, the channel kernels are not). The rows ran before
+the value kernel's tiles changed (chunk_channel_backward.value_block): its knob rows now differ. A row: the
 variant, its exit status, its last line (every output's and gradient's error against fp64, the
 torch tier's in brackets, ``!`` past the fuzz's bound) and, for a failure, the last fastla frames
 (with blocking launches, the faulting launch's)."""

@@ -221,12 +221,14 @@ GDN_KERNELS = {
                             dict(BV=32), 8, 1),
     "bwd-kda-key-grads": ("chunk_channel_backward._channel_key_grads_kernel", CHANNEL_BWD_POINTERS,
                           dict(BK=32, BV=32), 4, 1),
-    # (the value kernel where it once went wrong: GLA at K = V = 64, two tiles, whose products ptxas
-    # dropped; KDA at V = 32, one tile, which CUDA 12.8's build faulted)
+    # (the value kernel's tiles where others went wrong on an H100, chunk_channel_backward.value_block:
+    # GLA in one tile, at K = V = 64 and 128; KDA at V = 32 in 16-column ones)
     "bwd-gla-value-grads-k64": ("chunk_channel_backward._channel_value_grads_kernel", CHANNEL_BWD_POINTERS,
-                                dict(K=64, V=64, BK=64, BV=32, DELTA=False, VARLEN=True, HV=3), 8, 1),
+                                dict(K=64, V=64, BK=64, BV=64, DELTA=False, VARLEN=True, HV=3), 8, 1),
+    "bwd-gla-value-grads": ("chunk_channel_backward._channel_value_grads_kernel", CHANNEL_BWD_POINTERS,
+                            dict(BV=128, DELTA=False), 8, 1),
     "bwd-kda-value-grads-v32": ("chunk_channel_backward._channel_value_grads_kernel", CHANNEL_BWD_POINTERS,
-                                dict(K=64, V=32, BK=64, BV=32, VARLEN=True, HV=4), 8, 1),
+                                dict(K=64, V=32, BK=64, BV=16, VARLEN=True, HV=4), 8, 1),
     "bwd-gla-key-grads-k64": ("chunk_channel_backward._channel_key_grads_kernel", CHANNEL_BWD_POINTERS,
                               dict(K=64, V=64, BK=32, BV=32, DELTA=False, VARLEN=True, H=3, HV=3), 4, 1),
     # (its diagonal blocks on fp32 products where their span allows, else a row and a column at a
@@ -322,8 +324,9 @@ def test_gdn_chunk_kernels_compile_for_sm90(name, tmp_path):
         small = name in ("inverse", "kda-inverse", "kda-inverse-beta-cols") or name.startswith(("kda-prepare", "bwd-kda-score", "bwd-gla-score"))
         assert (res["hmma"] if small else res["hgmma"]) > 0, res
     # every product the PTX asks for is in the SASS (ptxas may copy some, never drops one): ptxas
-    # 12.8 and 12.9 both dropped the GLA value kernel's (K = V = 64: two tiles unrolled, their sums
-    # zero-initialised, then masked), which left dA_qk zero (docs/notes/chunk-backward.md)
+    # 12.8 and 12.9 both dropped the GLA value kernel's at K = V = 64 in two 32-column tiles (the
+    # loop unrolled, its sums zero-initialised, then masked), which left dA_qk zero
+    # (docs/notes/chunk-backward.md)
     assert res["hgmma_placeholders"] == 0 and res["hgmma"] >= res["wgmma"], res
     assert res["shared_bytes"] <= 227 * 1024, res
     assert res["LOCAL"] == 0, res

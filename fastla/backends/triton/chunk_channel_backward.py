@@ -19,10 +19,7 @@ The backward:
 2. chunk_delta_backward's reverse scan with GK: dS' per chunk, R = P^T dV_new, dh0;
 3. ``_channel_value_grads_kernel``, grid ``(chunks, HV)``: dv = diag(beta) R, V_new (scratch),
    dA_qk = causal(dO V_new^T) and dA = -strict(R V_new^T) (scratch, ``[BT, BT]`` a token row),
-   dbeta's rowsum(R * X); its sums over the value tiles start from the first tile's products:
-   from zero-initialised accumulators, at two tiles (GLA, K = V = 64) LLVM unrolled the loop and
-   ptxas (12.8 and 12.9) dropped every product, leaving dA_qk zero; assembled by ptxas 12.9
-   (``launch.newer_ptxas``), 12.8's build faulting at K 64, V 32 (docs/notes/chunk-backward.md);
+   dbeta's rowsum(R * X);
 4. ``_channel_key_grads_kernel``, grid ``(chunks, HV, K / BK)``: the state terms through qg, kg, kd
    and decay: d(qg) = dO S^T, d(kg) = -diag(beta) R S^T, d(kd) = V_new dS'^T, d(decay) = rowsum(S * dS'),
    into dq, dk and dG (G_last's share on the chunk's last token);
@@ -41,9 +38,9 @@ dq and dk are per value head (float32), summed per q/k head by qk_grads.input_gr
 Rows past a sequence's end take G_last as their G, and the reference rows are clamped to the last
 valid one, so that no exponent of a masked entry is positive (inf times zero).
 On by default for KDA, behind FASTLA_TRITON_BACKWARD=1 for GLA (``chunk_training.ENABLED``): on an
-H100 KDA's bf16 cases pass at K = V = 16, 64 and 128 (docs/notes/chunk-backward.md); the training
-fuzz's KDA cases at V = 32 and GLA's at K = V = 64 passed with the value kernel's two fixes as
-knobs (ptxas 12.9; one 64-column tile), not yet in this form.
+H100 KDA's bf16 cases pass at K = V = 16, 64 and 128 (docs/notes/chunk-backward.md), and the
+value kernel's tiles (``value_block``) are those that passed the training fuzz's KDA K 64 V 32 and
+GLA K = V = 64 cases there.
 """
 from __future__ import annotations
 
@@ -53,7 +50,7 @@ import triton.language as tl
 
 from fastla.backends.triton import cdiv, chunk_delta_backward, chunk_prepare_kda, next_pow2
 from fastla.backends.triton.chunk_index import BT, _chunk
-from fastla.backends.triton.launch import launcher, newer_ptxas
+from fastla.backends.triton.launch import launcher
 from fastla.backends.triton.activations import BETA_GIVEN
 from fastla.core import call_plan
 from fastla.core.problem import Problem
@@ -62,7 +59,8 @@ from fastla.core.problem import Problem
 # kernel 163 registers (8 warps), the key kernel 136 (4 warps), the score kernel 244 at 4 warps
 # (KDA, no stack). KDA's kernels timed on an H100 at kda/h64/1x8192 (benchmarks/backward_profile.py,
 # docs/notes/chunk-backward.md): score 3.1 ms, key 2.0, reverse scan 1.3, value 1.2
-VALUE_BLOCK_V = 32      # value columns per tile of _channel_value_grads_kernel
+VALUE_BLOCK_V = 32      # value columns per tile of _channel_value_grads_kernel (KDA past V = 32: value_block)
+NARROW_VALUE_BLOCK_V = 16   # the same for KDA at V <= 32
 KEY_BLOCK_K = 32        # key columns per program of _channel_key_grads_kernel
 SCORE_BLOCK_K = 32      # key columns per step of _channel_score_grads_kernel
 VALUE_WARPS = 8
@@ -104,37 +102,6 @@ def _channel_cumsum_kernel(
     tl.store(out + off, b_y, mask=m)
 
 
-@triton.jit
-def _value_tile(v, h, do, r_in, vn_out, dv, b_kg, b_beta, b_P, base, chunk_state, v0, r, o_k, m_t, m_k,
-                HV: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr,
-                DELTA: tl.constexpr):
-    """One tile of BV value columns from ``v0`` (DELTA: kg, beta and P of the chunk given): stores
-    dv (and V_new); returns V_new, dO and R as product operands ``[BT, BV]`` and rowsum(R * X)
-    ``[BT]`` (DELTA False: V_new = v, dv = R, zeros)."""
-    o_v = v0 + tl.arange(0, BV)
-    m_v = o_v < V
-    m_tv = m_t[:, None] & m_v[None, :]
-    off_v = r[:, None] * (HV * V) + o_v[None, :]
-    b_v = tl.load(v + base * V + off_v, mask=m_tv, other=0.0).to(tl.float32)                     # [BT, BV]
-    b_do = tl.load(do + base * V + off_v, mask=m_tv, other=0.0).to(DOT)
-    b_r = tl.load(r_in + base * V + off_v, mask=m_tv, other=0.0)
-    if DELTA:
-        b_S = tl.load(h + chunk_state + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :],
-                      other=0.0).to(DOT)                                                          # [BK, BV]
-        b_x = b_v - tl.dot(b_kg, b_S)                                                             # X
-        b_vn = tl.dot(b_P, (b_beta[:, None] * b_x).to(DOT))                                       # V_new
-        b_dx = b_beta[:, None] * b_r
-        tl.store(vn_out + base * V + off_v, b_vn.to(vn_out.dtype.element_ty), mask=m_tv)
-        b_db = tl.sum(b_r * b_x, 1)
-    else:
-        b_vn = b_v
-        b_dx = b_r
-        b_db = tl.zeros([BT], dtype=tl.float32)
-    tl.store(dv + base * V + off_v, b_dx.to(dv.dtype.element_ty), mask=m_tv)
-    return b_vn.to(DOT), b_do, b_r.to(DOT), b_db
-
-
-@newer_ptxas                                    # CUDA 12.8's build faults at K 64, V 32 on an H100 (docstring)
 @triton.jit(do_not_specialize=["T", "NT"])     # as chunk_delta._scan_kernel
 def _channel_value_grads_kernel(
     kg, v, beta, p_in, h, dh_chunks, do, r_in, vn_out, dqk_out, dkk_out, dv, dbeta, cu_seqlens, chunk_index,
@@ -144,8 +111,7 @@ def _channel_value_grads_kernel(
     DELTA: tl.constexpr,
 ):
     """Program (chunk, value head), the value columns in tiles of BV: dv, V_new, dA_qk, dA and
-    dbeta's rowsum(R * X) (DELTA False: dv = R, V_new = v, no dA nor dbeta). The first tile's
-    products start the sums (no zero-initialised accumulator: the docstring)."""
+    dbeta's rowsum(R * X) (DELTA False: dv = R, V_new = v, no dA nor dbeta)."""
     i_c = tl.program_id(0).to(tl.int64)
     i_hv = tl.program_id(1)
     i_n, c, bos, eos = _chunk(chunk_index, cu_seqlens, i_c, T, NT, VARLEN)
@@ -155,31 +121,44 @@ def _channel_value_grads_kernel(
     o_k = tl.arange(0, BK)
     m_t = r < eos - t0
     m_k = o_k < K
+    lower_blocks = r[None, :] // 16 <= r[:, None] // 16                     # (P: zero above its diagonal)
+    off_p = r[:, None] * (HV * BT) + r[None, :]                             # [BT, BT] in P
     off_pT = r[None, :] * (HV * BT) + r[:, None]                            # the scratch, transposed tiles
     if DELTA:
-        lower_blocks = r[None, :] // 16 <= r[:, None] // 16                 # (P: zero above its diagonal)
         b_kg = tl.load(kg + base * K + r[:, None] * (HV * K) + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
                        other=0.0).to(DOT)                                                         # [BT, BK]
         b_beta = tl.load(beta + base + r * HV, mask=m_t, other=0.0)
-        b_P = tl.load(p_in + base * BT + r[:, None] * (HV * BT) + r[None, :], mask=m_t[:, None] & lower_blocks,
-                      other=0.0).to(DOT)                                                          # [BT, BT]
-    else:
-        b_kg, b_beta, b_P = 0.0, 0.0, 0.0
+        b_P = tl.load(p_in + base * BT + off_p, mask=m_t[:, None] & lower_blocks, other=0.0).to(DOT)      # [BT, BT]
     chunk_state = (i_c * HV + i_hv) * K * V
     # held transposed (row j, column i): tl.trans of a product's result (V_new) fed to another
     # product miscompiles on Hopper (GLUON.md)
-    b_vnd, b_do, b_rd, b_db = _value_tile(v, h, do, r_in, vn_out, dv, b_kg, b_beta, b_P, base, chunk_state, 0, r, o_k,
-                                          m_t, m_k, HV, V, BT, BV, DOT, DELTA)
-    b_dAqkT = tl.dot(b_vnd, tl.trans(b_do))             # (dO V_new^T)^T  [BT, BT]
-    if DELTA:
-        b_RVT = tl.dot(b_vnd, tl.trans(b_rd))           # (R V_new^T)^T
-    for v0 in range(BV, V, BV):
-        b_vnd, b_do, b_rd, b_dbt = _value_tile(v, h, do, r_in, vn_out, dv, b_kg, b_beta, b_P, base, chunk_state, v0,
-                                               r, o_k, m_t, m_k, HV, V, BT, BV, DOT, DELTA)
+    b_dAqkT = tl.zeros([BT, BT], dtype=tl.float32)      # (dO V_new^T)^T
+    b_RVT = tl.zeros([BT, BT], dtype=tl.float32)        # (R V_new^T)^T
+    b_db = tl.zeros([BT], dtype=tl.float32)             # rowsum(R * X)
+    for v0 in range(0, V, BV):
+        o_v = v0 + tl.arange(0, BV)
+        m_v = o_v < V
+        m_tv = m_t[:, None] & m_v[None, :]
+        off_v = r[:, None] * (HV * V) + o_v[None, :]
+        b_v = tl.load(v + base * V + off_v, mask=m_tv, other=0.0).to(tl.float32)                 # [BT, BV]
+        b_do = tl.load(do + base * V + off_v, mask=m_tv, other=0.0).to(DOT)
+        b_r = tl.load(r_in + base * V + off_v, mask=m_tv, other=0.0)
+        if DELTA:
+            b_S = tl.load(h + chunk_state + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :],
+                          other=0.0).to(DOT)                                                      # [BK, BV]
+            b_x = b_v - tl.dot(b_kg, b_S)                                                         # X
+            b_vn = tl.dot(b_P, (b_beta[:, None] * b_x).to(DOT))                                   # V_new
+            b_dx = b_beta[:, None] * b_r
+            tl.store(vn_out + base * V + off_v, b_vn.to(vn_out.dtype.element_ty), mask=m_tv)
+        else:
+            b_vn = b_v
+            b_dx = b_r
+        tl.store(dv + base * V + off_v, b_dx.to(dv.dtype.element_ty), mask=m_tv)
+        b_vnd = b_vn.to(DOT)
         b_dAqkT += tl.dot(b_vnd, tl.trans(b_do))
         if DELTA:
-            b_RVT += tl.dot(b_vnd, tl.trans(b_rd))
-            b_db += b_dbt
+            b_RVT += tl.dot(b_vnd, tl.trans(b_r.to(DOT)))
+            b_db += tl.sum(b_r * b_x, 1)
     upper = r[:, None] <= r[None, :]                                        # j <= i
     tl.store(dqk_out + base * BT + off_pT, tl.where(upper, b_dAqkT, 0.0).to(dqk_out.dtype.element_ty),
              mask=m_t[None, :])
@@ -496,7 +475,7 @@ def backward(p: Problem, do: torch.Tensor, dht: torch.Tensor | None, states: tor
         launcher(_channel_value_grads_kernel, T, c.NT)[(total, HV)](
             kg, p.v, beta, inverse, states, dh_chunks, do, r_buf, v_new, dqk, dkk, dv,
             dbeta if dbeta is not None else decay, *c.index(decay), T, c.NT, HV=HV, K=K, V=V, BT=BT, BK=c.BK,
-            BV=min(VALUE_BLOCK_V, c.BVF), DOT=c.dot, VARLEN=varlen, DELTA=p.delta, num_warps=VALUE_WARPS,
+            BV=value_block(p.delta, c.BVF), DOT=c.dot, VARLEN=varlen, DELTA=p.delta, num_warps=VALUE_WARPS,
             num_stages=1)
         BKS = min(KEY_BLOCK_K, c.BK)
         launcher(_channel_key_grads_kernel, T, c.NT)[(total, HV, cdiv(K, BKS))](
@@ -510,6 +489,19 @@ def backward(p: Problem, do: torch.Tensor, dht: torch.Tensor | None, states: tor
             num_warps=SCORE_WARPS, num_stages=SCORE_STAGES)
         _cumsum(c, dG, dgk, reverse=True)
     return dq, dk, dv, dgk, dbeta, dh0
+
+
+def value_block(delta: bool, BVF: int) -> int:
+    """Value columns per tile of ``_channel_value_grads_kernel`` (BVF: V to a power of two). The
+    plain rule (GLA) takes every column in one tile: at K = V = 64 its two 32-column tiles built with
+    no products at all (LLVM unrolled the two trips; ptxas 12.8 and 12.9 then folded the
+    zero-initialised, causally masked sums to zero: dA_qk zero, dq 0.39-1.0 from fp64 on an H100),
+    and one 64-column tile passed there. KDA at V <= 32 takes 16-column tiles: its one 32-column
+    tile faulted under CUDA 12.8's ptxas on an H100 (K 64, V 32: an illegal memory access; 12.9's
+    build and 16-column tiles passed). Else VALUE_BLOCK_V (docs/notes/chunk-backward.md)."""
+    if not delta:
+        return BVF
+    return min(NARROW_VALUE_BLOCK_V, BVF) if BVF <= 32 else min(VALUE_BLOCK_V, BVF)
 
 
 def _cumsum(c, x: torch.Tensor, out: torch.Tensor, reverse: bool) -> None:

@@ -25,11 +25,11 @@ kernels) 3.05 ms against FLA's 3.94 in one process (``python -m fastla bench --m
 KDA's at B1 T8192 H64 11.8 ms of kernels, 3.1 of them the score-gradient kernel's (22.8 and 12.2
 before its diagonal blocks went on products, 13.75 before FUSED_KDA_GATE; FLA not compared). None of it has run on an H200.
 On an H100 the training fuzz (tests/ops/test_option_fuzz.py) found two faults of the value-gradient
-kernel (chunk_channel_backward.py), both fixed: KDA at K = 64, V = 32 faulted under CUDA 12.8's
-ptxas (12.9 assembles it now), and GLA's dq was wrong at K = V = 64, ptxas having dropped the
-kernel's products (its sums now start from the first tile's; tests/backends/test_triton_sm90.py
-checks every product reaches the SASS). The plain rule stays behind the switch until its GPU cases
-have run with the fix (docs/notes/chunk-backward.md).
+kernel (chunk_channel_backward.py): KDA at K = 64, V = 32 faulted under CUDA 12.8's ptxas, and
+GLA's dq was wrong at K = V = 64, ptxas having dropped the kernel's products
+(tests/backends/test_triton_sm90.py now checks every product reaches the SASS). Both go away with
+the kernel's tiles that passed there (``chunk_channel_backward.value_block``). The plain rule stays
+behind the switch until its GPU cases have run with them (docs/notes/chunk-backward.md).
 """
 from __future__ import annotations
 
