@@ -287,9 +287,9 @@ torch.cuda.synchronize(); print('kda/h64/1x8192 gate $gate, compile ahead $2: fi
     timeout 560 python3 benchmarks/fuzz_cases.py localize ;;
   value-fix)
     # the channel value kernel's tiles (chunk_channel_backward.value_block; docs/notes/
-    # chunk-backward.md): the backward's GPU tests with every op on (GLA's, Simple GLA's and
-    # Lightning's included) and the training fuzz side by side, then KDA's kernel times
-    FASTLA_TRITON_BACKWARD=1 bg 270 tests/ops/test_triton_chunk_backward.py -m "" -k "not cpu"
+    # chunk-backward.md): the backward's GPU tests (their fixture turns every op on: GLA's, Simple
+    # GLA's and Lightning's included) and the training fuzz side by side, then KDA's kernel times
+    bg 270 tests/ops/test_triton_chunk_backward.py -m "" -k "not cpu"
     bg 270 tests/ops/test_option_fuzz.py -m "" -k backward_against_fp64_on_gpu; show
     FLA=0 TOP=8 timeout 60 python3 benchmarks/backward_profile.py kda/h64/1x8192 2>&1 | grep -v -E "Warn|_warn_once" | tail -9
     ;;
