@@ -126,16 +126,16 @@ def on_device(t: dict, device) -> dict:
     return {n: x.to(device) if isinstance(x, torch.Tensor) else x for n, x in t.items()}
 
 
-def gated_case(op: str, B=2, T=400, K=128, dtype=torch.bfloat16, device="cpu", lengths=None, seed=None):
+def gated_case(op: str, B=2, T=400, K=128, dtype=torch.bfloat16, device="cpu", lengths=None, seed=None, V=None):
     """GDN or KDA with every activation in the op: the gate from A_log / dt_bias (KDA's bounded, with
-    safe_gate), q/k l2norm, beta from logits through the sigmoid, GVA (H = 2, HV = 4), K = V;
+    safe_gate), q/k l2norm, beta from logits through the sigmoid, GVA (H = 2, HV = 4), V = K unless given;
     ``lengths``: a varlen batch of those sequences. ``(tensors, extra (A_log, dt_bias), options)``,
     made on the CPU from ``seed`` (fresh when None) and moved to ``device``, so a GPU run and an
     interpreter run with one seed see the same numbers."""
     seed = seed if seed is not None else torch.randint(0, 2**31, ()).item()
     if lengths:
         B, T = 1, sum(lengths)
-    t = make_inputs(OPS[op], B=B, T=T, H=2, HV=4, K=K, V=K, dtype=dtype, N=len(lengths) if lengths else None,
+    t = make_inputs(OPS[op], B=B, T=T, H=2, HV=4, K=K, V=V or K, dtype=dtype, N=len(lengths) if lengths else None,
                     seed=seed)
     gen = torch.Generator().manual_seed(seed + 1)
     t["g"] = torch.randn(t["g"].shape, generator=gen)

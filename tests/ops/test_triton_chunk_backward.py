@@ -117,7 +117,7 @@ def test_served_where_it_can(device, monkeypatch):
 
 
 
-def check_bf16(op, device, lengths=None, T=400, K=128):
+def check_bf16(op, device, lengths=None, T=400, K=128, V=None):
     """bf16 inputs, every activation in the op (tests.helpers.gated_case): every gradient against
     the fp64 reference within FLA-level error (its bf16 forward is ~4e-3 off). A_log's and
     dt_bias's gradients are sums of dg over every token (of each head; KDA's dt_bias of each head
@@ -125,7 +125,7 @@ def check_bf16(op, device, lengths=None, T=400, K=128):
     dA_log at K = V = 64 drew 3.5e-3 to 2.4e-2 on five seeds, ddt_bias 7e-3 to 1e-2, while dg,
     from which autograd forms both, stayed within 3.6e-3 (docs/notes/chunk-backward.md); KDA's get
     5e-2 (GDN's drew 3.7-5.0e-3: the common 2e-2)."""
-    t, extra, opts = gated_case(op, T=T, K=K, device=device, lengths=lengths)
+    t, extra, opts = gated_case(op, T=T, K=K, device=device, lengths=lengths, V=V)
     check(t, extra, tol=1e-2, grad_tol=2e-2, param_tol=5e-2 if op == "kda" else None, spec=OPS[op], **opts)
 
 
@@ -178,6 +178,18 @@ def test_bf16_narrow_heads_on_gpu(op, K):
 
     poison()
     check_bf16(op, "cuda", K=K)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("K,V", [(64, 32), (128, 32), (128, 24)])
+def test_bf16_kda_narrow_values_on_gpu(K, V):
+    """KDA at V <= 32, whose value kernel's one 32-column tile faulted under CUDA 12.8's ptxas on an
+    H100 (K 64, V 32); 16-column tiles passed there (chunk_channel_backward.value_block)."""
+    from tests.helpers import poison
+
+    poison()
+    check_bf16("kda", "cuda", K=K, V=V)
 
 
 @pytest.mark.gpu
