@@ -9,14 +9,15 @@ import pytest
 
 pytest.importorskip("triton.experimental.gluon")
 
-from tests.backends.test_triton_sm90 import _resources, _run_child  # noqa: E402
+from tests.backends.test_triton_sm90 import _resources, _run_child, dropped_products  # noqa: E402
 
 
 def _compile_sm90(kern, sig: dict, consts: dict, folder: str, options: dict, aligned: tuple = ()) -> dict:
     """Compile a Gluon kernel for sm_90 as a launch specializes it (every pointer argument 16-byte
     aligned: fresh tensors, and the Gluon tier's TMA needs it): the cubin's resources and its SASS
     counts of wgmma, TMA loads and stores, 16-byte global stores, the shared memory and the PTX's
-    register splits. ``aligned``: integer arguments a launch specializes as multiples of 16."""
+    register splits. ``aligned``: integer arguments a launch specializes as multiples of 16. Fails
+    where ptxas dropped products the PTX asks for (test_triton_sm90.dropped_products)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -30,6 +31,8 @@ def _compile_sm90(kern, sig: dict, consts: dict, folder: str, options: dict, ali
     tool = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     sass = subprocess.run([str(tool), "-sass", str(pathlib.Path(folder) / "k.cubin")], capture_output=True,
                           text=True, check=True).stdout
+    dropped = dropped_products(kernel.asm["ptx"], sass)
+    assert dropped is None, f"{kern.fn.__name__}: {dropped}"
     res.update(hgmma=sass.count("HGMMA"), hmma=sass.count("HMMA"), stg128=sass.count("STG.E.128"),
                utmaldg=sass.count("UTMALDG"),
                utmastg=sass.count("UTMASTG"), shared_bytes=kernel.metadata.shared,
