@@ -14,11 +14,12 @@ are. A knob variant ``NAME=value[,NAME=value]`` sets module constants of chunk_c
 chunk_delta_backward or chunk_training (the first that has the name; ``SAVE_STATES=0``: the
 backward recomputes the chunk states), ``ptxas129=value,key,...`` marks those kernels of
 chunk_channel_backward (``all``: every one) to be assembled by ptxas 12.9 (launch.newer_ptxas; the
-reverse scan and GDN's value and key kernels are, the channel kernels are not). The rows ran before
-the value kernel's tiles changed (chunk_channel_backward.value_block): its knob rows now differ. A row: the
-variant, its exit status, its last line (every output's and gradient's error against fp64, the
-torch tier's in brackets, ``!`` past the fuzz's bound) and, for a failure, the last fastla frames
-(with blocking launches, the faulting launch's)."""
+reverse scan and GDN's value and key kernels are, the channel kernels are not). The localize rows
+ran before the value kernel's tiles changed (chunk_channel_backward.value_block): their
+VALUE_BLOCK_V rows no longer change these cases' tiles (KDA at V <= 32 takes NARROW_VALUE_BLOCK_V,
+GLA all of V). A row: the variant, its exit status, its last line (every output's and gradient's
+error against fp64, the torch tier's in brackets, ``!`` past the fuzz's bound) and, for a failure,
+the last fastla frames (with blocking launches, the faulting launch's)."""
 import os
 import subprocess
 import sys
@@ -70,14 +71,7 @@ def errors_against_fp64(fuzz, op, t, opts, seed) -> str:
     past test_option_fuzz's bound: twice the torch tier's plus 1e-2; ``nan`` for a non-finite one)."""
     import torch
 
-    opts = {n: x for n, x in opts.items() if n != "return_intermediate_states"}
-    gen = torch.Generator().manual_seed(1000 + seed)
-    do = torch.randn(t["v"].shape, generator=gen).to(t["v"].device)
-    dht = fuzz.random_final_state_grad(t, generator=gen, **opts) if opts.get("output_final_state") else None
-    as64 = lambda d: {n: x.double() if torch.is_tensor(x) and x.is_floating_point() else x for n, x in d.items()}  # noqa: E731
-    ref = fuzz.outputs_and_gradients(op, as64(t), as64(opts), "torch", do, dht)
-    torch_tier = fuzz.outputs_and_gradients(op, t, opts, "torch", do, dht)
-    triton_tier = fuzz.outputs_and_gradients(op, t, opts, "triton", do, dht)
+    ref, torch_tier, triton_tier = fuzz.three_tiers(op, t, opts, seed)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     parts = []

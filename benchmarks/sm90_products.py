@@ -14,7 +14,6 @@ listed again at the end; exit status 1 if any."""
 import itertools
 import os
 import pathlib
-import subprocess
 import sys
 import tempfile
 
@@ -29,14 +28,13 @@ from triton.runtime.jit import JITFunction, create_function_from_signature  # no
 
 from fastla.bench import host_stub  # noqa: E402
 from fastla.backends.triton import chunk_training, launch  # noqa: E402
-from tests.backends.test_triton_sm90 import dropped_products  # noqa: E402
+from tests.backends.test_triton_sm90 import cuobjdump, dropped_products  # noqa: E402
 from tests.helpers import LIGHTNING_LAYERS, OPS, make_inputs  # noqa: E402
 
 HEAD_SIZES = [(16, 16), (32, 32), (64, 64), (128, 128), (64, 128), (128, 64), (64, 32), (128, 32), (32, 64),
               (48, 48), (96, 96)]
 SHOWN = ("K", "V", "BK", "BV", "DELTA", "GK", "H", "HV")
 TARGET = GPUTarget("cuda", 90, 32)
-CUOBJDUMP = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
 class Checker:
@@ -71,10 +69,7 @@ class Checker:
         else:
             kernel = triton.compile(source, target=TARGET, options=parsed.__dict__)
         with tempfile.TemporaryDirectory() as folder:
-            path = pathlib.Path(folder) / "k.cubin"
-            path.write_bytes(kernel.asm["cubin"])
-            sass = subprocess.run([str(CUOBJDUMP), "-sass", str(path)], capture_output=True, text=True,
-                                  check=True).stdout
+            sass = cuobjdump("-sass", kernel.asm["cubin"], folder)
         names = fn.arg_names
         values = {names[k[0]]: v for k, v in constexprs.items() if isinstance(k, tuple)}
         shown = {n: values[n] for n in SHOWN if n in values}

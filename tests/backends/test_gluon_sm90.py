@@ -2,14 +2,12 @@
 were built for: wgmma (HGMMA), TMA loads (UTMALDG), no local-memory spills, shared memory within
 one SM's 227 KB. Compiled in a child process, as in test_triton_sm90.py."""
 import json
-import pathlib
-import subprocess
 
 import pytest
 
 pytest.importorskip("triton.experimental.gluon")
 
-from tests.backends.test_triton_sm90 import _resources, _run_child, dropped_products  # noqa: E402
+from tests.backends.test_triton_sm90 import _resources, _run_child, cuobjdump, dropped_products  # noqa: E402
 
 
 def _compile_sm90(kern, sig: dict, consts: dict, folder: str, options: dict, aligned: tuple = ()) -> dict:
@@ -28,9 +26,7 @@ def _compile_sm90(kern, sig: dict, consts: dict, folder: str, options: dict, ali
     src = GluonASTSource(kern, sig, {(names.index(n),): v for n, v in consts.items()}, attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     res = _resources(kernel.asm["cubin"], folder)
-    tool = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    sass = subprocess.run([str(tool), "-sass", str(pathlib.Path(folder) / "k.cubin")], capture_output=True,
-                          text=True, check=True).stdout
+    sass = cuobjdump("-sass", kernel.asm["cubin"], folder)
     dropped = dropped_products(kernel.asm["ptx"], sass)
     assert dropped is None, f"{kern.fn.__name__}: {dropped}"
     res.update(hgmma=sass.count("HGMMA"), hmma=sass.count("HMMA"), stg128=sass.count("STG.E.128"),

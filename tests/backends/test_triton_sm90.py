@@ -59,13 +59,18 @@ def _compile(constexprs: dict, num_warps: int, state="*fp32"):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 
 
-def _resources(cubin: bytes, folder: str) -> dict:
+def cuobjdump(flag: str, cubin: bytes, folder: str) -> str:
+    """Triton's cuobjdump on ``cubin`` (written to ``folder``/k.cubin): ``-sass``, ``-res-usage``."""
     import triton
 
     tool = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     path = pathlib.Path(folder) / "k.cubin"
     path.write_bytes(cubin)
-    out = subprocess.run([str(tool), "-res-usage", str(path)], capture_output=True, text=True, check=True).stdout
+    return subprocess.run([str(tool), flag, str(path)], capture_output=True, text=True, check=True).stdout
+
+
+def _resources(cubin: bytes, folder: str) -> dict:
+    out = cuobjdump("-res-usage", cubin, folder)
     line = next(line for line in out.splitlines() if "REG:" in line)
     return {k: int(v) for k, v in re.findall(r"(\w+):(\d+)", line)}
 
@@ -287,9 +292,7 @@ def _child_gdn(name: str, folder: str) -> None:
     with build as extra_options:
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={**options, **extra_options})
     res = _resources(kernel.asm["cubin"], folder)
-    tool = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    path = pathlib.Path(folder) / "k.cubin"
-    sass = subprocess.run([str(tool), "-sass", str(path)], capture_output=True, text=True, check=True).stdout
+    sass = cuobjdump("-sass", kernel.asm["cubin"], folder)
     res["hgmma"] = sass.count("HGMMA")
     res["dropped_products"] = dropped_products(kernel.asm["ptx"], sass)
     res["hmma"] = sass.count("HMMA")

@@ -141,19 +141,25 @@ def outputs_and_gradients(op, t, opts, tier, do, dht):
     return {"o": o, "final_state": ht, **{f"d{n}": g for n, g in grads.items()}}
 
 
-def triton_backward_against_fp64(op, t, opts, seed, floor):
-    """The Triton tier's outputs and gradients against fp64 (the torch tier's autograd on float64
-    copies) within twice the torch tier's own error plus ``floor``; finite. Sums over every token
-    (A_log's, dt_bias's and g_gamma's gradients) cancel, so their errors run 10-100x the others'
-    on both tiers: the bound is relative to the torch tier's, not absolute."""
+def three_tiers(op, t, opts, seed):
+    """``(fp64, torch tier, triton tier)`` outputs and gradients (outputs_and_gradients) of one case,
+    the loss's cotangents drawn from ``seed``; fp64 is the torch tier's autograd on float64 copies."""
     opts = {n: x for n, x in opts.items() if n != "return_intermediate_states"}
     gen = torch.Generator().manual_seed(1000 + seed)
     do = torch.randn(t["v"].shape, generator=gen).to(t["v"].device)
     dht = random_final_state_grad(t, generator=gen, **opts) if opts.get("output_final_state") else None
     as64 = lambda d: {n: x.double() if torch.is_tensor(x) and x.is_floating_point() else x for n, x in d.items()}  # noqa: E731
-    ref = outputs_and_gradients(op, as64(t), as64(opts), "torch", do, dht)
-    torch_tier = outputs_and_gradients(op, t, opts, "torch", do, dht)
-    triton_tier = outputs_and_gradients(op, t, opts, "triton", do, dht)
+    return (outputs_and_gradients(op, as64(t), as64(opts), "torch", do, dht),
+            outputs_and_gradients(op, t, opts, "torch", do, dht),
+            outputs_and_gradients(op, t, opts, "triton", do, dht))
+
+
+def triton_backward_against_fp64(op, t, opts, seed, floor):
+    """The Triton tier's outputs and gradients against fp64 (the torch tier's autograd on float64
+    copies) within twice the torch tier's own error plus ``floor``; finite. Sums over every token
+    (A_log's, dt_bias's and g_gamma's gradients) cancel, so their errors run 10-100x the others'
+    on both tiers: the bound is relative to the torch tier's, not absolute."""
+    ref, torch_tier, triton_tier = three_tiers(op, t, opts, seed)
     assert ref.keys() == triton_tier.keys()
     for name, r in ref.items():
         a, b = torch_tier[name], triton_tier[name]

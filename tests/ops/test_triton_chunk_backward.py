@@ -116,7 +116,6 @@ def test_served_where_it_can(device, monkeypatch):
     assert "FASTLA_TRITON_BACKWARD" in dict(dispatch.explain("chunk_kda", pk))["triton"]
 
 
-
 def check_bf16(op, device, lengths=None, T=400, K=128, V=None):
     """bf16 inputs, every activation in the op (tests.helpers.gated_case): every gradient against
     the fp64 reference within FLA-level error (its bf16 forward is ~4e-3 off). A_log's and
